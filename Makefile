@@ -1,0 +1,61 @@
+# stepdoctor — `make help` lists the targets.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch is the user's choice; the package never pins it. This default is the CPU wheel this machine carries.
+TORCH_SPEC ?= torch==2.13.0
+HOST ?= 127.0.0.1
+PORT ?= 8000
+export STEPDOCTOR_DATA_DIR ?= $(CURDIR)/stepdoctor-data
+PYTEST_ARGS ?=
+
+.PHONY: help venv install-server install-dev system-deps demo serve test lint typecheck bench clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip setuptools wheel
+
+venv: $(BIN)/python ## create the virtual environment
+
+install-server: venv ## install torch ($(TORCH_SPEC)) and stepdoctor with the server extra
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[server]"
+
+install-dev: venv ## install torch and stepdoctor with server, HTA and test tooling
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+
+system-deps: ## install Debian chromium for the browser tests (needs root; skipped otherwise)
+	@if command -v chromium >/dev/null 2>&1; then echo "chromium present"; \
+	elif [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else echo "chromium missing and not root: browser tests will be skipped"; fi
+
+demo: install-server ## run the server + dashboard on http://$(HOST):$(PORT) with a demo training run uploading to it
+	$(BIN)/python -m stepdoctor_server.demo --host $(HOST) --port $(PORT)
+
+serve: install-server ## run the server only
+	$(BIN)/stepdoctor serve --host $(HOST) --port $(PORT)
+
+lint: ## ruff + format check
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: ## mypy on the packages
+	$(BIN)/mypy
+
+test: install-dev system-deps ## install what the tests need, lint, type-check and run the whole suite
+	$(MAKE) --no-print-directory lint typecheck
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: install-dev ## run the benchmarks under bench/
+	for f in bench/*.py; do $(BIN)/python $$f || exit 1; done
+
+clean: ## remove the venv, caches and local data
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache stepdoctor-data

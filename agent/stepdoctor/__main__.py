@@ -1,0 +1,3 @@
+from stepdoctor.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,9 @@
+"""The diagnosis engine: parse Kineto traces into a columnar model, analyze, classify, recommend.
+
+Pure functions over ``model.RankTrace``; no network, database or plotting here.
+Entry point for other layers: ``stepdoctor_analysis.pipeline.analyze_path``.
+"""
+
+ENGINE_VERSION = "0.1.0"
+# Bump when the JSON report changes incompatibly; stored analyses with an older engine are redone.
+SCHEMA_VERSION = 1

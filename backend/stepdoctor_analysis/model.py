@@ -1,0 +1,172 @@
+"""Columnar, typed model of one rank's Kineto trace.
+
+Every analyzer reads these arrays and nothing else, so parsing cost is paid once and analyses stay
+vectorised. All times are int64 nanoseconds on one clock per trace (the trace's own origin), so
+sums and interval unions are exact; reports convert to microseconds at the edge.
+Names are interned: each table's ``name`` column indexes ``RankTrace.strings``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+I64 = npt.NDArray[np.int64]
+I32 = npt.NDArray[np.int32]
+I8 = npt.NDArray[np.int8]
+F32 = npt.NDArray[np.float32]
+Mask = npt.NDArray[np.bool_]
+
+NONE = -1  # missing integer field (correlation, external id, bytes, stream, ...)
+
+
+class HostKind(IntEnum):
+    """Category of a host-side duration event (Chrome ``ph: X`` on a CPU thread)."""
+
+    CPU_OP = 0  # cpu_op / Operator
+    USER_ANNOTATION = 1  # user_annotation (ProfilerStep#N, record_function ranges)
+    PYTHON_FUNCTION = 2
+    RUNTIME = 3  # cuda_runtime / Runtime / hip runtime
+    DRIVER = 4  # cuda_driver (cuLaunchKernel, ...)
+    OVERHEAD = 5  # profiler overhead
+    OTHER = 6
+
+
+class GpuKind(IntEnum):
+    """Category of a device-side duration event."""
+
+    KERNEL = 0
+    MEMCPY = 1
+    MEMSET = 2
+    SYNC = 3  # cuda_sync events drawn on the GPU timeline
+    ANNOTATION = 4  # gpu_user_annotation
+
+
+class CopyKind(IntEnum):
+    """Direction of a memcpy, from its name (``Memcpy HtoD (Pageable -> Device)``)."""
+
+    NONE = -1  # not a memcpy
+    HTOD = 0
+    DTOH = 1
+    DTOD = 2
+    HTOH = 3
+    PTOP = 4
+    UNKNOWN = 5
+
+
+class HostMem(IntEnum):
+    """Host side of a memcpy: pageable copies are staged and synchronous for the host."""
+
+    NONE = -1
+    PAGEABLE = 0
+    PINNED = 1
+    UNKNOWN = 2
+
+
+@dataclass(frozen=True)
+class HostEvents:
+    name: I32
+    kind: I8  # HostKind
+    ts: I64
+    dur: I64
+    pid: I64
+    tid: I64
+    correlation: I64  # runtime/driver calls: id joining to GpuEvents.correlation; else NONE
+    external_id: I64  # cpu_op "External id" (links ops to the runtime calls they issue); else NONE
+
+    def __len__(self) -> int:
+        return int(self.ts.shape[0])
+
+
+@dataclass(frozen=True)
+class GpuEvents:
+    name: I32
+    kind: I8  # GpuKind
+    ts: I64
+    dur: I64
+    device: I32
+    stream: I64
+    correlation: I64
+    bytes: I64  # memcpy/memset bytes, else NONE
+    copy_kind: I8  # CopyKind
+    host_mem: I8  # HostMem
+    blocks_per_sm: F32  # NaN when unknown
+    occupancy: F32  # "est. achieved occupancy %" in [0, 100], NaN when unknown
+
+    def __len__(self) -> int:
+        return int(self.ts.shape[0])
+
+
+@dataclass(frozen=True)
+class MemoryEvents:
+    """``[memory]`` instant events; totals are NONE in very old traces."""
+
+    ts: I64
+    device_type: I8  # 0 CPU, 1 CUDA (other values kept as-is)
+    device_id: I32
+    addr: I64
+    bytes: I64  # negative on free
+    total_allocated: I64
+    total_reserved: I64
+
+    def __len__(self) -> int:
+        return int(self.ts.shape[0])
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    id: int
+    name: str
+    total_memory: int  # bytes; 0 when unknown
+    num_sms: int
+    compute_major: int
+    compute_minor: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """One training step window, as torch-tb-profiler defines it (anchors §2)."""
+
+    number: int  # N of ProfilerStep#N; 0 for the synthetic single step
+    start: int  # ns
+    end: int  # ns, extended to the last GPU op launched inside the step
+
+
+@dataclass
+class RankTrace:
+    """One rank's trace. Built by the parser; read-only for analyzers."""
+
+    source: str  # file path or a label
+    strings: list[str]
+    host: HostEvents
+    gpu: GpuEvents
+    memory: MemoryEvents
+    devices: list[DeviceInfo]
+    rank: int | None = None
+    world_size: int | None = None
+    out_of_memory: int = 0  # count of [OutOfMemory] events
+    format: str = "kineto"  # which generation the parser recognised, e.g. "kineto", "legacy-2021"
+    metadata: dict[str, Any] = field(default_factory=dict)  # small top-level keys (schemaVersion, ...)
+    distributed: dict[str, Any] = field(default_factory=dict)  # distributedInfo
+    _mask_cache: dict[Any, Mask] = field(default_factory=dict, repr=False, compare=False)
+
+    def name_mask(self, predicate: Callable[[str], bool], key: Any = None) -> Mask:
+        """Boolean mask over ``strings``; index it with a table's ``name`` column.
+
+        Evaluates the predicate once per distinct name, not once per event.
+        """
+        if key is not None and key in self._mask_cache:
+            return self._mask_cache[key]
+        mask = np.fromiter((predicate(s) for s in self.strings), dtype=np.bool_, count=len(self.strings))
+        if key is not None:
+            self._mask_cache[key] = mask
+        return mask
+
+    @property
+    def has_gpu(self) -> bool:
+        return len(self.gpu) > 0
