@@ -31,11 +31,13 @@ install-dev: venv ## install torch and stepdoctor with server, HTA and test tool
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
 
-system-deps: ## install Debian chromium for the browser tests (needs root; skipped otherwise)
-	@if command -v chromium >/dev/null 2>&1; then echo "chromium present"; \
+system-deps: ## install Debian chromium (browser tests) and docker-compose (compose-file check); needs root
+	@missing=""; command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
+	command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2>&1 || missing="$$missing docker-compose"; \
+	if [ -z "$$missing" ]; then echo "system packages present"; \
 	elif [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
-	else echo "chromium missing and not root: browser tests will be skipped"; fi
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	else echo "missing:$$missing (not root): the tests needing them will be skipped"; fi
 
 demo: install-server ## run the server + dashboard on http://$(HOST):$(PORT) with a demo training run uploading to it
 	$(BIN)/python -m stepdoctor_server.demo --host $(HOST) --port $(PORT)

@@ -1,0 +1,53 @@
+"""Suite-wide fixtures and marker handling.
+
+Markers skip with a stated reason when their resource is missing, so the suite passes on a machine
+without PostgreSQL, Chromium or a GPU while running everything it can.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO.parent / "shared" / "fixtures" / "traces"
+
+
+def _server_plugins() -> list[str]:
+    # The server fixtures need the server extra; the agent-only tests must still collect without it.
+    return ["support.server"] if (REPO / "tests" / "support" / "server.py").exists() else []
+
+
+pytest_plugins = _server_plugins()
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    chromium = shutil.which("chromium") or os.path.exists("/usr/bin/chromium")
+    has_gpu = None
+    for item in items:
+        if "browser" in item.keywords and not chromium:
+            item.add_marker(pytest.mark.skip(reason="Debian chromium is not installed (make system-deps)"))
+        if "gpu" in item.keywords:
+            if has_gpu is None:
+                has_gpu = _cuda_available()
+            if not has_gpu:
+                item.add_marker(pytest.mark.skip(reason="no CUDA device on this machine"))
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    """The shared real Kineto traces (../shared/fixtures/traces beside the checkout)."""
+    if not FIXTURES.is_dir():
+        pytest.skip(f"shared trace fixtures not found at {FIXTURES}")
+    return FIXTURES

@@ -1,0 +1,141 @@
+"""The distribution's shape: the agent installs alone, extras split as documented, every module ships."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+from importlib.metadata import requires
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE_ROOTS = {
+    "agent": "",
+    "backend": "",
+    "frontend": "",
+    "migrations": "stepdoctor_migrations",
+}
+
+
+def _requirements() -> list[Requirement]:
+    return [Requirement(r) for r in requires("stepdoctor") or []]
+
+
+def _extra_of(req: Requirement) -> str | None:
+    if req.marker is None:
+        return None
+    for extra in ("analyze", "server", "hta", "dev"):
+        if req.marker.evaluate({"extra": extra}) and not req.marker.evaluate({"extra": "__none__"}):
+            return extra
+    return "?"
+
+
+def test_plain_install_requires_nothing_but_the_users_torch() -> None:
+    base = [r.name for r in _requirements() if _extra_of(r) is None]
+    assert base == [], f"`pip install stepdoctor` must pull nothing; it would pull {base}"
+    assert all(r.name.lower() != "torch" for r in _requirements()), "the package must never pin torch"
+
+
+def test_server_extra_has_the_backend_but_not_hta() -> None:
+    by_extra: dict[str | None, set[str]] = {}
+    for r in _requirements():
+        by_extra.setdefault(_extra_of(r), set()).add(r.name.lower())
+    server = by_extra["server"] | by_extra["analyze"]  # server pulls stepdoctor[analyze]
+    for needed in ("fastapi", "uvicorn", "sqlalchemy", "alembic", "plotly", "tensorboard", "numpy", "msgspec"):
+        assert needed in server, needed
+    assert "holistictraceanalysis" not in server and "jupyterlab" not in server
+    assert "holistictraceanalysis" in by_extra["hta"]
+    assert {"pytest", "torch-tb-profiler"} <= by_extra["dev"]
+
+
+def test_agent_imports_without_server_dependencies() -> None:
+    # Fail any import of the server stack, then import the agent as a user would.
+    code = """
+import importlib.abc, sys
+BLOCKED = {"fastapi", "sqlalchemy", "alembic", "uvicorn", "plotly", "pydantic", "stepdoctor_server",
+           "stepdoctor_analysis", "stepdoctor_dashboard", "msgspec", "hta", "tensorboard"}
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError("blocked: " + name)
+sys.meta_path.insert(0, Block())
+import stepdoctor
+print(hasattr(stepdoctor, "profile"))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
+
+
+def test_cli_names_the_missing_extra(tmp_path: Path) -> None:
+    code = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"fastapi", "sqlalchemy"}:
+            raise ImportError(name=name)
+sys.meta_path.insert(0, Block())
+from stepdoctor.cli import main
+raise SystemExit(main(["serve"]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "pip install 'stepdoctor[server]'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_wheel_ships_every_module(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = tmp_path.glob("stepdoctor-*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    missing = []
+    for root, prefix in SOURCE_ROOTS.items():
+        for py in (REPO / root).rglob("*.py"):
+            rel = py.relative_to(REPO / root).as_posix()
+            name = f"{prefix}/{rel}" if prefix else rel
+            if name not in shipped:
+                missing.append(name)
+    assert not missing, f"modules left out of the wheel (add their package to pyproject): {missing}"
+
+
+def _compose_command() -> list[str] | None:
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+def test_docker_compose_file_is_valid() -> None:
+    cmd = _compose_command()
+    if cmd is None:
+        pytest.skip("no docker compose client installed")
+    out = subprocess.run(
+        [*cmd, "-f", str(REPO / "docker-compose.yml"), "config", "--format", "json"]
+        if cmd == ["docker", "compose"]
+        else [*cmd, "-f", str(REPO / "docker-compose.yml"), "config"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    if cmd == ["docker", "compose"]:
+        services = json.loads(text)["services"]
+        assert services["backend"]["depends_on"]["db"]["condition"] == "service_healthy"
+    else:
+        assert "service_healthy" in text
+    assert "healthcheck" in text and "pg_isready" in text
