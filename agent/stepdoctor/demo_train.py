@@ -1,0 +1,143 @@
+"""A short CPU training loop instrumented with stepdoctor, for demos and tests.
+
+``python -m stepdoctor.demo_train --run before --workers 0`` is visibly input-bound: each sample
+costs ``--sample-ms`` of Python work in ``__getitem__``, which the training thread pays itself;
+``--workers 2`` moves that work to DataLoader worker processes, so the same model trains faster.
+Run both to get a before/after pair. Server, token, project and spool come from the usual
+``STEPDOCTOR_*`` variables or the flags below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import stepdoctor
+
+
+class SlowDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Synthetic images whose loading costs CPU time, like decoding and augmenting JPEGs."""
+
+    def __init__(self, size: int, sample_ms: float, features: int = 3 * 16 * 16, classes: int = 10) -> None:
+        self.size, self.sample_s, self.features, self.classes = size, sample_ms / 1000.0, features, classes
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        deadline = time.perf_counter() + self.sample_s
+        generator = torch.Generator().manual_seed(index)
+        x = torch.rand(self.features, generator=generator)
+        while time.perf_counter() < deadline:  # busy CPU work, as decoding is; not a sleep
+            x = (x * 1.0001).clamp_(0, 1)
+        return x, torch.tensor(index % self.classes)
+
+
+def make_model(features: int = 3 * 16 * 16, hidden: int = 256, classes: int = 10) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(features, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, classes),
+    )
+
+
+def make_loader(workers: int, batch_size: int, steps: int, sample_ms: float) -> DataLoader[Any]:
+    dataset = SlowDataset(size=batch_size * steps, sample_ms=sample_ms)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        num_workers=workers,
+        pin_memory=False,
+        prefetch_factor=2 if workers else None,
+        persistent_workers=False,
+    )
+
+
+def train(prof: Any, loader: DataLoader[Any], model: nn.Module) -> list[float]:
+    """One pass over ``loader``; returns each step's wall time in seconds (data wait included)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = nn.CrossEntropyLoss()
+    times: list[float] = []
+    last = time.perf_counter()
+    for x, y in loader:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        optimizer.step()
+        prof.step()
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
+    return times
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m stepdoctor.demo_train", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--run", required=True, help="run name, e.g. workers0")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader num_workers")
+    parser.add_argument("--steps", type=int, default=30, help="training steps")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--sample-ms", type=float, default=1.0, help="CPU cost of loading one sample")
+    parser.add_argument("--project", default=None, help="default: $STEPDOCTOR_PROJECT or 'demo'")
+    parser.add_argument("--server", default=None)
+    parser.add_argument("--token", default=None)
+    parser.add_argument("--spool", default=None)
+    parser.add_argument("--skip-first", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--active", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=None)
+    parser.add_argument("--every", type=int, default=None)
+    parser.add_argument("--flush-timeout", type=float, default=None)
+    parser.add_argument("--http-timeout", type=float, default=30.0)
+    parser.add_argument("--backoff-base", type=float, default=1.0)
+    parser.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.manual_seed(0)
+    loader = make_loader(args.workers, args.batch_size, args.steps, args.sample_ms)
+    tags = dict(tag.split("=", 1) for tag in args.tag if "=" in tag)
+    tags.setdefault("demo", "workers")
+    with stepdoctor.profile(
+        project=args.project or os.environ.get("STEPDOCTOR_PROJECT") or "demo",
+        run=args.run,
+        server=args.server,
+        token=args.token,
+        spool=args.spool,
+        loader=loader,
+        tags=tags,
+        skip_first=args.skip_first,
+        warmup=args.warmup,
+        active=args.active,
+        repeat=args.repeat,
+        every=args.every,
+        flush_timeout=args.flush_timeout,
+        http_timeout=args.http_timeout,
+        backoff_base=args.backoff_base,
+    ) as prof:
+        times = train(prof, loader, make_model())
+    median = statistics.median(times[1:] or times or [0.0])
+    print(
+        f"demo_train: run={args.run} workers={args.workers} steps={len(times)} median {median * 1000:.1f} ms/step"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,380 @@
+"""``stepdoctor.profile``: torch.profiler on a schedule, with every window spooled and shipped.
+
+The training thread does only what plain ``torch.profiler`` does (stop the trace, export the raw
+JSON) plus a rename and a small sidecar write; gzip and HTTP happen on the delivery thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+import uuid
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from stepdoctor import config as _config
+from stepdoctor import metadata as _metadata
+from stepdoctor.guard import guarded, log_once, logger, raise_errors
+from stepdoctor.spool import Spool
+from stepdoctor.worker import DeliveryWorker, Stats
+
+_live: weakref.WeakSet[Profile] = weakref.WeakSet()
+
+
+class NoopProfile:
+    """Same API as :class:`Profile`, doing nothing: disabled agent, missing torch, or bad config."""
+
+    enabled = False
+    profiler: Any = None
+    run_dir: Path | None = None
+    captured = 0
+    stats = Stats()
+
+    def __enter__(self) -> NoopProfile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def start(self) -> NoopProfile:
+        return self
+
+    def stop(self) -> None:
+        return None
+
+    def step(self) -> None:
+        return None
+
+    def watch(self, loader: Any) -> Any:
+        return loader
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+
+class Profile:
+    """A running capture session; create it with :func:`profile`."""
+
+    enabled = True
+
+    def __init__(
+        self,
+        cfg: _config.AgentConfig,
+        *,
+        loader: Any = None,
+        activities: Any = None,
+        profile_memory: bool = True,
+        record_shapes: bool = True,
+        with_stack: bool = False,
+        schedule: Callable[[int], Any] | None = None,
+        profiler_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.config = cfg
+        self.profiler: Any = None
+        self.run_dir: Path | None = None
+        self.captured = 0
+        self._loader = loader
+        self._profiler_options = {
+            "activities": activities,
+            "profile_memory": profile_memory,
+            "record_shapes": record_shapes,
+            "with_stack": with_stack,
+        }
+        self._schedule = schedule
+        self._profiler_kwargs = dict(profiler_kwargs or {})
+        self._user_trace_ready: Callable[[Any], Any] | None = self._profiler_kwargs.pop(
+            "on_trace_ready", None
+        )
+        self._lock = threading.Lock()
+        self._state = "new"
+        self._pid = os.getpid()
+        self._window_index = 0
+        self._first_step: int | None = None
+        self._last_step: int | None = None
+        self._recording: frozenset[Any] = frozenset()
+        self._static_meta: dict[str, Any] = {}
+        self._worker: DeliveryWorker | None = None
+
+    @property
+    def stats(self) -> Stats:
+        return self._worker.stats if self._worker is not None else Stats()
+
+    # --- context manager ----------------------------------------------------------------------
+
+    def __enter__(self) -> Profile:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- public API ---------------------------------------------------------------------------
+
+    @guarded()
+    def start(self) -> Profile:
+        with self._lock:
+            if self._state != "new":
+                return self
+            self._state = "starting"
+        import torch.profiler as tp
+
+        cfg = self.config
+        spool = Spool(cfg.spool)
+        self.run_dir = spool.run_dir(cfg.project, cfg.run)
+        self._static_meta = _metadata.collect(cfg.tags, self._loader)
+        self._worker = DeliveryWorker(spool, self._router(), cfg.delivery, cleanup=True)
+        self._worker.notify()  # deliver what earlier runs left behind while we train
+        self._recording = frozenset({tp.ProfilerAction.RECORD, tp.ProfilerAction.RECORD_AND_SAVE})
+        self.profiler = tp.profile(**self._torch_kwargs(tp))
+        preset = getattr(self.profiler, "preset_metadata_json", None)
+        if preset is not None:
+            preset("stepdoctor", json.dumps(self._static_meta, default=str))
+            if self._needs_distributed_info():
+                info = {"rank": self._static_meta["rank"], "world_size": self._static_meta["world_size"]}
+                preset("distributedInfo", json.dumps(info))
+        self.profiler.start()
+        self._state = "running"
+        _live.add(self)
+        return self
+
+    def step(self) -> None:
+        """Mark the end of a training step. Cheap outside capture windows; never touches the network."""
+        if self._state != "running" or os.getpid() != self._pid:
+            return
+        self._step()
+
+    @guarded()
+    def _step(self) -> None:
+        prof = self.profiler
+        if prof.current_action in self._recording:
+            self._note_step(prof.step_num)
+        try:
+            prof.step()
+        except Exception:
+            self._state = "broken"  # a profiler in an unknown state must not be stepped again
+            raise
+
+    @guarded()
+    def watch(self, loader: Any) -> Any:
+        """Record a DataLoader's settings with later traces; returns the loader for inline use."""
+        self._loader = loader
+        if self._static_meta:
+            self._static_meta["loader"] = _metadata.loader_settings(loader)
+        return loader
+
+    @guarded(default=False)
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait (bounded) until spooled traces are delivered; True when nothing is left to send."""
+        if self._worker is None:
+            return True
+        return self._worker.flush(self.config.delivery.flush_timeout if timeout is None else timeout)
+
+    @guarded()
+    def stop(self) -> None:
+        """Stop capturing, flush uploads within ``flush_timeout``, and log what is left in one line."""
+        with self._lock:
+            if self._state not in ("running", "broken") or os.getpid() != self._pid:
+                return
+            broken = self._state == "broken"
+            self._state = "stopped"
+        _live.discard(self)
+        try:
+            if not broken:
+                if self.profiler.current_action in self._recording:
+                    self._note_step(self.profiler.step_num)
+                self.profiler.stop()
+        finally:
+            if self._worker is not None:
+                self._worker.close(self.config.delivery.flush_timeout)
+                self._report()
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _router(self) -> Callable[[dict[str, Any]], tuple[str, str | None] | None] | None:
+        server, token = self.config.server, self.config.token
+        if server is None:
+            return None
+        return lambda meta: (server, token) if meta.get("server") == server else None
+
+    def _torch_kwargs(self, tp: Any) -> dict[str, Any]:
+        import torch
+
+        activities = self._profiler_options["activities"]
+        if activities is None:
+            activities = [tp.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(tp.ProfilerActivity.CUDA)
+        schedule = self._schedule
+        if schedule is None:
+            skip_first, wait, warmup, active, repeat = self.config.schedule.resolved()
+            schedule = tp.schedule(
+                skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat
+            )
+        kwargs: dict[str, Any] = {
+            "activities": activities,
+            "schedule": schedule,
+            "on_trace_ready": self._on_trace_ready,
+            "record_shapes": self._profiler_options["record_shapes"],
+            "profile_memory": self._profiler_options["profile_memory"],
+            "with_stack": self._profiler_options["with_stack"],
+        }
+        kwargs.update(self._profiler_kwargs)
+        return kwargs
+
+    def _needs_distributed_info(self) -> bool:
+        """Kineto writes ``distributedInfo`` only under torch.distributed; launcher env ranks need it too,
+        so offline tools can order a directory of per-rank files."""
+        import torch.distributed as dist
+
+        initialized = dist.is_available() and dist.is_initialized()
+        return not initialized and self._static_meta.get("rank") is not None
+
+    def _note_step(self, step: int) -> None:
+        if self._first_step is None:
+            self._first_step = step
+        self._last_step = step
+
+    def _on_trace_ready(self, prof: Any) -> None:
+        try:
+            self._spool_window(prof)
+        finally:
+            if self._user_trace_ready is not None:
+                self._user_trace_ready(prof)
+
+    @guarded()
+    def _spool_window(self, prof: Any) -> None:
+        """Runs on the training thread inside prof.step(): export, rename, sidecar, wake the worker."""
+        assert self.run_dir is not None and self._worker is not None
+        cfg = self.config
+        stem = Spool.new_stem()
+        prof.export_chrome_trace(str(Spool.export_partial(self.run_dir, stem)))
+        ranks = _metadata.rank_info()
+        window = {"index": self._window_index, "first_step": self._first_step, "last_step": self._last_step}
+        self._window_index += 1
+        self._first_step = self._last_step = None
+        meta = {**self._static_meta, **ranks, "window": window}
+        sidecar = {
+            "format": 1,
+            "idempotency_key": uuid.uuid4().hex,
+            "project": cfg.project,
+            "run": cfg.run,
+            "rank": ranks["rank"],
+            "window": window,
+            "server": cfg.server,
+            "metadata": meta,
+        }
+        Spool.commit_capture(self.run_dir, stem, sidecar)
+        self.captured += 1
+        self._worker.notify()
+
+    def _report(self) -> None:
+        assert self._worker is not None
+        count, size = self._worker.spool.pending()
+        stats = self._worker.stats
+        where = self.config.spool
+        if self.config.server is None:
+            logger.info(
+                "stepdoctor: %d trace(s) captured; %d trace(s) in local spool %s "
+                "(open with `stepdoctor analyze %s` or `tensorboard --logdir %s`)",
+                self.captured, count, where, self.run_dir, where,
+            )  # fmt: skip
+            return
+        level = logging.WARNING if count else logging.INFO
+        logger.log(
+            level,
+            "stepdoctor: %d trace(s) captured, %d uploaded to %s, %d rejected; %d trace(s) (%.1f MB) left in spool %s%s",
+            self.captured, stats.delivered, self.config.server, stats.rejected, count, size / 1e6, where,
+            " (the next run or `stepdoctor sync` will upload them)" if count else "",
+        )  # fmt: skip
+
+
+def profile(
+    project: str | None = None,
+    run: str | None = None,
+    *,
+    server: str | None = None,
+    token: str | None = None,
+    spool: str | os.PathLike[str] | None = None,
+    disabled: bool | None = None,
+    tags: dict[str, str] | None = None,
+    loader: Any = None,
+    skip_first: int = 10,
+    wait: int = 0,
+    warmup: int = 2,
+    active: int = 3,
+    repeat: int | None = None,
+    every: int | None = None,
+    schedule: Callable[[int], Any] | None = None,
+    activities: Any = None,
+    profile_memory: bool = True,
+    record_shapes: bool = True,
+    with_stack: bool = False,
+    profiler_kwargs: dict[str, Any] | None = None,
+    flush_timeout: float | None = None,
+    http_timeout: float = 30.0,
+    backoff_base: float = 1.0,
+    backoff_max: float = 60.0,
+    compresslevel: int = 3,
+) -> Profile | NoopProfile:
+    """Profile a training loop; call ``prof.step()`` once per step.
+
+    Captures ``active`` steps after ``skip_first`` + ``wait`` + ``warmup`` steps, ``repeat`` times
+    (or one window every ``every`` steps). Without a server, traces stay in the spool directory in
+    TensorBoard's layout. Any torch.profiler option goes through ``profiler_kwargs``. Returns a
+    no-op object with the same API when disabled (``STEPDOCTOR_DISABLED=1``) or torch is missing.
+    """
+    try:
+        if flush_timeout is None:
+            flush_timeout = float(os.environ.get("STEPDOCTOR_FLUSH_TIMEOUT", "10"))
+        cfg = _config.resolve(
+            project=project,
+            run=run,
+            server=server,
+            token=token,
+            spool=spool,
+            disabled=disabled,
+            tags=tags,
+            schedule=_config.Schedule(skip_first, wait, warmup, active, repeat, every),
+            delivery=_config.Delivery(
+                flush_timeout=flush_timeout,
+                http_timeout=http_timeout,
+                backoff_base=backoff_base,
+                backoff_max=backoff_max,
+                compresslevel=compresslevel,
+            ),
+        )
+        if cfg.disabled:
+            return NoopProfile()
+        import torch.profiler  # noqa: F401 - a missing torch means a no-op agent, not a crash
+    except ImportError as exc:
+        log_once("no-torch", logging.WARNING, "stepdoctor: torch unavailable (%s); profiling disabled", exc)
+        return NoopProfile()
+    except Exception as exc:
+        if raise_errors():
+            raise
+        log_once(
+            "bad-config", logging.WARNING, "stepdoctor: invalid configuration (%s); profiling disabled", exc
+        )
+        return NoopProfile()
+    return Profile(
+        cfg,
+        loader=loader,
+        activities=activities,
+        profile_memory=profile_memory,
+        record_shapes=record_shapes,
+        with_stack=with_stack,
+        schedule=schedule,
+        profiler_kwargs=profiler_kwargs,
+    )
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Flush sessions the program never stopped (no ``with`` block), within their time budgets."""
+    for prof in list(_live):
+        prof.stop()

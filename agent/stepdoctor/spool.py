@@ -1,0 +1,254 @@
+"""The on-disk spool: every captured trace lands here before anything touches the network.
+
+Layout (TensorBoard profiler plugin compatible, so ``tensorboard --logdir SPOOL`` shows each run)::
+
+    SPOOL/PROJECT/RUN/{host}_{pid}.{time_ns}.pt.trace.json.gz   compressed Chrome trace
+    SPOOL/PROJECT/RUN/{host}_{pid}.{time_ns}.stepdoctor.meta     sidecar JSON (idempotency key, ...)
+    SPOOL/failed/PROJECT/RUN/...                                 rejected by the server, with .reason.txt
+
+A capture moves through states, each entered by an atomic rename so a process killed at any
+instant leaves either a complete file or a ``.partial`` that is never uploaded:
+
+    .export.partial  (torch writing)  ->  .export  (complete raw JSON)  ->  sidecar .stepdoctor.meta
+    -> .pt.trace.json.gz.partial (worker compressing)  ->  .pt.trace.json.gz  ->  deleted after the
+    server acknowledged it (trace first, sidecar last).
+
+The sidecar is the commit point: nothing without one is compressed or uploaded. Several processes
+(ranks, the next run's agent, ``stepdoctor sync``) may share a spool; a POSIX record lock on the
+sidecar makes exactly one of them handle a trace at a time, and dies with its holder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+import re
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - non-POSIX: no cross-process claim, in-process only
+    fcntl = None  # type: ignore[assignment]
+
+TRACE_SUFFIX = ".pt.trace.json.gz"
+META_SUFFIX = ".stepdoctor.meta"
+EXPORT_SUFFIX = ".export"
+PARTIAL = ".partial"
+REASON_SUFFIX = ".reason.txt"
+FAILED_DIR = "failed"
+SIDECAR_FORMAT = 1
+
+_STEM_RE = re.compile(r"^(?P<host>.+)_(?P<pid>\d+)\.(?P<ns>\d+)")
+_HOST_BAD = re.compile(r"[^A-Za-z0-9.-]+")
+
+_claimed: set[str] = set()
+_claimed_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    global _claimed_lock
+    _claimed_lock = threading.Lock()
+    _claimed.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def host_name() -> str:
+    return _HOST_BAD.sub("-", socket.gethostname()) or "host"
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write via a temp name in the same directory and rename, so readers see all or nothing."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}{PARTIAL}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class Entry:
+    """One captured trace, identified by its directory and stem; ``meta`` is the sidecar content."""
+
+    directory: Path
+    stem: str
+    meta: dict[str, Any]
+
+    @property
+    def trace(self) -> Path:
+        return self.directory / f"{self.stem}{TRACE_SUFFIX}"
+
+    @property
+    def sidecar(self) -> Path:
+        return self.directory / f"{self.stem}{META_SUFFIX}"
+
+    @property
+    def export(self) -> Path:
+        return self.directory / f"{self.stem}{EXPORT_SUFFIX}"
+
+    @property
+    def key(self) -> str:
+        return str(self.meta.get("idempotency_key", ""))
+
+
+class Spool:
+    """File operations on one spool root; stateless apart from the path, so any process can use it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    # --- capture side (training thread) -------------------------------------------------------
+
+    def run_dir(self, project: str, run: str) -> Path:
+        path = self.root / project / run
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    @staticmethod
+    def new_stem() -> str:
+        """TensorBoard's worker naming: ``{host}_{pid}.{time_ns}``."""
+        return f"{host_name()}_{os.getpid()}.{time.time_ns()}"
+
+    @staticmethod
+    def export_partial(directory: Path, stem: str) -> Path:
+        return directory / f"{stem}{EXPORT_SUFFIX}{PARTIAL}"
+
+    @staticmethod
+    def commit_capture(directory: Path, stem: str, sidecar: dict[str, Any]) -> Entry:
+        """Mark a finished export complete, then write its sidecar: from here on it is deliverable."""
+        os.replace(Spool.export_partial(directory, stem), directory / f"{stem}{EXPORT_SUFFIX}")
+        entry = Entry(directory, stem, sidecar)
+        write_atomic(entry.sidecar, json.dumps(sidecar, separators=(",", ":")).encode())
+        return entry
+
+    # --- delivery side (worker thread / sync) -------------------------------------------------
+
+    def sidecars(self) -> list[Path]:
+        """Pending sidecars, oldest capture first (``failed/`` lives one level deeper)."""
+        found = list(self.root.glob(f"*/*/*{META_SUFFIX}"))
+        return sorted(found, key=lambda p: (_stem_time(p.name), p.name))
+
+    @contextlib.contextmanager
+    def claim(self, sidecar: Path) -> Iterator[Entry | None]:
+        """Exclusive handling of one trace across threads and processes; yields None when busy or gone."""
+        key = str(sidecar)
+        with _claimed_lock:
+            if key in _claimed:
+                yield None
+                return
+            _claimed.add(key)
+        try:
+            try:
+                fh = open(sidecar, "r+b")  # noqa: SIM115 - the lock must live on this very descriptor
+            except FileNotFoundError:
+                yield None
+                return
+            with fh:
+                if fcntl is not None:
+                    try:
+                        fcntl.lockf(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except OSError:
+                        yield None
+                        return
+                if not sidecar.exists():  # delivered by the previous holder while we waited
+                    yield None
+                    return
+                try:
+                    meta = json.loads(fh.read().decode())
+                    if not isinstance(meta, dict):
+                        raise ValueError("sidecar is not a JSON object")
+                except ValueError as exc:
+                    meta = {"_unreadable": str(exc)}
+                stem = sidecar.name[: -len(META_SUFFIX)]
+                yield Entry(sidecar.parent, stem, meta)
+        finally:
+            with _claimed_lock:
+                _claimed.discard(key)
+
+    @staticmethod
+    def compress(entry: Entry, level: int) -> None:
+        """Raw export -> gzip, atomically; the raw file goes only once the gzip is durable."""
+        if entry.trace.exists():
+            entry.export.unlink(missing_ok=True)  # crashed after the rename last time
+            return
+        tmp = entry.directory / f"{entry.stem}{TRACE_SUFFIX}{PARTIAL}"
+        with open(entry.export, "rb") as src, open(tmp, "wb") as raw:
+            with gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=level, mtime=0) as gz:
+                shutil.copyfileobj(src, gz, 1 << 20)
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, entry.trace)
+        entry.export.unlink(missing_ok=True)
+
+    @staticmethod
+    def remove(entry: Entry) -> None:
+        """Forget a delivered trace: trace first, sidecar last, so a crash in between leaves only a
+        sidecar with nothing to send (cleaned up as an orphan), never a trace without its key."""
+        entry.trace.unlink(missing_ok=True)
+        entry.export.unlink(missing_ok=True)
+        entry.sidecar.unlink(missing_ok=True)
+
+    def move_failed(self, entry: Entry, reason: str) -> Path:
+        """Park a trace the server refused for good, with the reason next to it."""
+        rel = entry.directory.relative_to(self.root)
+        dest = self.root / FAILED_DIR / rel
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / f"{entry.stem}{REASON_SUFFIX}").write_text(reason.rstrip() + "\n")
+        for path in (entry.trace, entry.export):
+            if path.exists():
+                os.replace(path, dest / path.name)
+        os.replace(entry.sidecar, dest / entry.sidecar.name)
+        return dest
+
+    def cleanup_orphans(self) -> int:
+        """Delete leftovers of captures whose process died before the commit point (this host only)."""
+        removed = 0
+        me = host_name()
+        committed = {p.name[: -len(META_SUFFIX)] for p in self.root.glob(f"*/*/*{META_SUFFIX}")}
+        for path in self.root.glob("*/*/*"):
+            match = _STEM_RE.match(path.name)
+            if not match or match.group("host") != me or not path.is_file():
+                continue
+            stem = f"{match.group('host')}_{match.group('pid')}.{match.group('ns')}"
+            pid = int(match.group("pid"))
+            # A committed stem's stray .partial is overwritten by the next compress; leave it.
+            if stem not in committed and pid != os.getpid() and not pid_alive(pid):
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+    def pending(self) -> tuple[int, int]:
+        """(traces, bytes) waiting in the spool."""
+        count = size = 0
+        for sidecar in self.sidecars():
+            count += 1
+            stem = sidecar.name[: -len(META_SUFFIX)]
+            for suffix in (TRACE_SUFFIX, EXPORT_SUFFIX):
+                with contextlib.suppress(OSError):
+                    size += (sidecar.parent / f"{stem}{suffix}").stat().st_size
+                    break
+        return count, size
+
+
+def _stem_time(name: str) -> int:
+    match = _STEM_RE.match(name)
+    return int(match.group("ns")) if match else 0

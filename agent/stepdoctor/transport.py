@@ -1,0 +1,120 @@
+"""One HTTP upload attempt, classified into delivered / retry / rejected (stdlib ``http.client``).
+
+The request body streams from the spooled gzip file, so memory stays flat for multi-GB traces.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import http.client
+import json
+import os
+import time
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from stepdoctor import __version__
+
+METADATA_HEADER_MAX = 8 * 1024
+RETRYABLE_4XX = {408, 429}
+
+Outcome = Literal["delivered", "retry", "rejected"]
+
+
+@dataclass(frozen=True)
+class Result:
+    outcome: Outcome
+    status: int | None
+    detail: str
+    retry_after: float | None = None
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds or HTTP-date)."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def metadata_header(metadata: dict[str, Any]) -> str:
+    """Compact ASCII JSON within the protocol's 8 KiB; the bulkiest fields are trimmed first."""
+    meta = dict(metadata)
+    text = json.dumps(meta, separators=(",", ":"), ensure_ascii=True, default=str)
+    if len(text) <= METADATA_HEADER_MAX:
+        return text
+    if isinstance(meta.get("argv"), list):
+        meta["argv"] = [a[:200] for a in meta["argv"][:32]]
+    text = json.dumps(meta, separators=(",", ":"), ensure_ascii=True, default=str)
+    for key in ("tags", "devices", "argv", "env"):
+        if len(text) <= METADATA_HEADER_MAX:
+            break
+        meta.pop(key, None)
+        meta.setdefault("truncated", []).append(key)
+        text = json.dumps(meta, separators=(",", ":"), ensure_ascii=True, default=str)
+    return text[:METADATA_HEADER_MAX] if len(text) > METADATA_HEADER_MAX else text
+
+
+def upload(
+    server: str,
+    token: str | None,
+    trace: Path,
+    sidecar: dict[str, Any],
+    timeout: float,
+) -> Result:
+    """POST one spooled trace; never raises for network or HTTP trouble, only classifies it."""
+    url = urllib.parse.urlsplit(server)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return Result("rejected", None, f"invalid server URL {server!r}")
+    query = {"project": sidecar["project"], "run": sidecar["run"]}
+    if sidecar.get("rank") is not None:
+        query["rank"] = str(sidecar["rank"])
+    path = f"{url.path.rstrip('/')}/api/v1/traces?{urllib.parse.urlencode(query)}"
+    metadata = dict(sidecar.get("metadata") or {})
+    metadata["window"] = sidecar.get("window")
+    headers = {
+        "Content-Type": "application/json",
+        "Content-Encoding": "gzip",
+        "Content-Length": str(os.path.getsize(trace)),
+        "Idempotency-Key": sidecar["idempotency_key"],
+        "X-Stepdoctor-Metadata": metadata_header(metadata),
+        "User-Agent": f"stepdoctor-agent/{__version__}",
+    }
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    conn_cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
+    conn = conn_cls(url.hostname, url.port, timeout=timeout, blocksize=1 << 16)
+    try:
+        with open(trace, "rb") as body:
+            conn.request("POST", path, body=body, headers=headers)
+            response = conn.getresponse()
+            text = response.read(4096).decode("utf-8", "replace")
+            return classify(response.status, text, response.getheader("Retry-After"))
+    except (OSError, http.client.HTTPException) as exc:
+        return Result("retry", None, f"{type(exc).__name__}: {exc}".rstrip(": "))
+    finally:
+        conn.close()
+
+
+def classify(status: int, body: str, retry_after: str | None) -> Result:
+    """2xx delivered; 408/429/5xx retried (honouring Retry-After); any other answer is final."""
+    detail = f"HTTP {status}: {_one_line(body)}"
+    if 200 <= status < 300:
+        return Result("delivered", status, detail)
+    if status in RETRYABLE_4XX or status >= 500:
+        return Result("retry", status, detail, parse_retry_after(retry_after))
+    return Result("rejected", status, detail)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:300]

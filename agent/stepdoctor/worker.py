@@ -1,0 +1,253 @@
+"""Background delivery: compress and upload spooled traces off the training thread.
+
+One daemon thread per process sleeps on an event; the training thread only sets that event after
+committing a capture, so ``prof.step()`` never waits on gzip or the network. The thread walks the
+spool on each wake-up, so leftovers of earlier runs (same server) are delivered too. Failures back
+off exponentially with jitter under one shared clock (a down server is down for every trace),
+``Retry-After`` is honoured, and a final rejection parks the trace in ``failed/``.
+
+Shaped after sentry-python's BackgroundWorker (pid-checked lazy thread, flush with a time budget)
+and OpenTelemetry's BatchProcessor (event-woken daemon, re-initialised after fork), but unlike
+either it never drops work: the spool is the queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from stepdoctor import transport
+from stepdoctor.config import Delivery
+from stepdoctor.guard import guarded, log_once, logger
+from stepdoctor.spool import Entry, Spool
+
+#: Maps a trace's sidecar to (server, token) to send it to, or None to leave it in the spool.
+Router = Callable[[dict[str, Any]], tuple[str, str | None] | None]
+
+
+@dataclass
+class Stats:
+    delivered: int = 0
+    rejected: int = 0
+    retries: int = 0
+    last_error: str = ""
+    delivered_keys: list[str] = field(default_factory=list)
+
+
+class Backoff:
+    """Exponential backoff with jitter; a server's Retry-After overrides the computed delay."""
+
+    def __init__(self, base: float, cap: float, retry_after_cap: float) -> None:
+        self.base, self.cap, self.retry_after_cap = base, cap, retry_after_cap
+        self.failures = 0
+        self.not_before = 0.0
+
+    def failed(self, retry_after: float | None, now: float) -> float:
+        self.failures += 1
+        computed = min(self.cap, self.base * 2 ** (self.failures - 1)) * random.uniform(0.5, 1.0)
+        delay = computed if retry_after is None else min(retry_after, self.retry_after_cap)
+        self.not_before = now + delay
+        return delay
+
+    def succeeded(self) -> None:
+        self.failures = 0
+        self.not_before = 0.0
+
+
+class DeliveryWorker:
+    """Owns the delivery thread of one process for one spool."""
+
+    def __init__(
+        self, spool: Spool, router: Router | None, delivery: Delivery, *, cleanup: bool = False
+    ) -> None:
+        self.spool = spool
+        self.cleanup = cleanup
+        self.router = router
+        self.delivery = delivery
+        self.stats = Stats()
+        self._backoff = Backoff(delivery.backoff_base, delivery.backoff_max, delivery.retry_after_max)
+        self._init_sync()
+
+    def _init_sync(self) -> None:
+        """(Re)create thread state; called at construction and in a forked child."""
+        self._pid = os.getpid()
+        self._cond = threading.Condition()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._requested = 0  # bumped by notify(); a pass started after bump n covers it
+        self._covered = -1
+        self._remaining = 1
+        self._flush_deadline: float | None = None
+
+    # --- called from the training thread -----------------------------------------------------
+
+    @guarded()
+    def notify(self) -> None:
+        """A capture was committed (or a flush wants a pass): wake the thread, never block."""
+        if os.getpid() != self._pid:
+            return
+        self._ensure_thread()
+        with self._cond:
+            self._requested += 1
+        self._wake.set()
+
+    @guarded(default=False)
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until everything deliverable is delivered; True if it was."""
+        if os.getpid() != self._pid:
+            return False
+        self._ensure_thread()
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            self._requested += 1
+            wanted = self._requested
+            self._flush_deadline = deadline
+        self._wake.set()
+        try:
+            with self._cond:
+                while not (self._covered >= wanted and self._remaining == 0):
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._alive():
+                        return False
+                    self._cond.wait(min(left, 0.5))
+                return True
+        finally:
+            with self._cond:
+                self._flush_deadline = None
+
+    def close(self, timeout: float) -> bool:
+        """Flush within ``timeout``, then stop the thread (a daemon, so exit never hangs on it)."""
+        done = self.flush(timeout)
+        self._stopping = True
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(0.2)
+        return bool(done)
+
+    # --- the thread ---------------------------------------------------------------------------
+
+    def _alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _ensure_thread(self) -> None:
+        if self._alive() or self._stopping:
+            return
+        with self._cond:
+            if self._alive():
+                return
+            self._thread = threading.Thread(target=self._run, name="stepdoctor-delivery", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        _lower_thread_priority()
+        if self.cleanup:
+            self._cleanup()
+        while not self._stopping:
+            with self._cond:
+                wanted = self._requested
+            self._wake.clear()
+            remaining = self._pass_safely()
+            with self._cond:
+                self._covered = max(self._covered, wanted)
+                self._remaining = remaining
+                self._cond.notify_all()
+            if self._stopping:
+                break
+            self._wake.wait(self._sleep_for(remaining))
+
+    def backoff_wait(self) -> float:
+        """Seconds until the next attempt is allowed (0 when not backing off)."""
+        return max(0.0, self._backoff.not_before - time.monotonic())
+
+    def _sleep_for(self, remaining: int) -> float | None:
+        if remaining == 0:
+            return None
+        return max(0.05, self._backoff.not_before - time.monotonic()) if self._backoff.failures else 1.0
+
+    @guarded()
+    def _cleanup(self) -> None:
+        self.spool.cleanup_orphans()
+
+    @guarded(default=1)
+    def _pass_safely(self) -> int:
+        return self.run_pass()
+
+    def run_pass(self) -> int:
+        """Compress and send everything claimable; returns how many traces still await delivery."""
+        remaining = 0
+        for sidecar in self.spool.sidecars():
+            if self._stopping and self._flush_deadline is None:
+                break
+            with self.spool.claim(sidecar) as entry:
+                if entry is None:
+                    continue  # another process (rank, sync) is handling it
+                remaining += int(not self._handle(entry))
+        return remaining
+
+    def _handle(self, entry: Entry) -> bool:
+        """Advance one trace as far as possible; True when it needs nothing more from us."""
+        if "_unreadable" in entry.meta:
+            self._reject(entry, f"unreadable sidecar: {entry.meta['_unreadable']}")
+            return True
+        if not entry.trace.exists():
+            if not entry.export.exists():
+                Spool.remove(entry)  # delivered earlier, crash before the sidecar went
+                return True
+            Spool.compress(entry, self.delivery.compresslevel)
+        route = self.router(entry.meta) if self.router is not None else None
+        if route is None:
+            return True  # stays in the spool: local-only, or another server's trace
+        now = time.monotonic()
+        if now < self._backoff.not_before:
+            return False
+        return self._send(entry, *route)
+
+    def _send(self, entry: Entry, server: str, token: str | None) -> bool:
+        timeout = self.delivery.http_timeout
+        deadline = self._flush_deadline
+        if deadline is not None:
+            timeout = max(0.5, min(timeout, deadline - time.monotonic()))
+        result = transport.upload(server, token, entry.trace, entry.meta, timeout)
+        if result.outcome == "delivered":
+            Spool.remove(entry)
+            self._backoff.succeeded()
+            self.stats.delivered += 1
+            self.stats.delivered_keys.append(entry.key)
+            return True
+        if result.outcome == "rejected":
+            self._reject(entry, f"{server} refused the upload: {result.detail}")
+            return True
+        delay = self._backoff.failed(result.retry_after, time.monotonic())
+        self.stats.retries += 1
+        self.stats.last_error = result.detail
+        log_once(
+            f"retry:{server}",
+            logging.WARNING,
+            "stepdoctor: upload to %s failed (%s); traces stay in the spool, retrying in %.1fs with backoff",
+            server,
+            result.detail,
+            delay,
+        )
+        return False
+
+    def _reject(self, entry: Entry, reason: str) -> None:
+        dest = self.spool.move_failed(entry, reason)
+        self.stats.rejected += 1
+        logger.warning("stepdoctor: trace %s not uploaded, moved to %s: %s", entry.stem, dest, reason)
+
+
+@guarded()
+def _lower_thread_priority() -> None:
+    """On Linux a thread is a task with its own nice value: let training threads win the CPU."""
+    if hasattr(os, "setpriority") and hasattr(threading, "get_native_id"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)

@@ -1,0 +1,111 @@
+"""``stepdoctor analyze PATH [--format text|json] [--rank N] [--max-bytes N]``: offline diagnosis.
+
+Bad input exits with status 2 and one line on stderr, never a traceback: users feed this
+arbitrary files. A progress line appears on stderr only once the analysis has taken over a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from .errors import TraceError
+
+PROGRESS_AFTER_S = 1.0
+
+
+class _Progress:
+    """Shows the current stage on stderr after ``PROGRESS_AFTER_S``; silent for quick runs."""
+
+    def __init__(self, stream: TextIO, delay: float = PROGRESS_AFTER_S) -> None:
+        self.stream, self.delay = stream, delay
+        self.t0 = time.monotonic()
+        self.stage = "starting"
+        self.shown = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._tty = bool(getattr(stream, "isatty", lambda: False)())
+
+    def __call__(self, stage: str) -> None:
+        self.stage = stage
+
+    def __enter__(self) -> _Progress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self.shown and self._tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _run(self) -> None:
+        if self._stop.wait(self.delay):
+            return
+        while True:
+            line = f"stepdoctor: {self.stage}… {time.monotonic() - self.t0:.0f}s"
+            if self._tty:
+                self.stream.write("\r" + line.ljust(len(self.shown)))
+                self.stream.flush()
+                self.shown = line
+            elif self.stage != self.shown:  # logs and pipes: one line per stage
+                self.stream.write(f"stepdoctor: {self.stage}…\n")
+                self.stream.flush()
+                self.shown = self.stage
+            if self._stop.wait(0.5):
+                return
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="stepdoctor analyze", description="Diagnose PyTorch profiler traces offline."
+    )
+    p.add_argument("path", help="trace file (.json or .json.gz) or a directory of per-rank traces")
+    p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--rank", type=int, default=None, help="analyze only this rank of a directory")
+    p.add_argument(
+        "--max-bytes", type=int, default=None, help="refuse traces larger than this when decompressed"
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from .pipeline import analyze_path
+
+    try:
+        with _Progress(sys.stderr) as progress:
+            report = analyze_path(args.path, rank=args.rank, max_bytes=args.max_bytes, progress=progress)
+    except TraceError as exc:
+        print(f"stepdoctor analyze: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"stepdoctor analyze: {args.path}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except MemoryError:
+        print(
+            f"stepdoctor analyze: {args.path}: out of memory while analyzing; try --max-bytes",
+            file=sys.stderr,
+        )
+        return 2
+    except Exception as exc:  # an engine bug: still one line, with a way to get the traceback
+        if os.environ.get("STEPDOCTOR_DEBUG"):
+            raise
+        print(
+            f"stepdoctor analyze: internal error on {args.path}: {type(exc).__name__}: {exc} "
+            "(rerun with STEPDOCTOR_DEBUG=1 for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+    if args.format == "json":
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        sys.stdout.write(report.render_text())
+    return 0

@@ -1,0 +1,106 @@
+"""Allocator behaviour from ``[memory]`` events and allocator runtime calls.
+
+Per device: peak allocated/reserved against capacity (``deviceProperties.totalGlobalMem`` for
+CUDA; host RAM, passed in by the pipeline, for CPU), allocations per step (count and bytes),
+churn (bytes allocated per step / peak allocated: how often the working set is re-allocated),
+``cudaMalloc``/``cudaFree`` after the first step (the caching allocator missing in steady state),
+and ``[OutOfMemory]`` events. TensorBoard warns at peak > 90% of device memory; so do we.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import timeline as tl
+from .model import NONE, RankTrace, Step
+from .steps import launch_mask
+
+_ALLOC_API_RE = re.compile(
+    r"^(cuda|hip)(Malloc|Free|MallocAsync|FreeAsync|MallocHost|FreeHost)$|^cuMem(Alloc|Free)(_v2)?$"
+)
+PRESSURE = 0.90
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    device: str  # "cuda:0", "cpu"
+    peak_allocated: int
+    peak_reserved: int  # 0 when the trace has no reserved totals (CPU)
+    capacity: int  # 0 when unknown
+    allocs_per_step: float
+    alloc_bytes_per_step: float
+    churn: float  # alloc bytes per step / peak allocated
+
+    @property
+    def peak_fraction(self) -> float:
+        peak = max(self.peak_allocated, self.peak_reserved)
+        return peak / self.capacity if self.capacity > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    devices: list[DeviceMemory] = field(default_factory=list)
+    has_events: bool = False
+    steady_alloc_calls_per_step: float = 0.0  # cudaMalloc/cudaFree after the first step
+    steady_alloc_call_ns_per_step: float = 0.0
+    alloc_call_intervals: tuple[np.ndarray, np.ndarray] = field(
+        default_factory=lambda: (np.empty(0, np.int64), np.empty(0, np.int64))
+    )
+    out_of_memory: int = 0
+
+    def worst(self) -> DeviceMemory | None:
+        return max(self.devices, key=lambda d: d.peak_fraction, default=None)
+
+
+def analyze_memory(trace: RankTrace, steps: list[Step], *, host_memory: int = 0) -> MemoryStats:
+    m = trace.memory
+    starts, ends = tl.step_windows(steps)
+    n = max(1, len(steps))
+    devices = []
+    if len(m):
+        caps = {d.id: d.total_memory for d in trace.devices}
+        in_steps = tl.in_windows(m.ts, starts, ends) if steps else np.ones(len(m), dtype=np.bool_)
+        keys = np.unique(np.stack([m.device_type.astype(np.int64), m.device_id.astype(np.int64)]), axis=1)
+        for dtype, did in keys.T:
+            sel = (m.device_type == dtype) & (m.device_id == did)
+            is_cuda = int(dtype) == 1
+            alloc = sel & in_steps & (m.bytes > 0)
+            peak_alloc = _peak(m.total_allocated[sel])
+            alloc_bytes = float(m.bytes[alloc].sum()) / n
+            devices.append(
+                DeviceMemory(
+                    device=f"cuda:{int(did)}"
+                    if is_cuda
+                    else ("cpu" if int(dtype) == 0 else f"dev{int(dtype)}:{int(did)}"),
+                    peak_allocated=peak_alloc,
+                    peak_reserved=_peak(m.total_reserved[sel]),
+                    capacity=caps.get(int(did), 0) if is_cuda else host_memory,
+                    allocs_per_step=int(alloc.sum()) / n,
+                    alloc_bytes_per_step=alloc_bytes,
+                    churn=alloc_bytes / peak_alloc if peak_alloc > 0 else 0.0,
+                )
+            )
+    h = trace.host
+    steady = np.zeros(len(h), dtype=np.bool_)
+    if len(h) and len(steps) > 1:
+        steady = tl.host_name_mask(trace, _ALLOC_API_RE, "alloc_api") & launch_mask(trace)
+        steady &= tl.in_windows(h.ts, starts[1:], ends[1:])
+    steady_steps = max(1, len(steps) - 1)
+    return MemoryStats(
+        devices=devices,
+        has_events=bool(len(m)),
+        steady_alloc_calls_per_step=int(steady.sum()) / steady_steps,
+        steady_alloc_call_ns_per_step=int(h.dur[steady].sum()) / steady_steps if len(h) else 0.0,
+        alloc_call_intervals=tl.host_union(trace, steady)
+        if len(h)
+        else (np.empty(0, np.int64), np.empty(0, np.int64)),
+        out_of_memory=trace.out_of_memory,
+    )
+
+
+def _peak(totals: np.ndarray) -> int:
+    valid = totals[totals != NONE]
+    return int(valid.max()) if valid.size else 0

@@ -1,0 +1,225 @@
+"""Top operators and kernels, and the anti-patterns of PyTorch's pattern matcher
+(anchors §5) that an exported trace still shows.
+
+TorchTidy needs a live profiler object; here each pattern is re-derived from names and time
+containment: single-tensor optimizer updates (→ ``foreach=True``), ``zero_grad`` running
+``aten::zero_`` (→ ``set_to_none=True``), FP32 SIMT GEMMs on sm_80+ (→ TF32/bf16), ``aten::select``
+in a loop (→ vectorize), many small host→device copies (→ batch or create on device).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import timeline as tl
+from .model import CopyKind, GpuKind, HostKind, RankTrace, Step
+from .steps import launching_call
+
+# Host ops that do arithmetic heavy enough to be worth running (the "compute" of a CPU trace).
+COMPUTE_OP_RE = re.compile(
+    r"^aten::(mm|addmm|bmm|baddbmm|addbmm|matmul|linear|mv|addmv|dot|einsum|_?convolution|conv\w*|"
+    r"mkldnn_\w+|cudnn_\w+|_scaled_dot_product\w*|scaled_dot_product\w*|lstm|gru|rnn_\w+|_fused\w*|"
+    r"_flash_attention\w*|_efficient_attention\w*|native_batch_norm|native_layer_norm|_fft\w*|cdist)$"
+)
+# Host ops whose work is only allocating, filling or moving memory (no arithmetic).
+MEMORY_OP_RE = re.compile(
+    r"^aten::(empty|empty_like|empty_strided|new_empty\w*|zeros|zeros_like|new_zeros|ones|ones_like|"
+    r"new_ones|full|full_like|new_full|fill_|zero_|clone|copy_|contiguous|_to_copy|to|cat|stack|"
+    r"resize_|repeat|index_select|pad|constant_pad_nd|_reshape_copy|tile)$"
+)
+_FOREACH_RE = re.compile(r"^aten::_foreach_|^aten::_fused_(adam|adamw|sgd|adagrad)")
+_SINGLE_UPDATE_RE = re.compile(
+    r"^aten::(add_|mul_|addcdiv_|addcmul_|lerp_|sqrt|div_|sub_|maximum|add|mul|div)$"
+)
+_FP32_GEMM_RE = re.compile(r"sgemm|gemm.*f32f32_f32f32|gemmSN_\w*_kernel<float", re.I)
+_TENSOR_CORE_RE = re.compile(r"tensorop|tf32|s1688|s16816|h16816|bf16|fp16|i8816|xmma.*(bf16|f16)", re.I)
+
+
+@dataclass(frozen=True)
+class NamedTime:
+    name: str
+    count: int
+    total_ns: int
+
+
+@dataclass(frozen=True)
+class AntiPattern:
+    id: str  # rules.py keys on this
+    removable_ns_per_step: float
+    evidence: dict[str, object]
+
+
+@dataclass(frozen=True)
+class OpStats:
+    top_kernels: list[NamedTime] = field(default_factory=list)
+    top_ops: list[NamedTime] = field(default_factory=list)  # host cpu_ops by inclusive time
+    ops_per_step: float = 0.0
+    median_op_ns: float = 0.0
+    kernels_per_step: float = 0.0
+    median_kernel_ns: float = 0.0
+    patterns: list[AntiPattern] = field(default_factory=list)
+
+
+def analyze_ops(trace: RankTrace, steps: list[Step]) -> OpStats:
+    if not steps:
+        return OpStats()
+    starts, ends = tl.step_windows(steps)
+    n = len(steps)
+    h, g = trace.host, trace.gpu
+    ops = (h.kind == HostKind.CPU_OP) & tl.in_windows(h.ts, starts, ends)
+    kernels = (
+        (g.kind == GpuKind.KERNEL) & tl.in_windows(g.ts, starts, ends) if len(g) else np.zeros(0, np.bool_)
+    )
+    stats = {
+        "top_kernels": _top(trace, g.name[kernels], g.dur[kernels]) if len(g) else [],
+        "top_ops": _top(trace, h.name[ops], h.dur[ops]),
+        "ops_per_step": int(ops.sum()) / n,
+        "median_op_ns": float(np.median(h.dur[ops])) if ops.any() else 0.0,
+        "kernels_per_step": int(kernels.sum()) / n,
+        "median_kernel_ns": float(np.median(g.dur[kernels])) if kernels.any() else 0.0,
+    }
+    patterns = [
+        p
+        for p in (
+            _single_tensor_optimizer(trace, starts, ends),
+            _zero_grad_fill(trace, starts, ends),
+            _fp32_gemm(trace, kernels, n),
+            _select_loop(trace, ops, n),
+            _small_htod(trace, starts, ends),
+        )
+        if p is not None
+    ]
+    return OpStats(**stats, patterns=patterns)  # type: ignore[arg-type]
+
+
+def median_dur_by_name(trace: RankTrace, mask: np.ndarray) -> np.ndarray:
+    """Median duration of the selected host events per interned name (0 for absent names).
+
+    Classifying ops by their name's typical duration, not each instance's, keeps an op that the
+    OS preempted once from turning overhead into "compute" on a loaded machine.
+    """
+    h = trace.host
+    out = np.zeros(len(trace.strings), dtype=np.int64)
+    idx = np.flatnonzero(mask)
+    if idx.size == 0:
+        return out
+    order = idx[np.lexsort((h.dur[idx], h.name[idx]))]
+    names = h.name[order]
+    bounds = np.flatnonzero(np.diff(names)) + 1
+    starts = np.concatenate([[0], bounds])
+    ends = np.concatenate([bounds, [order.size]])
+    mids = h.dur[order][(starts + ends - 1) // 2]
+    out[names[starts]] = mids
+    return out
+
+
+def _top(trace: RankTrace, names: np.ndarray, durs: np.ndarray, k: int = 10) -> list[NamedTime]:
+    if names.size == 0:
+        return []
+    ids, inv, counts = np.unique(names, return_inverse=True, return_counts=True)
+    sums = np.bincount(inv, weights=durs.astype(np.float64))
+    order = np.argsort(-sums)[:k]
+    return [NamedTime(trace.strings[int(ids[i])], int(counts[i]), int(sums[i])) for i in order]
+
+
+def _inside(trace: RankTrace, outer: np.ndarray, inner: np.ndarray) -> np.ndarray:
+    """Which ``inner`` host events lie inside some ``outer`` host event (by time)."""
+    h = trace.host
+    o = tl.host_union(trace, outer)
+    return tl.in_windows(h.ts, o[0], o[1]) & inner
+
+
+def _span_mask(trace: RankTrace, prefix: str, key: str) -> np.ndarray:
+    return tl.host_name_mask(trace, re.compile("^" + re.escape(prefix)), key) & (
+        trace.host.kind != HostKind.RUNTIME
+    )
+
+
+def _single_tensor_optimizer(trace: RankTrace, starts: np.ndarray, ends: np.ndarray) -> AntiPattern | None:
+    h = trace.host
+    steps_mask = _span_mask(trace, "Optimizer.step#", "opt_step") & tl.in_windows(h.ts, starts, ends)
+    if not steps_mask.any():
+        return None
+    cpu = h.kind == HostKind.CPU_OP
+    single = _inside(trace, steps_mask, tl.host_name_mask(trace, _SINGLE_UPDATE_RE, "single_upd") & cpu)
+    foreach = _inside(trace, steps_mask, tl.host_name_mask(trace, _FOREACH_RE, "foreach") & cpu)
+    calls = int(steps_mask.sum())
+    per_call = int(single.sum()) / calls
+    if foreach.any() or per_call < 20:
+        return None
+    opt_ns = int(h.dur[steps_mask].sum()) / len(starts)
+    # Upper bound: the foreach path keeps roughly one launch per op kind instead of one per tensor.
+    return AntiPattern(
+        "single_tensor_optimizer",
+        opt_ns * 0.8,
+        {
+            "optimizer": trace.strings[int(h.name[np.flatnonzero(steps_mask)[0]])],
+            "elementwise_ops_per_step": per_call,
+        },
+    )
+
+
+def _zero_grad_fill(trace: RankTrace, starts: np.ndarray, ends: np.ndarray) -> AntiPattern | None:
+    h = trace.host
+    spans = _span_mask(trace, "Optimizer.zero_grad#", "opt_zero") & tl.in_windows(h.ts, starts, ends)
+    if not spans.any():
+        return None
+    zero = _inside(
+        trace,
+        spans,
+        tl.host_name_mask(trace, re.compile(r"^aten::zero_$"), "zero_") & (h.kind == HostKind.CPU_OP),
+    )
+    if not zero.any():
+        return None
+    ns = int(h.dur[zero].sum()) / len(starts)
+    return AntiPattern("zero_grad_fill", ns, {"zero_calls_per_step": int(zero.sum()) / len(starts)})
+
+
+def _fp32_gemm(trace: RankTrace, kernels: np.ndarray, n: int) -> AntiPattern | None:
+    if not trace.devices or max(d.compute_major for d in trace.devices) < 8 or not kernels.any():
+        return None
+    g = trace.gpu
+    fp32 = trace.name_mask(
+        lambda s: bool(_FP32_GEMM_RE.search(s)) and not _TENSOR_CORE_RE.search(s), ("diag", "fp32")
+    )
+    m = kernels & fp32[g.name]
+    if not m.any():
+        return None
+    ns = int(g.dur[m].sum())
+    total = int(g.dur[kernels].sum())
+    # TF32/bf16 tensor cores run these GEMMs several times faster; half their time is a safe upper bound.
+    return AntiPattern(
+        "fp32_matmul",
+        0.5 * ns / n,
+        {
+            "fp32_gemm_share_of_kernels": ns / total if total else 0.0,
+            "kernels": [t.name for t in _top(trace, g.name[m], g.dur[m], 3)],
+        },
+    )
+
+
+def _select_loop(trace: RankTrace, ops: np.ndarray, n: int) -> AntiPattern | None:
+    h = trace.host
+    sel = ops & tl.host_name_mask(trace, re.compile(r"^aten::(select|index|slice)$"), "select")
+    per = int(sel.sum()) / n
+    if per < 1000:
+        return None
+    return AntiPattern("select_loop", int(h.dur[sel].sum()) / n, {"select_calls_per_step": per})
+
+
+def _small_htod(trace: RankTrace, starts: np.ndarray, ends: np.ndarray) -> AntiPattern | None:
+    g = trace.gpu
+    if not len(g):
+        return None
+    m = (g.kind == GpuKind.MEMCPY) & (g.copy_kind == CopyKind.HTOD) & (g.bytes >= 0) & (g.bytes <= 65536)
+    m &= tl.in_windows(g.ts, starts, ends)
+    per = int(m.sum()) / len(starts)
+    if per < 50:
+        return None
+    launcher = launching_call(trace)
+    li = launcher[m & (launcher >= 0)]
+    host_ns = int(trace.host.dur[li].sum()) / len(starts)
+    return AntiPattern("small_htod_copies", host_ns, {"small_htod_per_step": per})

@@ -1,0 +1,243 @@
+"""Path in, report out: load → steps → analyzers → time accounting → rules → Report.
+
+The only place with side inputs (host RAM via ``os.sysconf``, run metadata); the analyzers below it
+stay pure functions of the trace.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import breakdown as bd
+from . import diagnose, gpu_metrics, parse, steps
+from . import hta_metrics as hta
+from .comm import analyze_comm, rank_spread
+from .errors import TraceError
+from .inputs import analyze_inputs, loader_settings
+from .memory import analyze_memory
+from .model import RankTrace
+from .ops import analyze_ops
+from .report import Report, StepRow, plain
+from .rules import KINDS, Context
+from .sync import analyze_sync
+from .transfers import analyze_transfers
+
+Progress = Callable[[str], None]
+
+
+def analyze_path(
+    path: str | Path,
+    *,
+    rank: int | None = None,
+    max_bytes: int | None = None,
+    progress: Progress | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> Report:
+    """Diagnose a trace file, or a directory of per-rank traces (adds the ``ranks`` section)."""
+    say = progress or (lambda _msg: None)
+    p = Path(path)
+    say(f"loading {p.name}")
+    traces = parse.load_job(p, max_bytes=max_bytes)
+    if rank is not None:
+        traces = [t for t in traces if t.rank == rank or (t.rank is None and len(traces) == 1)]
+        if not traces:
+            raise TraceError(f"{p.name}: no trace for rank {rank}")
+    host_memory = _host_memory(metadata)
+    reports = []
+    for i, t in enumerate(traces):
+        say(f"analyzing {Path(t.source).name}" + (f" ({i + 1}/{len(traces)})" if len(traces) > 1 else ""))
+        reports.append(analyze_trace(t, metadata=metadata, host_memory=host_memory))
+    if len(reports) == 1:
+        return reports[0]
+    return _job_report(p, traces, reports)
+
+
+def analyze_trace(
+    trace: RankTrace, *, metadata: dict[str, Any] | None = None, host_memory: int = 0
+) -> Report:
+    """Diagnose one rank's parsed trace."""
+    step_list = steps.find_steps(trace)
+    if not step_list:
+        raise TraceError(f"{Path(trace.source).name}: the trace holds no activity to analyze")
+    breakdown = bd.compute_breakdown(trace, step_list)
+    inputs = analyze_inputs(trace, step_list)
+    sync = analyze_sync(trace, step_list)
+    memory = analyze_memory(trace, step_list, host_memory=host_memory)
+    comm = analyze_comm(trace, step_list)
+    acc = diagnose.account(
+        trace, step_list, inputs, sync, memory, comm_host=comm.host_collective_ns_per_step > 0
+    )
+    ctx = Context(
+        has_gpu=bool(trace.has_gpu and len(trace.gpu)),
+        device=trace.devices[0] if trace.devices else None,
+        n_steps=len(step_list),
+        has_step_markers=bool(steps.step_marker_mask(trace).any()),
+        step_ns=float(acc.step_ns.mean()),
+        accounting=acc,
+        transfers=analyze_transfers(trace, step_list),
+        sync=sync,
+        memory=memory,
+        comm=comm,
+        inputs=inputs,
+        ops=analyze_ops(trace, step_list),
+        loader=loader_settings(metadata),
+        launch=hta.kernel_launch_stats(trace) if trace.has_gpu else None,
+    )
+    dx = diagnose.classify(ctx)
+    rows = [
+        StepRow(
+            number=s.number,
+            start_us=round(s.start / 1e3, 3),
+            duration_us=round((s.end - s.start) / 1e3, 3),
+            kinds={k: round(float(acc.kinds[k][i]) / 1e3, 3) for k in (*KINDS, "other")},
+        )
+        for i, s in enumerate(step_list)
+    ]
+    dev = ctx.device
+    return Report(
+        source=trace.source,
+        primary=dx.primary,
+        secondary=dx.secondary,
+        recommendations=dx.recommendations,
+        findings=dx.findings,
+        breakdown=breakdown.average_us(),
+        steps=rows,
+        metrics=_metrics(trace, ctx, step_list),
+        step_time_us=round(ctx.step_ns / 1e3, 3),
+        rank=trace.rank,
+        world_size=trace.world_size,
+        format=trace.format,
+        device=None
+        if dev is None
+        else {
+            "name": dev.name,
+            "memory_gb": round(dev.total_memory / 2**30, 2),
+            "compute_capability": f"{dev.compute_major}.{dev.compute_minor}",
+        },
+        warnings=_warnings(ctx),
+    )
+
+
+def _metrics(trace: RankTrace, ctx: Context, step_list: list[Any]) -> dict[str, Any]:
+    acc = ctx.accounting
+    durs = acc.step_ns / 1e3
+    out: dict[str, Any] = {
+        "step_time_us": {
+            "mean": float(durs.mean()),
+            "p50": float(np.median(durs)),
+            "max": float(durs.max()),
+            "min": float(durs.min()),
+        },
+        "kinds_us": {k: round(acc.mean_ns(k) / 1e3, 3) for k in (*KINDS, "other")},
+        "shares": {k: round(acc.share(k), 4) for k in (*KINDS, "other")},
+        "transfers": ctx.transfers,
+        "sync": {
+            "calls_per_step": ctx.sync.calls_per_step,
+            "blocked_us_per_step": ctx.sync.blocked_ns_per_step / 1e3,
+            "by_api": ctx.sync.by_api,
+            "triggers": ctx.sync.triggers,
+        },
+        "memory": {
+            "devices": [plain(d) | {"peak_fraction": d.peak_fraction} for d in ctx.memory.devices],
+            "steady_alloc_calls_per_step": ctx.memory.steady_alloc_calls_per_step,
+            "out_of_memory": ctx.memory.out_of_memory,
+        },
+        "communication": ctx.comm,
+        "input": {k: v for k, v in plain(ctx.inputs).items() if k != "intervals"},
+        "ops": ctx.ops,
+    }
+    out.update(_engine_metrics(trace, step_list, ctx.launch))
+    return plain(out)
+
+
+def _engine_metrics(trace: RankTrace, step_list: list[Any], launch: hta.LaunchStats | None) -> dict[str, Any]:
+    """GPU utilization (TensorBoard's definitions) and HTA's temporal/idle/launch metrics."""
+    if not trace.has_gpu:
+        return {}
+    g = gpu_metrics.compute_gpu_metrics(trace, step_list)
+    return {
+        "gpu": {
+            "utilization": g.utilization,
+            "sm_efficiency": g.sm_efficiency,
+            "occupancy": g.occupancy,
+            "devices": [{"device": d.device, **plain(d.overall)} for d in g.devices],
+        },
+        "hta": {
+            "temporal": plain(hta.temporal_breakdown(trace)),
+            "idle": plain(hta.idle_time_breakdown(trace)),
+            "launch": plain(launch),
+        },
+    }
+
+
+def _warnings(ctx: Context) -> list[str]:
+    out = []
+    if not ctx.has_step_markers:
+        out.append(
+            "no ProfilerStep markers: the whole trace is treated as one step (call prof.step() each iteration)"
+        )
+    if ctx.n_steps < 2:
+        out.append("fewer than 2 steps: numbers are not averaged; profile more active steps")
+    if ctx.memory.out_of_memory:
+        out.append(f"{ctx.memory.out_of_memory} out-of-memory events in the trace")
+    return out
+
+
+def _host_memory(metadata: dict[str, Any] | None) -> int:
+    """Host RAM in bytes: from the run metadata, else this machine's when the trace was recorded here.
+
+    A server analysing another host's upload must not report its own RAM as that host's capacity.
+    """
+    md = metadata or {}
+    for key in ("host_memory_bytes", "host_memory", "ram_bytes"):
+        v = md.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    if md.get("host") not in (None, socket.gethostname()):
+        return 0
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _job_report(path: Path, traces: list[RankTrace], reports: list[Report]) -> Report:
+    """A directory: per-rank summaries and spread; the top-level diagnosis is the slowest rank's."""
+    keyed = {
+        (t.rank if t.rank is not None else i): r for i, (t, r) in enumerate(zip(traces, reports, strict=True))
+    }
+    spread = rank_spread({k: r.step_time_us for k, r in keyed.items()})
+    slowest_key = max(keyed, key=lambda k: keyed[k].step_time_us)
+    top = keyed[slowest_key]
+    top.ranks = plain(
+        {
+            "count": len(reports),
+            "step_time_us": {str(k): v for k, v in spread.step_time_us.items()},
+            "median_us": spread.median_us,
+            "spread": spread.spread,
+            "stragglers": spread.stragglers,
+            "slowest": slowest_key,
+            "per_rank": [
+                {
+                    "rank": k,
+                    "source": r.source,
+                    "primary_kind": r.primary.kind,
+                    "primary_share": r.primary.share,
+                    "step_time_us": r.step_time_us,
+                }
+                for k, r in keyed.items()
+            ],
+        }
+    )
+    top.source = str(path)
+    if spread.stragglers:
+        top.warnings.append(
+            f"straggler rank(s) {', '.join(map(str, spread.stragglers))}: the other ranks wait for them in collectives"
+        )
+    return top

@@ -1,0 +1,186 @@
+"""The diagnosis report: one dataclass, its versioned JSON form, and a terminal rendering.
+
+JSON schema (``SCHEMA_VERSION`` 1; what ``stepdoctor analyze --format json`` prints and the server
+stores). Times are microseconds; shares are fractions of the summed step wall time.
+
+    schema_version   int
+    engine_version   str
+    source           str            file (or directory) analysed
+    rank             int | null     world_size: int | null
+    format           str            trace generation the parser recognised
+    device           {name, memory_gb, compute_capability} | null   (null on CPU-only traces)
+    step_time_us     float          mean step wall time
+    primary          {kind, share, us_per_step, confidence, evidence{}}
+                     kind ∈ input|transfer|launch|memory|sync|communication|compute
+    secondary        [same shape as primary], kinds with share >= 5%, largest first
+    breakdown        {kernel, memcpy, memset, communication, runtime, dataloader, cpu_exec, other}:
+                     float µs per step, averaged (TensorBoard's categories, summing to the step)
+    recommendations  [{id, title, kind, change, why, expected_speedup, removable_us_per_step,
+                       confidence, caveats[], evidence{}}], best first; [0] is the next optimization
+    findings         [same shape as recommendations; also rules without a code change]
+    steps            [{number, start_us, duration_us, kinds{kind: µs}}]
+    metrics          {kinds_us, shares, transfers, sync, memory, communication, input, ops,
+                      gpu (utilization, ...), hta (temporal/idle/launch), ...}
+    ranks            present for a directory: {count, step_time_us{rank: µs}, median_us, spread,
+                      stragglers[], per_rank[{rank, source, primary_kind, primary_share,
+                      step_time_us}]}; the top-level diagnosis is then the slowest rank's
+    warnings         [str]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import ENGINE_VERSION, SCHEMA_VERSION
+from .diagnose import Bottleneck, Recommendation
+
+BREAKDOWN_KEYS = ("kernel", "memcpy", "memset", "communication", "runtime", "dataloader", "cpu_exec", "other")
+
+KIND_WORDS = {
+    "input": "the training loop waits for the next batch from the DataLoader",
+    "transfer": "the step waits for host↔device copies that nothing overlaps",
+    "launch": "the device waits for the host to issue work (launch / dispatch overhead of many small ops)",
+    "memory": "the step spends its time allocating, filling or copying memory",
+    "sync": "the host synchronizes with the GPU inside the step, so the GPU idles while work is relaunched",
+    "communication": "collective communication runs with no compute to hide it",
+    "compute": "the device is busy with arithmetic: the step is compute-bound, so make the math cheaper",
+}
+
+
+@dataclass
+class StepRow:
+    number: int
+    start_us: float
+    duration_us: float
+    kinds: dict[str, float]
+
+
+@dataclass
+class Report:
+    source: str
+    primary: Bottleneck
+    secondary: list[Bottleneck]
+    recommendations: list[Recommendation]
+    findings: list[Recommendation]
+    breakdown: dict[str, float]
+    steps: list[StepRow]
+    metrics: dict[str, Any]
+    step_time_us: float
+    rank: int | None = None
+    world_size: int | None = None
+    format: str = "kineto"
+    device: dict[str, Any] | None = None
+    ranks: dict[str, Any] | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "engine_version": ENGINE_VERSION,
+            "source": self.source,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "format": self.format,
+            "device": self.device,
+            "step_time_us": self.step_time_us,
+            "primary": self.primary,
+            "secondary": self.secondary,
+            "breakdown": {k: float(self.breakdown.get(k, 0.0)) for k in BREAKDOWN_KEYS},
+            "recommendations": self.recommendations,
+            "findings": self.findings,
+            "steps": self.steps,
+            "metrics": self.metrics,
+            "warnings": self.warnings,
+        }
+        if self.ranks is not None:
+            d["ranks"] = self.ranks
+        out: dict[str, Any] = plain(d)
+        return out
+
+    def render_text(self) -> str:
+        return render_text(self)
+
+
+def plain(obj: Any) -> Any:
+    """JSON-ready copy: dataclasses to dicts, numpy scalars/arrays to Python, NaN/inf to None."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return [plain(v) for v in obj.tolist()]
+    if isinstance(obj, np.generic):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def _fmt_us(us: float) -> str:
+    if us >= 1e6:
+        return f"{us / 1e6:.2f} s"
+    if us >= 1e3:
+        return f"{us / 1e3:.2f} ms"
+    return f"{us:.1f} µs"
+
+
+def render_text(r: Report) -> str:
+    """Plain-words terminal report: the primary bottleneck, the next change, the breakdown, findings."""
+    lines: list[str] = []
+    where = [f"{len(r.steps)} step{'s' if len(r.steps) != 1 else ''}", f"mean step {_fmt_us(r.step_time_us)}"]
+    if r.device:
+        where.insert(0, str(r.device.get("name")))
+    else:
+        where.insert(0, "CPU only")
+    if r.rank is not None:
+        where.insert(0, f"rank {r.rank}" + (f" of {r.world_size}" if r.world_size else ""))
+    lines += [f"stepdoctor {ENGINE_VERSION} — {r.source}", "  " + ", ".join(where), ""]
+    p = r.primary
+    lines += [
+        f"Primary bottleneck: {p.kind.upper()} — {100 * p.share:.0f}% of step time "
+        f"({_fmt_us(p.us_per_step)} per step, confidence {p.confidence:.2f})",
+        f"  {KIND_WORDS[p.kind]}.",
+    ]
+    if r.secondary:
+        lines.append("  Also: " + ", ".join(f"{b.kind} {100 * b.share:.0f}%" for b in r.secondary))
+    lines.append("")
+    if r.recommendations:
+        rec = r.recommendations[0]
+        lines += [
+            f"Next optimization: {rec.title} (up to {rec.expected_speedup:.2f}× faster steps)",
+            f"  Change: {rec.change}",
+            f"  Why:    {rec.why}",
+        ]
+        lines += [f"  Caveat: {c}" for c in rec.caveats]
+    else:
+        lines.append("Next optimization: none of the rules fired; the step looks balanced.")
+    lines += ["", "Step time breakdown (µs per step, averaged; TensorBoard categories):"]
+    total = sum(r.breakdown.get(k, 0.0) for k in BREAKDOWN_KEYS) or 1.0
+    for k in BREAKDOWN_KEYS:
+        v = r.breakdown.get(k, 0.0)
+        lines.append(f"  {k:<14}{v:>14.1f}  {100 * v / total:5.1f}%")
+    others = (
+        r.findings[1:6]
+        if r.recommendations and r.findings and r.findings[0].id == r.recommendations[0].id
+        else r.findings[:5]
+    )
+    if others:
+        lines += ["", "Other findings:"]
+        for f in others:
+            lines.append(f"  - [{f.kind}] {f.title}: {f.why} (up to {f.expected_speedup:.2f}×)")
+    if r.ranks:
+        rk = r.ranks
+        lines += [
+            "",
+            f"Ranks: {rk['count']}, step-time spread {100 * rk['spread']:.0f}% of the median "
+            f"({_fmt_us(rk['median_us'])}); stragglers: {', '.join(map(str, rk['stragglers'])) or 'none'}",
+        ]
+    lines += [f"Warning: {w}" for w in r.warnings]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,531 @@
+"""Rules as data: each one names a bottleneck kind, a trigger threshold, the code change to make,
+why (from evidence), caveats, and a query that measures the trigger metric and the step time the
+change could remove. Adding a rule is appending one ``Rule`` to ``RULES``.
+
+Ranking uses the upper-bound speedup total / (total − removable) (Nsight/RATELProf, anchors §4).
+Thresholds follow the peers where they had one (TensorBoard: DataLoader > 5% of the step,
+communication > 10%, peak memory > 90%) and add what they lacked: pageable copies, host syncs,
+launch overhead, allocator churn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .comm import CommStats
+from .hta_metrics import LaunchStats
+from .inputs import InputStats, LoaderSettings, suggested_workers
+from .memory import PRESSURE, MemoryStats
+from .model import DeviceInfo
+from .ops import AntiPattern, OpStats
+from .sync import SyncStats
+from .timeline import Accounting
+from .transfers import TransferStats
+
+KINDS: tuple[str, ...] = ("input", "transfer", "launch", "memory", "sync", "communication", "compute")
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything a rule may look at for one rank."""
+
+    has_gpu: bool
+    device: DeviceInfo | None
+    n_steps: int
+    has_step_markers: bool
+    step_ns: float  # mean step duration
+    accounting: Accounting
+    transfers: TransferStats
+    sync: SyncStats
+    memory: MemoryStats
+    comm: CommStats
+    inputs: InputStats
+    ops: OpStats
+    loader: LoaderSettings
+    launch: LaunchStats | None = None  # HTA kernel-launch statistics (GPU traces)
+
+    def ns(self, kind: str) -> float:
+        return self.accounting.mean_ns(kind)
+
+    def share(self, kind: str) -> float:
+        return self.accounting.share(kind)
+
+    def pattern(self, pid: str) -> AntiPattern | None:
+        return next((p for p in self.ops.patterns if p.id == pid), None)
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if self.has_gpu else "cpu"
+
+
+@dataclass(frozen=True)
+class Hit:
+    metric: float  # compared with the rule's threshold
+    removable_ns: float  # per step, upper bound
+    evidence: dict[str, Any]
+    params: dict[str, Any] = field(default_factory=dict)  # for the templates
+    confidence: float | None = None  # None: derived from how far the metric exceeds the threshold
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    kind: str
+    title: str
+    trigger: str  # the threshold in words, for docs and the report
+    threshold: float
+    query: Callable[[Context], Hit | None]
+    change: str  # code change template ("" for a finding without a direct change)
+    why: str  # evidence template
+    caveats: tuple[str, ...] = ()
+
+    def evaluate(self, ctx: Context) -> Hit | None:
+        hit = self.query(ctx)
+        if hit is None or hit.metric < self.threshold:
+            return None
+        if hit.confidence is None:
+            excess = (hit.metric - self.threshold) / self.threshold if self.threshold > 0 else 1.0
+            hit = Hit(
+                hit.metric,
+                hit.removable_ns,
+                hit.evidence,
+                hit.params,
+                round(0.5 + 0.45 * min(1.0, excess), 2),
+            )
+        return hit
+
+
+def speedup(total_ns: float, removable_ns: float) -> float:
+    """Upper-bound speedup if ``removable_ns`` of a ``total_ns`` step disappeared."""
+    if total_ns <= 0:
+        return 1.0
+    return total_ns / max(total_ns - min(removable_ns, 0.95 * total_ns), 1e-9)
+
+
+def _us(ns: float) -> float:
+    return round(ns / 1e3, 1)
+
+
+# --- queries -----------------------------------------------------------------------------------
+
+
+def _input(ctx: Context) -> Hit | None:
+    st, ld = ctx.inputs, ctx.loader
+    if st.loader_ns_per_step <= 0:
+        return None
+    workers = suggested_workers(ld)
+    single = st.single_process or ld.num_workers == 0
+    evidence = {
+        "loader_us_per_step": _us(st.loader_ns_per_step),
+        "exposed_us_per_step": _us(ctx.ns("input")),
+        "iterators": st.iterators,
+        "max_wait_us": _us(st.max_wait_ns),
+        "num_workers": ld.num_workers,
+        "cpu_count": ld.cpu_count,
+    }
+    pin = ", pin_memory=True" if ctx.has_gpu else ""
+    change = f"DataLoader(dataset, batch_size=..., num_workers={workers}{pin}, persistent_workers=True, prefetch_factor=4)"
+    if not single:
+        change += (
+            "; and make __getitem__ cheaper (decode/augment once and cache, or move transforms to the GPU)"
+        )
+    cause = (
+        "the main process loads every batch itself (single-process DataLoader, num_workers=0)"
+        if single
+        else "the worker processes cannot prefetch batches as fast as the step consumes them"
+    )
+    return Hit(ctx.share("input"), ctx.ns("input"), evidence, {"change": change, "cause": cause})
+
+
+def _pageable(ctx: Context) -> Hit | None:
+    t = ctx.transfers
+    if t.pageable_count_per_step <= 0 or t.copy_ns_per_step <= 0:
+        return None
+    frac = min(1.0, t.pageable_ns_per_step / t.copy_ns_per_step)
+    removable = ctx.ns("transfer") * frac
+    htod = t.direction("HtoD")
+    evidence = {
+        "pageable_copies_per_step": round(t.pageable_count_per_step, 2),
+        "pageable_mb_per_step": round(t.pageable_bytes_per_step / 2**20, 2),
+        "exposed_copy_us_per_step": _us(ctx.ns("transfer")),
+        "htod_bandwidth_gbps": round(htod.bandwidth_gbps, 2) if htod else None,
+    }
+    return Hit(
+        ctx.share("transfer"), removable, evidence, {"gbps": evidence["htod_bandwidth_gbps"] or 0.0}, 0.9
+    )
+
+
+def _exposed_copies(ctx: Context) -> Hit | None:
+    t = ctx.transfers
+    if t.copy_ns_per_step <= 0 or t.pageable_count_per_step > 0:
+        return None
+    evidence = {
+        "exposed_copy_us_per_step": _us(ctx.ns("transfer")),
+        "copy_us_per_step": _us(t.copy_ns_per_step),
+    }
+    return Hit(ctx.share("transfer"), ctx.ns("transfer"), evidence)
+
+
+def _sync_copies(ctx: Context) -> Hit | None:
+    t = ctx.transfers
+    if t.sync_copy_calls_per_step <= 0:
+        return None
+    evidence = {
+        "sync_copy_calls_per_step": t.sync_copy_calls_per_step,
+        "host_blocked_us_per_step": _us(t.sync_copy_host_ns_per_step),
+    }
+    return Hit(
+        t.sync_copy_calls_per_step,
+        min(t.sync_copy_host_ns_per_step, ctx.ns("sync") + ctx.ns("transfer")),
+        evidence,
+    )
+
+
+def _host_sync(ctx: Context) -> Hit | None:
+    s = ctx.sync
+    if s.calls_per_step <= 0:
+        return None
+    triggers = [{"op": t.op, "calls": t.count, "blocked_us": _us(t.blocked_ns)} for t in s.triggers[:5]]
+    top = s.triggers[0].op if s.triggers else "a blocking call"
+    evidence = {
+        "sync_calls_per_step": round(s.calls_per_step, 2),
+        "host_blocked_us_per_step": _us(s.blocked_ns_per_step),
+        "gpu_idle_after_sync_us_per_step": _us(ctx.ns("sync")),
+        "apis": s.by_api,
+        "triggers": triggers,
+    }
+    return Hit(
+        ctx.share("sync"), ctx.ns("sync"), evidence, {"trigger": top, "calls": round(s.calls_per_step, 1)}
+    )
+
+
+def _gpu_launch(ctx: Context) -> Hit | None:
+    if not ctx.has_gpu:
+        return None
+    o = ctx.ops
+    evidence = {
+        "host_wait_us_per_step": _us(ctx.ns("launch")),
+        "kernels_per_step": round(o.kernels_per_step, 1),
+        "median_kernel_us": _us(o.median_kernel_ns),
+    }
+    if ctx.launch is not None and ctx.launch.count:
+        evidence |= {
+            "median_launch_us": _us(ctx.launch.cpu_duration_ns["p50"]),
+            "median_launch_delay_us": _us(ctx.launch.launch_delay_ns["p50"]),
+            "short_kernel_fraction": round(ctx.launch.short_kernels / ctx.launch.count, 3),
+        }
+    params = {"kernels": o.kernels_per_step, "median_us": o.median_kernel_ns / 1e3}
+    return Hit(ctx.share("launch"), ctx.ns("launch"), evidence, params)
+
+
+def _cpu_overhead(ctx: Context) -> Hit | None:
+    if ctx.has_gpu:
+        return None
+    o = ctx.ops
+    evidence = {
+        "overhead_us_per_step": _us(ctx.ns("launch")),
+        "ops_per_step": round(o.ops_per_step, 1),
+        "median_op_us": _us(o.median_op_ns),
+    }
+    # Overhead from many tiny ops, not a few big non-matmul ops: require a small median op.
+    conf = 0.85 if o.median_op_ns < 50_000 and o.ops_per_step >= 100 else 0.45
+    params = {"ops": o.ops_per_step, "median_us": o.median_op_ns / 1e3}
+    return Hit(ctx.share("launch"), ctx.ns("launch"), evidence, params, conf)
+
+
+def _cpu_memory(ctx: Context) -> Hit | None:
+    if ctx.has_gpu:
+        return None
+    cpu = next((d for d in ctx.memory.devices if d.device == "cpu"), None)
+    evidence: dict[str, Any] = {"memory_op_us_per_step": _us(ctx.ns("memory"))}
+    if cpu:
+        evidence |= {
+            "alloc_mb_per_step": round(cpu.alloc_bytes_per_step / 2**20, 2),
+            "allocs_per_step": round(cpu.allocs_per_step, 1),
+            "peak_mb": round(cpu.peak_allocated / 2**20, 2),
+        }
+    conf = 0.8 if cpu and cpu.alloc_bytes_per_step >= 64 * 2**20 else 0.5
+    mb = cpu.alloc_bytes_per_step / 2**20 if cpu else 0.0
+    return Hit(ctx.share("memory"), ctx.ns("memory"), evidence, {"mb": mb}, conf)
+
+
+def _allocator(ctx: Context) -> Hit | None:
+    m = ctx.memory
+    if m.steady_alloc_calls_per_step <= 0:
+        return None
+    evidence = {
+        "cudaMalloc_cudaFree_per_step": round(m.steady_alloc_calls_per_step, 2),
+        "host_us_per_step": _us(m.steady_alloc_call_ns_per_step),
+        "gpu_idle_us_per_step": _us(ctx.ns("memory")),
+    }
+    return Hit(m.steady_alloc_calls_per_step, max(ctx.ns("memory"), 0.0), evidence)
+
+
+def _pressure(ctx: Context) -> Hit | None:
+    worst = ctx.memory.worst()
+    if worst is None and ctx.memory.out_of_memory == 0:
+        return None
+    frac = worst.peak_fraction if worst else 0.0
+    evidence = {
+        "device": worst.device if worst else None,
+        "peak_allocated_gb": round(worst.peak_allocated / 2**30, 2) if worst else None,
+        "peak_reserved_gb": round(worst.peak_reserved / 2**30, 2) if worst else None,
+        "capacity_gb": round(worst.capacity / 2**30, 2) if worst else None,
+        "out_of_memory_events": ctx.memory.out_of_memory,
+    }
+    metric = 1.0 if ctx.memory.out_of_memory else frac
+    return Hit(metric, 0.0, evidence, {"pct": 100 * frac}, 0.9)
+
+
+def _comm(ctx: Context) -> Hit | None:
+    c = ctx.comm
+    if c.kernel_ns_per_step <= 0 and c.host_collective_ns_per_step <= 0:
+        return None
+    evidence = {
+        "collective_us_per_step": _us(c.kernel_ns_per_step or c.host_collective_ns_per_step),
+        "exposed_us_per_step": _us(ctx.ns("communication")),
+        "overlap_fraction": round(c.overlap_fraction, 3),
+        "top_collectives": [{"name": n, "count": k, "total_us": _us(t)} for n, k, t in c.top_kernels[:3]],
+    }
+    return Hit(ctx.share("communication"), ctx.ns("communication"), evidence)
+
+
+def _compute(ctx: Context) -> Hit | None:
+    if ctx.ns("compute") <= 0:
+        return None
+    fp32 = ctx.pattern("fp32_matmul")
+    top = [k.name for k in (ctx.ops.top_kernels if ctx.has_gpu else ctx.ops.top_ops)[:3]]
+    evidence = {"compute_us_per_step": _us(ctx.ns("compute")), "top": top}
+    # Mixed precision roughly halves matmul time on tensor-core GPUs; on CPUs only with bf16 units.
+    removable = ctx.ns("compute") * (0.5 if ctx.has_gpu else 0.3)
+    if fp32:
+        evidence |= fp32.evidence
+    return Hit(ctx.share("compute"), removable, evidence, {"dev": ctx.device_type})
+
+
+def _pattern(pid: str) -> Callable[[Context], Hit | None]:
+    def query(ctx: Context) -> Hit | None:
+        p = ctx.pattern(pid)
+        if p is None:
+            return None
+        removable = min(p.removable_ns_per_step, ctx.step_ns)
+        return Hit(1.0, removable, dict(p.evidence), confidence=0.8)
+
+    return query
+
+
+RULES: list[Rule] = [
+    Rule(
+        "input.dataloader_workers",
+        "input",
+        "Feed the step faster: more DataLoader workers",
+        "DataLoader wait > 5% of the step (TensorBoard's threshold)",
+        0.05,
+        _input,
+        "{change}",
+        "The training loop waits {kind_pct:.0f}% of each step in DataLoader.__next__: {cause}.",
+        (
+            "Each worker holds a copy of the dataset object; watch host RAM.",
+            "Workers compete with the main process for CPU cores.",
+        ),
+    ),
+    Rule(
+        "transfer.pinned_memory",
+        "transfer",
+        "Copy from pinned memory, asynchronously",
+        "any pageable host↔device copy while copies are exposed ≥ 1% of the step",
+        0.01,
+        _pageable,
+        "DataLoader(..., pin_memory=True) and batch = batch.to(device, non_blocking=True)",
+        "Copies from pageable host memory are staged through a bounce buffer, block the host and run at "
+        "{gbps:.1f} GB/s; exposed copies take {kind_pct:.0f}% of the step.",
+        ("Pinned memory is page-locked host RAM; pinning very large buffers can starve the OS.",),
+    ),
+    Rule(
+        "transfer.overlap_copies",
+        "transfer",
+        "Overlap copies with compute",
+        "copies not overlapped by kernels > 10% of the step",
+        0.10,
+        _exposed_copies,
+        "Prefetch the next batch to the GPU on a side stream (torch.cuda.Stream) with non_blocking=True copies",
+        "Copies run while no kernel runs for {kind_pct:.0f}% of the step.",
+        ("Overlap needs pinned memory and enough memory for two batches on the device.",),
+    ),
+    Rule(
+        "transfer.sync_memcpy",
+        "transfer",
+        "Replace synchronous cudaMemcpy",
+        "any synchronous cudaMemcpy in the step (Nsight's rule)",
+        1.0,
+        _sync_copies,
+        "Use tensor.to(device, non_blocking=True) from pinned memory instead of blocking copies",
+        "Synchronous memcpy blocks the host on every call.",
+        ("Small HtoD copies (<= 64 KB) of scalars are cheap; look at the largest first.",),
+    ),
+    Rule(
+        "sync.host_sync",
+        "sync",
+        "Stop synchronizing with the GPU inside the step",
+        "GPU idle after host syncs > 5% of the step",
+        0.05,
+        _host_sync,
+        "Remove per-step {trigger} calls (.item(), .cpu(), print(loss)): accumulate on the device, e.g. "
+        "running_loss += loss.detach(), and read it every N steps",
+        "{calls:.0f} blocking syncs per step (mostly {trigger}) drain the GPU queue; the GPU then idles {kind_pct:.0f}% "
+        "of the step while the host relaunches work.",
+        (
+            "Data-dependent control flow (early stopping, NaN checks) needs some syncs; do them every N steps.",
+        ),
+    ),
+    Rule(
+        "launch.cuda_graphs",
+        "launch",
+        "Cut kernel-launch overhead with CUDA graphs",
+        "GPU waiting for the host to launch work > 10% of the step",
+        0.10,
+        _gpu_launch,
+        'model = torch.compile(model, mode="reduce-overhead")  # captures CUDA graphs; or a larger batch per step',
+        "The GPU waits for the host to issue work {kind_pct:.0f}% of the step ({kernels:.0f} kernels per step, "
+        "median {median_us:.1f} µs each): launching them costs more than running them.",
+        (
+            "CUDA graphs need static shapes and no host syncs inside the captured region.",
+            "Compilation takes time on the first steps.",
+        ),
+    ),
+    Rule(
+        "launch.cpu_overhead",
+        "launch",
+        "Run fewer, bigger ops",
+        "framework overhead (small ops and the glue between them) > 20% of the step",
+        0.20,
+        _cpu_overhead,
+        "model = torch.compile(model)  # fuses small ops; also vectorize Python loops over tensors and use larger batches",
+        "{kind_pct:.0f}% of the step is dispatch overhead: {ops:.0f} ops per step with a median of {median_us:.1f} µs "
+        "each, rather than arithmetic.",
+        ("torch.compile needs a C++ compiler on CPU and adds compile time to the first steps.",),
+    ),
+    Rule(
+        "memory.cpu_temporaries",
+        "memory",
+        "Stop re-allocating large temporaries every step",
+        "allocating/filling/copying ops > 15% of the step (CPU)",
+        0.15,
+        _cpu_memory,
+        "Allocate buffers once outside the loop and reuse them (out=..., in-place ops such as buf.zero_()); "
+        "avoid per-step torch.zeros/clone/cat of large tensors",
+        "{kind_pct:.0f}% of the step is spent allocating, filling or copying memory ({mb:.0f} MB allocated per "
+        "step) rather than computing.",
+        ("Reused buffers must not be captured by autograd across steps.",),
+    ),
+    Rule(
+        "memory.allocator_steady_state",
+        "memory",
+        "Stop cudaMalloc/cudaFree in steady state",
+        "any cudaMalloc/cudaFree after the first step",
+        0.01,
+        _allocator,
+        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before the first CUDA allocation)",
+        "The caching allocator keeps calling cudaMalloc/cudaFree after warm-up (fragmentation or varying shapes).",
+        ("Varying input shapes cause this too: pad or bucket them.",),
+    ),
+    Rule(
+        "memory.pressure",
+        "memory",
+        "Memory is nearly full",
+        f"peak > {PRESSURE:.0%} of device memory, or any out-of-memory event",
+        PRESSURE,
+        _pressure,
+        "Wrap large blocks in torch.utils.checkpoint.checkpoint(...) (activation checkpointing) or halve the "
+        "micro-batch and accumulate gradients",
+        "Peak memory reaches {pct:.0f}% of capacity: one larger batch or fragmentation away from OOM.",
+        ("Activation checkpointing trades about a third more compute for memory.",),
+    ),
+    Rule(
+        "communication.overlap",
+        "communication",
+        "Hide gradient communication behind compute",
+        "exposed collectives > 10% of the step (TensorBoard's threshold)",
+        0.10,
+        _comm,
+        "DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=True, static_graph=True); "
+        "with model.no_sync() for gradient-accumulation micro-steps; "
+        "or ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)",
+        "Collectives run with no compute to hide them for {kind_pct:.0f}% of the step.",
+        (
+            "If one rank is a straggler, the others' exposed time is waiting, not bandwidth: fix the straggler.",
+        ),
+    ),
+    Rule(
+        "compute.mixed_precision",
+        "compute",
+        "Make the compute itself cheaper: mixed precision",
+        "compute > 30% of the step",
+        0.30,
+        _compute,
+        'with torch.autocast(device_type="{dev}", dtype=torch.bfloat16): loss = model(batch)  '
+        '# and torch.set_float32_matmul_precision("high")',
+        "The device is busy with arithmetic {kind_pct:.0f}% of the step; lower precision shortens matmuls.",
+        (
+            "Check the loss curve after switching precision.",
+            "On CPUs without bf16 units (AVX512-BF16/AMX) bf16 can be slower.",
+        ),
+    ),
+    Rule(
+        "launch.foreach_optimizer",
+        "launch",
+        "Use the multi-tensor optimizer",
+        "optimizer step runs >= 20 single-tensor update ops and no _foreach_ ops",
+        1.0,
+        _pattern("single_tensor_optimizer"),
+        "torch.optim.AdamW(model.parameters(), lr=..., foreach=True)  # or fused=True on CUDA",
+        "The optimizer updates each parameter tensor with separate ops.",
+        (),
+    ),
+    Rule(
+        "memory.zero_grad_set_to_none",
+        "memory",
+        "Drop gradients instead of zeroing them",
+        "zero_grad runs aten::zero_",
+        1.0,
+        _pattern("zero_grad_fill"),
+        "optimizer.zero_grad(set_to_none=True)",
+        "zero_grad writes zeros into every gradient tensor each step.",
+        ("Code that reads .grad before backward must handle None.",),
+    ),
+    Rule(
+        "compute.tf32",
+        "compute",
+        "Use tensor cores for FP32 matmuls",
+        "FP32 SIMT GEMM kernels on an sm_80+ GPU",
+        1.0,
+        _pattern("fp32_matmul"),
+        'torch.set_float32_matmul_precision("high")  # TF32 tensor cores; or autocast to bf16',
+        "FP32 GEMMs run on CUDA cores although the GPU has tensor cores.",
+        ("TF32 keeps FP32 range with a 10-bit mantissa.",),
+    ),
+    Rule(
+        "launch.select_loop",
+        "launch",
+        "Vectorize indexing loops",
+        ">= 1000 aten::select/index/slice per step",
+        1.0,
+        _pattern("select_loop"),
+        "Replace Python loops over tensor elements with one vectorized op (index_select, gather, masks)",
+        "Thousands of select/index ops per step indicate a Python loop over tensor elements.",
+        (),
+    ),
+    Rule(
+        "transfer.small_copies",
+        "transfer",
+        "Batch small host-to-device copies",
+        ">= 50 HtoD copies <= 64 KB per step",
+        1.0,
+        _pattern("small_htod_copies"),
+        "Create tensors directly on the device (torch.zeros(..., device=device)) or stack them and copy once",
+        "Many tiny HtoD copies each pay the launch and synchronization cost.",
+        (),
+    ),
+]

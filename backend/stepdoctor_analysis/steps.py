@@ -1,0 +1,150 @@
+"""Training-step windows, defined exactly as torch-tb-profiler 0.4.3 defines them (anchors §2).
+
+Users compare our per-step numbers with TensorBoard's, so the windows must agree:
+- a step is a ``ProfilerStep#N`` range (``user_annotation``, or ``Operator``/``cpu_op`` in old traces);
+- its end is extended to the last GPU op (kernel, memcpy, memset) launched by a runtime call lying
+  wholly inside the host range; its start is no earlier than the previous step's end, and the first
+  step starts no earlier than the end of GPU work launched before it;
+- trailing steps that launched no GPU work are dropped, and so is the last step when it launched
+  < 80% of the previous step's GPU ops (the profiler likely stopped before its kernels were recorded).
+
+Deliberate differences from tb-profiler: launch calls are recognised under every category name
+(``cuda_runtime``, ``cuda_driver``/``cuLaunchKernel``, AMD ``hip*``), whereas 0.4.3 only knows the
+legacy ``Runtime`` category and so never extends steps on traces from PyTorch ≥ 1.10; and a trace
+without step markers is one step over all host and GPU activity (tb-profiler spans only CPU ops).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .model import I64, GpuKind, HostKind, Mask, RankTrace, Step
+
+STEP_PREFIX = "ProfilerStep#"
+_TAIL_RATIO = 0.8
+
+
+def step_marker_mask(trace: RankTrace) -> Mask:
+    """Host events that are ``ProfilerStep#N`` markers."""
+    is_step = trace.name_mask(_is_step_name, key="steps.marker")
+    kind = trace.host.kind
+    return is_step[trace.host.name] & ((kind == HostKind.USER_ANNOTATION) | (kind == HostKind.CPU_OP))
+
+
+def _is_step_name(s: str) -> bool:
+    return s.startswith(STEP_PREFIX) and s[len(STEP_PREFIX) :].isdigit()
+
+
+def launch_mask(trace: RankTrace) -> Mask:
+    """Host events that launch GPU work: runtime and driver API calls."""
+    kind = trace.host.kind
+    return (kind == HostKind.RUNTIME) | (kind == HostKind.DRIVER)
+
+
+def device_op_mask(trace: RankTrace) -> Mask:
+    """GPU events that count as device work for step windows (tb-profiler's device nodes)."""
+    kind = trace.gpu.kind
+    return (kind == GpuKind.KERNEL) | (kind == GpuKind.MEMCPY) | (kind == GpuKind.MEMSET)
+
+
+def launching_call(trace: RankTrace) -> I64:
+    """For each GPU event, the index of the host launch call with its correlation id, else -1."""
+    host, gpu = trace.host, trace.gpu
+    rt = np.flatnonzero(launch_mask(trace) & (host.correlation >= 0))
+    out = np.full(len(gpu), -1, np.int64)
+    if rt.size == 0 or len(gpu) == 0:
+        return out
+    corr = host.correlation[rt]
+    # Stable sort: for a repeated correlation id the later call wins, as in tb-profiler's dict.
+    order = np.argsort(corr, kind="stable")
+    corr_sorted, rt_sorted = corr[order], rt[order]
+    pos = np.searchsorted(corr_sorted, gpu.correlation, side="right") - 1
+    ok = (pos >= 0) & (gpu.correlation >= 0)
+    ok[ok] = corr_sorted[pos[ok]] == gpu.correlation[ok]
+    out[ok] = rt_sorted[pos[ok]]
+    return out
+
+
+def find_steps(trace: RankTrace) -> list[Step]:
+    """Step windows in time order; one synthetic step (number 0) when the trace has no markers."""
+    host = trace.host
+    marks = np.flatnonzero(step_marker_mask(trace))
+    if marks.size == 0:
+        return _whole_trace_step(trace)
+    marks = marks[np.argsort(host.ts[marks], kind="stable")]
+    numbers = [int(trace.strings[n][len(STEP_PREFIX) :]) for n in host.name[marks]]
+    starts = host.ts[marks].copy()
+    ends = starts + host.dur[marks]
+    n = starts.size
+
+    dev = device_op_mask(trace)
+    call = launching_call(trace)
+    linked = np.flatnonzero(dev & (call >= 0))
+    calls = call[linked]
+    # The step whose host range wholly contains the launch call (tb-profiler's two-way merge).
+    c_start = host.ts[calls]
+    c_end = c_start + host.dur[calls]
+    idx = np.searchsorted(starts, c_start, side="right") - 1
+    inside = idx >= 0
+    inside[inside] = c_end[inside] <= ends[idx[inside]]
+    g_idx = linked[inside]
+    s_idx = idx[inside]
+    gpu = trace.gpu
+    g_start, g_end = gpu.ts[g_idx], gpu.ts[g_idx] + gpu.dur[g_idx]
+    matched = np.bincount(s_idx, minlength=n)
+    dev_min = np.full(n, np.iinfo(np.int64).max, np.int64)
+    dev_max = np.full(n, np.iinfo(np.int64).min, np.int64)
+    np.minimum.at(dev_min, s_idx, g_start)
+    np.maximum.at(dev_max, s_idx, g_end)
+
+    if g_idx.size == 0:
+        return [Step(num, int(s), int(e)) for num, s, e in zip(numbers, starts, ends, strict=True)]
+
+    prev_end = int(starts[0])
+    if matched[0] > 0:
+        unmatched = np.ones(len(gpu), np.bool_)
+        unmatched[g_idx] = False
+        unmatched &= dev
+        u_end = gpu.ts[unmatched] + gpu.dur[unmatched]
+        before = u_end[u_end < dev_min[0]]
+        if before.size:
+            prev_end = max(prev_end, int(before.max()))
+    steps: list[Step] = []
+    for i in range(n):
+        start = max(prev_end, int(starts[i]))
+        end = int(ends[i])
+        end = max(end, start) if matched[i] == 0 else max(end, int(dev_max[i]), start)
+        steps.append(Step(numbers[i], start, end))
+        prev_end = end
+    return _drop_incomplete_tail(steps, matched)
+
+
+def _drop_incomplete_tail(steps: list[Step], matched: np.ndarray) -> list[Step]:
+    if len(steps) <= 1:
+        return steps
+    with_gpu = np.flatnonzero(matched > 0)
+    if with_gpu.size == 0:
+        return steps
+    last = int(with_gpu[-1])
+    keep = last + 1
+    if last > 0 and matched[last - 1] * _TAIL_RATIO > matched[last]:
+        keep = last
+    return steps[:keep]
+
+
+def _whole_trace_step(trace: RankTrace) -> list[Step]:
+    """No markers: one step from the first to the last host op, launch call or GPU op."""
+    host, gpu = trace.host, trace.gpu
+    kind = host.kind
+    real = (kind != HostKind.OTHER) & (kind != HostKind.OVERHEAD)
+    lo: list[int] = []
+    hi: list[int] = []
+    if real.any():
+        lo.append(int(host.ts[real].min()))
+        hi.append(int((host.ts[real] + host.dur[real]).max()))
+    if len(gpu):
+        lo.append(int(gpu.ts.min()))
+        hi.append(int((gpu.ts + gpu.dur).max()))
+    if not lo:
+        return []
+    return [Step(0, min(lo), max(hi))]

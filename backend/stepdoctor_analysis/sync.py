@@ -1,0 +1,139 @@
+"""Host↔device synchronization: where the host blocks, for how long, and which op asked for it.
+
+A sync is costly not for the time the host waits (the GPU is busy then) but because the launch
+queue drains: after the call returns the GPU idles until the host has launched new work. The
+diagnosis charges that refill bubble to sync (see ``diagnose``); this module finds the calls and
+their triggers (``aten::item``/``_local_scalar_dense``, ``.cpu()``/``aten::to`` with DtoH, ...),
+by time containment of the runtime call inside the enclosing ``cpu_op`` on the same thread.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import timeline as tl
+from .model import GpuKind, HostKind, HostMem, RankTrace, Step
+from .steps import launch_mask, launching_call
+from .transfers import sync_copy_call_mask
+
+_SYNC_API_RE = re.compile(r"^(cuda|hip)(Stream|Device|Event)Synchronize$|^cu(Stream|Ctx|Event)Synchronize$")
+# Ops users write that synchronize; reported in preference to their inner helpers.
+_TRIGGERS = (
+    "aten::item",
+    "aten::_local_scalar_dense",
+    "aten::nonzero",
+    "aten::is_nonzero",
+    "aten::masked_select",
+    "aten::unique",
+    "aten::_unique2",
+    "aten::equal",
+    "aten::cpu",
+    "aten::to",
+    "aten::_to_copy",
+    "aten::copy_",
+    "aten::tolist",
+    "aten::allclose",
+    "aten::any",
+    "aten::all",
+)
+_LOOKBACK = 256  # enclosing ops are among the few hundred ops that started just before the call
+_MAX_TRIGGER_CALLS = 5_000  # beyond this, name an evenly spaced sample (steps repeat the same syncs)
+
+
+@dataclass(frozen=True)
+class Trigger:
+    op: str
+    count: int
+    blocked_ns: int
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    calls_per_step: float = 0.0
+    blocked_ns_per_step: float = 0.0
+    by_api: dict[str, int] = field(default_factory=dict)  # API name -> call count in steps
+    triggers: list[Trigger] = field(default_factory=list)
+    call_ends: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # ns, sorted
+    call_starts: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+
+
+def blocking_call_mask(trace: RankTrace) -> np.ndarray:
+    """Runtime calls that block the host: explicit syncs, sync memcpy, async copies of pageable memory."""
+    h = trace.host
+    if not len(h):
+        return np.zeros(0, dtype=np.bool_)
+    rt = launch_mask(trace)
+    mask = (tl.host_name_mask(trace, _SYNC_API_RE, "sync_api") & rt) | sync_copy_call_mask(trace)
+    g = trace.gpu
+    if len(g):
+        launcher = launching_call(trace)
+        pageable = (g.kind == GpuKind.MEMCPY) & (g.host_mem == HostMem.PAGEABLE) & (launcher >= 0)
+        mask[launcher[pageable]] = True
+    return mask
+
+
+def analyze_sync(trace: RankTrace, steps: list[Step]) -> SyncStats:
+    h = trace.host
+    if not len(h) or not steps:
+        return SyncStats()
+    starts, ends = tl.step_windows(steps)
+    calls = np.flatnonzero(blocking_call_mask(trace) & tl.in_windows(h.ts, starts, ends))
+    if calls.size == 0:
+        return SyncStats()
+    n = len(steps)
+    by_api: dict[str, int] = defaultdict(int)
+    for name_id, count in zip(*np.unique(h.name[calls], return_counts=True), strict=True):
+        by_api[trace.strings[int(name_id)]] += int(count)
+    call_end = h.ts[calls] + h.dur[calls]
+    order = np.argsort(call_end)
+    return SyncStats(
+        calls_per_step=calls.size / n,
+        blocked_ns_per_step=int(h.dur[calls].sum()) / n,
+        by_api=dict(by_api),
+        triggers=_triggers(trace, calls),
+        call_ends=call_end[order],
+        call_starts=h.ts[calls][order],
+    )
+
+
+def _triggers(trace: RankTrace, calls: np.ndarray) -> list[Trigger]:
+    """Name each blocking call by the user-facing op that encloses it on the same thread."""
+    h = trace.host
+    if calls.size > _MAX_TRIGGER_CALLS:
+        calls = calls[np.linspace(0, calls.size - 1, _MAX_TRIGGER_CALLS).astype(np.int64)]
+    ops = np.flatnonzero(h.kind == HostKind.CPU_OP)
+    trigger_names = trace.name_mask(lambda n: n in _TRIGGERS, key=("diag", "sync_triggers"))
+    picked = np.full(calls.size, -1, dtype=np.int64)
+    for tid in np.unique(h.tid[calls]):
+        sel = ops[h.tid[ops] == tid]
+        sel = sel[np.argsort(h.ts[sel], kind="stable")]
+        mine = np.flatnonzero(h.tid[calls] == tid)
+        if sel.size == 0:
+            continue
+        c = calls[mine]
+        hi = np.searchsorted(h.ts[sel], h.ts[c], side="right")
+        # A window of the ops that started just before each call, oldest first.
+        win = hi[:, None] - _LOOKBACK + np.arange(_LOOKBACK)[None, :]
+        valid = win >= 0
+        cand = sel[np.clip(win, 0, sel.size - 1)]
+        enclosing = valid & (h.ts[cand] + h.dur[cand] >= (h.ts[c] + h.dur[c])[:, None])
+        known = enclosing & trigger_names[h.name[cand]]
+        # The outermost known trigger is what the user wrote (aten::item, not its helper);
+        # with none known, the innermost enclosing op.
+        first_known = np.argmax(known, axis=1)
+        last_enclosing = _LOOKBACK - 1 - np.argmax(enclosing[:, ::-1], axis=1)
+        rows = np.arange(c.size)
+        pick = np.where(known.any(axis=1), cand[rows, first_known], cand[rows, last_enclosing])
+        picked[mine] = np.where(enclosing.any(axis=1), pick, -1)
+    count: dict[str, int] = defaultdict(int)
+    blocked: dict[str, int] = defaultdict(int)
+    for op_idx, dur in zip(picked.tolist(), h.dur[calls].tolist(), strict=True):
+        name = trace.strings[int(h.name[op_idx])] if op_idx >= 0 else "(no enclosing op)"
+        count[name] += 1
+        blocked[name] += int(dur)
+    out = [Trigger(op, count[op], blocked[op]) for op in count]
+    return sorted(out, key=lambda t: -t.blocked_ns)[:10]

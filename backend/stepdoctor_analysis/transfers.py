@@ -1,0 +1,114 @@
+"""Host↔device copies: volume, bandwidth, pageable vs pinned, synchronous copies, exposed time.
+
+Exposed copy time is the part of the copies' device time that no compute kernel overlaps: that is
+what a step pays for moving data. Pageable host memory matters because CUDA must stage it through
+a pinned bounce buffer, which makes the host wait and halves the achievable bandwidth (Nsight
+Systems flags every pageable async copy; TensorBoard's plugin had no such rule).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import intervals as iv
+from . import timeline as tl
+from .model import CopyKind, GpuKind, HostMem, RankTrace, Step
+from .steps import launch_mask
+
+# Non-async memcpy APIs block the calling host thread until the copy is done.
+_SYNC_COPY_RE = re.compile(
+    r"^(cuda|hip)Memcpy(2D|3D|ToSymbol|FromSymbol|Peer)?$|^cuMemcpy(HtoD|DtoH|DtoD)?(_v2)?$"
+)
+
+DIRECTIONS = {
+    CopyKind.HTOD: "HtoD",
+    CopyKind.DTOH: "DtoH",
+    CopyKind.DTOD: "DtoD",
+    CopyKind.HTOH: "HtoH",
+    CopyKind.PTOP: "PtoP",
+}
+
+
+@dataclass(frozen=True)
+class DirectionStats:
+    direction: str
+    count_per_step: float
+    bytes_per_step: float
+    device_ns_per_step: float
+    bandwidth_gbps: float  # bytes / device time over all copies of this direction
+    pageable_count_per_step: float
+    pinned_count_per_step: float
+    median_bytes: float
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    directions: list[DirectionStats] = field(default_factory=list)
+    copy_ns_per_step: float = 0.0  # union of memcpy device time
+    exposed_ns_per_step: float = 0.0  # ... not overlapped by compute kernels
+    exposed_per_step: list[int] = field(default_factory=list)
+    pageable_ns_per_step: float = 0.0  # device time of pageable copies
+    pageable_bytes_per_step: float = 0.0
+    pageable_count_per_step: float = 0.0
+    sync_copy_calls_per_step: float = 0.0  # cudaMemcpy & co.
+    sync_copy_host_ns_per_step: float = 0.0
+    small_htod_per_step: float = 0.0  # HtoD copies <= 64 KiB (Nsight's threshold for "ignore")
+
+    def direction(self, name: str) -> DirectionStats | None:
+        return next((d for d in self.directions if d.direction == name), None)
+
+
+def sync_copy_call_mask(trace: RankTrace) -> np.ndarray:
+    return tl.host_name_mask(trace, _SYNC_COPY_RE, "sync_copy") & launch_mask(trace)
+
+
+def analyze_transfers(trace: RankTrace, steps: list[Step]) -> TransferStats:
+    g = trace.gpu
+    if not len(g) or not steps:
+        return TransferStats()
+    starts, ends = tl.step_windows(steps)
+    n = len(steps)
+    memcpy = (g.kind == GpuKind.MEMCPY) & tl.in_windows(g.ts, starts, ends)
+    copies = tl.gpu_union(trace, memcpy)
+    compute = tl.gpu_union(trace, tl.compute_kernel_mask(trace))
+    exposed = tl.per_step(iv.subtract(copies, compute), starts, ends)
+    pageable = memcpy & (g.host_mem == HostMem.PAGEABLE)
+
+    directions = []
+    for kind, label in DIRECTIONS.items():
+        m = memcpy & (g.copy_kind == kind)
+        if not m.any():
+            continue
+        b = np.maximum(g.bytes[m], 0)
+        dur = int(g.dur[m].sum())
+        directions.append(
+            DirectionStats(
+                direction=label,
+                count_per_step=int(m.sum()) / n,
+                bytes_per_step=float(b.sum()) / n,
+                device_ns_per_step=dur / n,
+                bandwidth_gbps=float(b.sum()) / dur if dur > 0 else 0.0,  # bytes/ns == GB/s
+                pageable_count_per_step=int((m & pageable).sum()) / n,
+                pinned_count_per_step=int((m & (g.host_mem == HostMem.PINNED)).sum()) / n,
+                median_bytes=float(np.median(b)) if b.size else 0.0,
+            )
+        )
+
+    h = trace.host
+    sync_calls = sync_copy_call_mask(trace) & tl.in_windows(h.ts, starts, ends)
+    htod = memcpy & (g.copy_kind == CopyKind.HTOD)
+    return TransferStats(
+        directions=directions,
+        copy_ns_per_step=tl.mean_or_zero(tl.per_step(copies, starts, ends)),
+        exposed_ns_per_step=tl.mean_or_zero(exposed),
+        exposed_per_step=[int(x) for x in exposed],
+        pageable_ns_per_step=int(g.dur[pageable].sum()) / n,
+        pageable_bytes_per_step=float(np.maximum(g.bytes[pageable], 0).sum()) / n,
+        pageable_count_per_step=int(pageable.sum()) / n,
+        sync_copy_calls_per_step=int(sync_calls.sum()) / n,
+        sync_copy_host_ns_per_step=int(h.dur[sync_calls].sum()) / n,
+        small_htod_per_step=int((htod & (g.bytes >= 0) & (g.bytes <= 65536)).sum()) / n,
+    )

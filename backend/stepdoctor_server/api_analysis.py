@@ -1,0 +1,218 @@
+"""Analysis endpoints: re-analysis, fresh reports, run comparison and the TensorBoard export.
+
+Nothing here analyses anything: the endpoints only move jobs back to ``pending`` for the worker
+processes, read stored reports and stream stored files.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
+from stepdoctor_server import aggregate, compare, tensorboard_export
+from stepdoctor_server.api_catalog import load_run
+from stepdoctor_server.api_traces import load_trace
+from stepdoctor_server.auth import ReadTeam, UploadTeam
+from stepdoctor_server.db import SessionDep
+from stepdoctor_server.errors import ApiError
+from stepdoctor_server.models import Analysis, Run, Trace
+from stepdoctor_server.queue import requeue_if_stale, reset_to_pending
+from stepdoctor_server.schemas import ErrorResponse
+from stepdoctor_server.storage import TraceStore
+
+router = APIRouter(prefix="/api/v1", tags=["analysis"])
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (401, 403, 404, 409, 422)
+}
+
+
+class Requeued(BaseModel):
+    ids: list[int] = Field(description="trace ids queued for analysis")
+    status: str = "pending"
+
+
+class ReportOut(BaseModel):
+    trace_id: int
+    status: str
+    status_reason: str | None
+    stale: bool = Field(description="true when the report comes from an older engine and is being redone")
+    report: dict[str, Any] | None
+
+
+class CompareOut(BaseModel):
+    base: dict[str, Any]
+    other: dict[str, Any]
+    comparison: dict[str, Any]
+
+
+@router.post(
+    "/traces/{trace_id}/reanalyze",
+    status_code=202,
+    response_model=Requeued,
+    responses=_ERRORS,
+    summary="Queue a trace for analysis again (e.g. after an engine upgrade)",
+)
+def reanalyze_trace(trace_id: int, principal: UploadTeam, session: SessionDep) -> Requeued:
+    trace, _, _ = load_trace(session, principal, trace_id)
+    reset_to_pending(session, [trace.id])
+    return Requeued(ids=[trace.id])
+
+
+@router.post(
+    "/runs/{run_id}/reanalyze",
+    status_code=202,
+    response_model=Requeued,
+    responses=_ERRORS,
+    summary="Queue every trace of a run for analysis again",
+)
+def reanalyze_run(run_id: int, principal: UploadTeam, session: SessionDep) -> Requeued:
+    run, _ = load_run(session, principal, run_id)
+    ids = list(session.scalars(select(Trace.id).where(Trace.run_id == run.id).order_by(Trace.id)))
+    reset_to_pending(session, ids)
+    return Requeued(ids=ids)
+
+
+@router.get(
+    "/traces/{trace_id}/report",
+    response_model=ReportOut,
+    responses=_ERRORS,
+    summary="The trace's report; one from an older engine is re-queued and returned marked stale",
+)
+def get_report(trace_id: int, principal: ReadTeam, session: SessionDep) -> ReportOut:
+    trace, _, _ = load_trace(session, principal, trace_id)
+    analysis = session.scalar(select(Analysis).where(Analysis.trace_id == trace.id))
+    stale = requeue_if_stale(session, trace, analysis)
+    return ReportOut(
+        trace_id=trace.id,
+        status=trace.status,
+        status_reason=trace.status_reason,
+        stale=stale,
+        report=analysis.report if analysis is not None else None,
+    )
+
+
+class RunDiagnosisOut(BaseModel):
+    run_id: int
+    stale: bool = Field(description="true while traces analysed by an older engine are being redone")
+    requeued: list[int] = Field(description="trace ids this request queued for re-analysis")
+    trace_status: dict[str, int]
+    diagnosis: dict[str, Any] | None
+
+
+@router.get(
+    "/runs/{run_id}/diagnosis",
+    response_model=RunDiagnosisOut,
+    responses=_ERRORS,
+    summary="The run's diagnosis; traces analysed by an older engine are re-queued and it is marked stale",
+)
+def get_run_diagnosis(run_id: int, principal: ReadTeam, session: SessionDep) -> RunDiagnosisOut:
+    run, _ = load_run(session, principal, run_id)
+    rows = session.execute(
+        select(Trace.id, Trace.status, Analysis.engine_version, Analysis.schema_version)
+        .join(Analysis, Analysis.trace_id == Trace.id)
+        .where(Trace.run_id == run.id)
+    ).all()
+    outdated = [r for r in rows if r.engine_version != ENGINE_VERSION or r.schema_version != SCHEMA_VERSION]
+    requeue = [r.id for r in outdated if r.status in ("done", "failed")]
+    reset_to_pending(session, requeue)
+    counts = dict(
+        session.execute(
+            select(Trace.status, func.count(Trace.id)).where(Trace.run_id == run.id).group_by(Trace.status)
+        ).all()
+    )
+    return RunDiagnosisOut(
+        run_id=run.id,
+        stale=bool(outdated),
+        requeued=sorted(requeue),
+        trace_status={str(k): int(v) for k, v in counts.items()},
+        diagnosis=run.diagnosis,
+    )
+
+
+@router.get(
+    "/compare",
+    response_model=CompareOut,
+    responses=_ERRORS,
+    summary="Compare two runs: per-category step-time deltas, speedup, findings resolved/appeared",
+)
+def compare_runs(
+    principal: ReadTeam,
+    session: SessionDep,
+    base: int = Query(description="id of the baseline run"),
+    other: int = Query(description="id of the run compared with it"),
+) -> CompareOut:
+    base_run, base_project = load_run(session, principal, base)
+    other_run, other_project = load_run(session, principal, other)
+    base_diag = run_diagnosis(session, base_run)
+    other_diag = run_diagnosis(session, other_run)
+    return CompareOut(
+        base={"id": base_run.id, "project": base_project.name, "name": base_run.name, "diagnosis": base_diag},
+        other={
+            "id": other_run.id,
+            "project": other_project.name,
+            "name": other_run.name,
+            "diagnosis": other_diag,
+        },
+        comparison=compare.compare_diagnoses(base_diag, other_diag),
+    )
+
+
+def run_diagnosis(session: Session, run: Run) -> dict[str, Any]:
+    """The run's diagnosis from its current analyses; 409 while it has none."""
+    rows = session.execute(
+        select(Trace.id, Trace.rank, Trace.window_index, Analysis.report)
+        .join(Analysis, Analysis.trace_id == Trace.id)
+        .where(Trace.run_id == run.id)
+        .order_by(Trace.id)
+    ).all()
+    if not rows:
+        raise ApiError(409, "not_analyzed", f"run {run.id} has no analysed traces yet")
+    return aggregate.aggregate_run(
+        [aggregate.TraceReport(tid, rank, win, rep) for tid, rank, win, rep in rows]
+    )
+
+
+@router.get(
+    "/runs/{run_id}/tensorboard.zip",
+    response_class=StreamingResponse,
+    responses={200: {"description": "a zipped TensorBoard log directory"}, **_ERRORS},
+    summary="The run's traces as a TensorBoard profiler log directory (unzip, tensorboard --logdir DIR)",
+)
+def tensorboard_zip(run_id: int, request: Request, principal: ReadTeam, session: SessionDep) -> Any:
+    run, project = load_run(session, principal, run_id)
+    store: TraceStore = request.app.state.store
+    traces = session.scalars(
+        select(Trace).where(Trace.run_id == run.id, Trace.status != "failed").order_by(Trace.id)
+    ).all()
+    items = [
+        tensorboard_export.ExportItem(
+            path=store.path(t.storage_key),
+            rank=t.rank,
+            window_index=t.window_index,
+            host=_host(t.meta),
+            trace_id=t.id,
+        )
+        for t in traces
+    ]
+    items = [i for i in items if i.path.is_file()]
+    if not items:
+        raise ApiError(409, "empty", f"run {run.id} has no exportable traces")
+    members = tensorboard_export.archive_names(run.name, items)
+    filename = f"{project.name}_{run.name}_tensorboard.zip"
+    return StreamingResponse(
+        tensorboard_export.stream_zip(members),
+        media_type="application/zip",
+        headers={"Content-Disposition": f'attachment; filename="{filename}"'},
+    )
+
+
+def _host(meta: dict[str, Any] | None) -> str | None:
+    host = (meta or {}).get("host") or (meta or {}).get("hostname")
+    return str(host) if host else None

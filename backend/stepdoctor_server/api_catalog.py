@@ -1,0 +1,276 @@
+"""Read-only catalog: projects, runs (filtered, keyset-paginated) and a run's traces.
+
+Pages are ``{"items": [...], "next": cursor-or-null}``. The cursor is an opaque base64 token
+holding the sort key and the last row's (value, id), so pages stay stable while new runs arrive
+and each page costs one indexed range scan however deep the client pages.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Query
+from sqlalchemy import ColumnElement, Select, and_, cast, exists, func, or_, select
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import InstrumentedAttribute, Session
+
+from stepdoctor_server.auth import Principal, ReadTeam
+from stepdoctor_server.db import SessionDep
+from stepdoctor_server.errors import ApiError, not_found
+from stepdoctor_server.ingest import validate_name
+from stepdoctor_server.models import Analysis, Project, Run, Trace
+from stepdoctor_server.schemas import (
+    ErrorResponse,
+    Page,
+    ProjectOut,
+    RunDetail,
+    RunOut,
+    TraceSummary,
+    as_utc,
+)
+
+router = APIRouter(prefix="/api/v1", tags=["catalog"])
+
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (401, 403, 404, 422)}
+BOTTLENECK_KINDS = ("input", "transfer", "launch", "memory", "sync", "communication", "compute")
+RunSort = Literal["created_at", "-created_at", "updated_at", "-updated_at", "name", "-name"]
+Limit = Annotated[int, Query(ge=1, le=200, description="page size (1-200)")]
+Cursor = Annotated[str | None, Query(max_length=512, description="the previous page's `next`")]
+
+# -- keyset pagination ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Keyset:
+    """Sort column and direction; rows are ordered by (column, id) in that direction."""
+
+    sort: str
+    column: InstrumentedAttribute[Any] | None  # None: by id only
+    descending: bool
+    is_time: bool = False
+
+
+def encode_cursor(keyset: Keyset, value: Any, row_id: int) -> str:
+    if isinstance(value, datetime):
+        value = as_utc(value).isoformat()
+    raw = json.dumps([keyset.sort, value, row_id], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(keyset: Keyset, cursor: str) -> tuple[Any, int]:
+    bad = ApiError(
+        422, "invalid_cursor", "invalid cursor: pass the 'next' value of a previous page unchanged"
+    )
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        sort, value, row_id = json.loads(raw)
+    except (ValueError, TypeError, binascii.Error):
+        raise bad from None
+    if sort != keyset.sort:
+        raise ApiError(422, "invalid_cursor", f"cursor was made for sort={sort!r}, not sort={keyset.sort!r}")
+    if isinstance(row_id, bool) or not isinstance(row_id, int):
+        raise bad
+    if keyset.column is None:
+        return None, row_id
+    if keyset.is_time:
+        try:
+            value = as_utc(datetime.fromisoformat(value)) if isinstance(value, str) else None
+        except ValueError:
+            value = None
+    if not isinstance(value, (str, datetime)):
+        raise bad
+    return value, row_id
+
+
+def after_cursor(keyset: Keyset, id_column: Any, value: Any, row_id: int) -> ColumnElement[bool]:
+    """Rows strictly after (value, row_id) in the keyset's order."""
+    if keyset.column is None:
+        return id_column < row_id if keyset.descending else id_column > row_id
+    col = keyset.column
+    if keyset.descending:
+        return or_(col < value, and_(col == value, id_column < row_id))
+    return or_(col > value, and_(col == value, id_column > row_id))
+
+
+def order_by(keyset: Keyset, id_column: Any) -> list[Any]:
+    columns = [keyset.column, id_column] if keyset.column is not None else [id_column]
+    return [c.desc() if keyset.descending else c.asc() for c in columns]
+
+
+def paginate(
+    session: Session, query: Select, keyset: Keyset, id_column: Any, limit: int, cursor: str | None
+) -> tuple[list[Any], str | None]:
+    """Run ``query`` for one page; the first entity of each row supplies the cursor values."""
+    if cursor:
+        value, row_id = decode_cursor(keyset, cursor)
+        query = query.where(after_cursor(keyset, id_column, value, row_id))
+    rows = list(session.execute(query.order_by(*order_by(keyset, id_column)).limit(limit + 1)))
+    next_cursor = None
+    if len(rows) > limit:
+        rows = rows[:limit]
+        last = rows[-1][0]
+        value = getattr(last, keyset.column.key) if keyset.column is not None else None
+        next_cursor = encode_cursor(keyset, value, last.id)
+    return rows, next_cursor
+
+
+def _run_keyset(sort: str) -> Keyset:
+    descending = sort.startswith("-")
+    name = sort.lstrip("-")
+    column = {"created_at": Run.created_at, "updated_at": Run.updated_at, "name": Run.name}[name]
+    return Keyset(sort=sort, column=column, descending=descending, is_time=name != "name")
+
+
+# -- projects ------------------------------------------------------------------------------------
+
+
+@router.get("/projects", response_model=Page[ProjectOut], responses=_ERRORS, summary="The team's projects")
+def list_projects(
+    principal: ReadTeam, session: SessionDep, limit: Limit = 50, cursor: Cursor = None
+) -> Page[ProjectOut]:
+    run_count = select(func.count(Run.id)).where(Run.project_id == Project.id).scalar_subquery()
+    query = select(Project, run_count).where(Project.team_id == principal.team_id)
+    keyset = Keyset(sort="name", column=Project.name, descending=False)
+    rows, next_cursor = paginate(session, query, keyset, Project.id, limit, cursor)
+    items = [ProjectOut(id=p.id, name=p.name, created_at=p.created_at, run_count=n) for p, n in rows]
+    return Page[ProjectOut](items=items, next=next_cursor)
+
+
+# -- runs ----------------------------------------------------------------------------------------
+
+
+def _trace_count() -> Any:
+    return select(func.count(Trace.id)).where(Trace.run_id == Run.id).scalar_subquery()
+
+
+def _has_tag(session: Session, tag: str) -> ColumnElement[bool]:
+    """Tags are a JSON list; containment is dialect-specific (jsonb @> on PostgreSQL, json_each on SQLite)."""
+    if session.get_bind().dialect.name == "postgresql":
+        return cast(Run.tags, JSONB).contains([tag])
+    each = func.json_each(Run.tags).table_valued("value")
+    return exists(select(1).select_from(each).where(each.c.value == tag))
+
+
+def _run_out(run: Run, project_name: str, trace_count: int) -> RunOut:
+    return RunOut(
+        id=run.id,
+        project_id=run.project_id,
+        project=project_name,
+        name=run.name,
+        tags=list(run.tags or []),
+        primary_kind=run.primary_kind,
+        trace_count=trace_count,
+        created_at=run.created_at,
+        updated_at=run.updated_at,
+    )
+
+
+@router.get("/runs", response_model=Page[RunOut], responses=_ERRORS, summary="Runs, filtered and paginated")
+def list_runs(
+    principal: ReadTeam,
+    session: SessionDep,
+    project: Annotated[str | None, Query(description="only this project's runs")] = None,
+    tag: Annotated[str | None, Query(max_length=128, description="only runs carrying this tag")] = None,
+    primary_kind: Annotated[str | None, Query(description="only runs diagnosed with this bottleneck")] = None,
+    since: Annotated[
+        datetime | None, Query(description="created at or after (ISO 8601; UTC if naive)")
+    ] = None,
+    until: Annotated[datetime | None, Query(description="created before (ISO 8601; UTC if naive)")] = None,
+    sort: RunSort = "-created_at",
+    limit: Limit = 50,
+    cursor: Cursor = None,
+) -> Page[RunOut]:
+    query = (
+        select(Run, Project.name, _trace_count())
+        .join(Project, Project.id == Run.project_id)
+        .where(Project.team_id == principal.team_id)
+    )
+    if project is not None:
+        query = query.where(Project.name == validate_name("project", project))
+    if tag is not None:
+        query = query.where(_has_tag(session, tag))
+    if primary_kind is not None:
+        if primary_kind not in BOTTLENECK_KINDS:
+            raise ApiError(
+                422, "invalid_request", f"primary_kind must be one of {', '.join(BOTTLENECK_KINDS)}"
+            )
+        query = query.where(Run.primary_kind == primary_kind)
+    if since is not None:
+        query = query.where(Run.created_at >= as_utc(since))
+    if until is not None:
+        query = query.where(Run.created_at < as_utc(until))
+    rows, next_cursor = paginate(session, query, _run_keyset(sort), Run.id, limit, cursor)
+    return Page[RunOut](items=[_run_out(r, p, n) for r, p, n in rows], next=next_cursor)
+
+
+def load_run(session: Session, principal: Principal, run_id: int) -> tuple[Run, Project]:
+    """The run and its project if they belong to the caller's team (else 404)."""
+    row = session.execute(
+        select(Run, Project)
+        .join(Project, Project.id == Run.project_id)
+        .where(Run.id == run_id, Project.team_id == principal.team_id)
+    ).first()
+    if row is None:
+        raise not_found("run", run_id)
+    run, project = row
+    return run, project
+
+
+@router.get("/runs/{run_id}", response_model=RunDetail, responses=_ERRORS, summary="A run and its diagnosis")
+def get_run(run_id: int, principal: ReadTeam, session: SessionDep) -> RunDetail:
+    run, project = load_run(session, principal, run_id)
+    status_counts = (
+        select(Trace.status, func.count(Trace.id)).where(Trace.run_id == run.id).group_by(Trace.status)
+    )
+    counts = {status: n for status, n in session.execute(status_counts)}
+    base = _run_out(run, project.name, sum(counts.values()))
+    return RunDetail(
+        **base.model_dump(),
+        diagnosis=run.diagnosis,
+        diagnosis_engine_version=run.diagnosis_engine_version,
+        trace_status=counts,
+    )
+
+
+@router.get(
+    "/runs/{run_id}/traces", response_model=Page[TraceSummary], responses=_ERRORS, summary="A run's traces"
+)
+def list_run_traces(
+    run_id: int, principal: ReadTeam, session: SessionDep, limit: Limit = 50, cursor: Cursor = None
+) -> Page[TraceSummary]:
+    run, _ = load_run(session, principal, run_id)
+    query = (
+        select(Trace, Analysis.primary_kind, Analysis.primary_share)
+        .outerjoin(Analysis, Analysis.trace_id == Trace.id)
+        .where(Trace.run_id == run.id)
+    )
+    keyset = Keyset(sort="id", column=None, descending=False)
+    rows, next_cursor = paginate(session, query, keyset, Trace.id, limit, cursor)
+    items = [_trace_summary(t, kind, share) for t, kind, share in rows]
+    return Page[TraceSummary](items=items, next=next_cursor)
+
+
+def _trace_summary(trace: Trace, primary_kind: str | None, primary_share: float | None) -> TraceSummary:
+    return TraceSummary(
+        id=trace.id,
+        run_id=trace.run_id,
+        rank=trace.rank,
+        window_index=trace.window_index,
+        first_step=trace.first_step,
+        last_step=trace.last_step,
+        size_bytes=trace.size_bytes,
+        sha256=trace.sha256,
+        filename=trace.filename,
+        status=trace.status,
+        status_reason=trace.status_reason,
+        attempts=trace.attempts,
+        primary_kind=primary_kind,
+        primary_share=primary_share,
+        created_at=trace.created_at,
+        updated_at=trace.updated_at,
+    )

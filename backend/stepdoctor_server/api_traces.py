@@ -1,0 +1,299 @@
+"""Trace upload, status/report and download.
+
+The upload is the one async endpoint: it validates everything it can before touching the body,
+streams the body to a temp file (hashing, counting, inspecting), and only then opens a database
+unit of work in the threadpool, renames the file into the store and lets the session dependency
+commit. Any failure on the way leaves neither a row nor a file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+import anyio.to_thread
+from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import FileResponse, JSONResponse
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from stepdoctor_server.auth import Principal, ReadTeam, UploadTeam
+from stepdoctor_server.db import Database, SessionDep, on_rollback
+from stepdoctor_server.errors import ApiError, not_found
+from stepdoctor_server.ingest import (
+    BodyInspector,
+    UploadMetadata,
+    check_content_type,
+    parse_metadata,
+    validate_idempotency_key,
+    validate_name,
+)
+from stepdoctor_server.models import Analysis, Project, Run, Trace
+from stepdoctor_server.schemas import AnalysisOut, ErrorResponse, TraceOut, UploadResult
+from stepdoctor_server.settings import Settings
+from stepdoctor_server.storage import StagedFile, TraceStore, too_large
+
+router = APIRouter(prefix="/api/v1/traces", tags=["traces"])
+
+_ERRORS: dict[int | str, dict[str, object]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 413, 415, 422)
+}
+
+
+@dataclass(frozen=True)
+class UploadRequest:
+    """Everything about an upload except its body, validated before the body is read."""
+
+    project: str
+    run: str
+    rank: int | None
+    idempotency_key: str | None
+    metadata: UploadMetadata
+    gzipped: bool | None
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=UploadResult,
+    responses={200: {"model": UploadResult, "description": "replay of a known Idempotency-Key"}, **_ERRORS},
+    summary="Upload one rank's Chrome trace (gzip or plain JSON) as the raw request body",
+)
+async def upload_trace(
+    request: Request,
+    principal: UploadTeam,
+    session: SessionDep,
+    project: Annotated[str | None, Query(description="project name, created on first upload")] = None,
+    run: Annotated[str | None, Query(description="run name, created on first upload")] = None,
+    rank: Annotated[int | None, Query(ge=0, lt=2**31)] = None,
+    metadata: Annotated[str | None, Query(description="run metadata JSON (or the header)")] = None,
+    content_type: Annotated[str | None, Header()] = None,
+    content_encoding: Annotated[str | None, Header()] = None,
+    content_length: Annotated[str | None, Header()] = None,
+    idempotency_key: Annotated[str | None, Header()] = None,
+    x_stepdoctor_metadata: Annotated[str | None, Header()] = None,
+) -> Response:
+    settings: Settings = request.app.state.settings
+    store: TraceStore = request.app.state.store
+    upload = UploadRequest(
+        project=validate_name("project", project),
+        run=validate_name("run", run),
+        rank=rank,
+        idempotency_key=validate_idempotency_key(idempotency_key),
+        metadata=parse_metadata(
+            x_stepdoctor_metadata if x_stepdoctor_metadata is not None else metadata,
+            max_bytes=settings.max_metadata_bytes,
+        ),
+        gzipped=check_content_type(content_type, content_encoding),
+    )
+    _check_declared_length(content_length, settings.max_upload_bytes)
+    if upload.idempotency_key is not None:
+        known = await anyio.to_thread.run_sync(_find_replay_now, request, principal, upload.idempotency_key)
+        if known is not None:
+            return _upload_response(known, replay=True)
+
+    inspector = BodyInspector(gzipped=upload.gzipped, max_decompressed_bytes=settings.max_decompressed_bytes)
+    staged = await store.receive(
+        request.stream(), max_bytes=settings.max_upload_bytes, inspect=inspector.feed
+    )
+    try:
+        await anyio.to_thread.run_sync(inspector.finish)
+        trace, replay = await anyio.to_thread.run_sync(
+            _record_upload, session, store, principal, upload, staged, bool(inspector.gzipped)
+        )
+    finally:
+        store.discard(staged)  # no-op once renamed into the store
+    return _upload_response(trace, replay=replay)
+
+
+def _check_declared_length(content_length: str | None, max_bytes: int) -> None:
+    if content_length is None:
+        return
+    try:
+        declared = int(content_length)
+    except ValueError:
+        raise ApiError(400, "invalid_content_length", "Content-Length is not an integer") from None
+    if declared > max_bytes:
+        raise too_large(max_bytes)
+
+
+def _upload_response(trace: Trace, *, replay: bool) -> JSONResponse:
+    body = UploadResult(id=trace.id, run_id=trace.run_id, status=trace.status)
+    return JSONResponse(body.model_dump(), status_code=200 if replay else 201)
+
+
+def _find_replay_now(request: Request, principal: Principal, key: str) -> Trace | None:
+    """Replay check in its own short transaction: the request session must stay idle while the
+    body streams in (on SQLite an open transaction holds the write lock)."""
+    db: Database = request.app.state.db
+    with db.session() as session:
+        return _find_replay(session, principal, key)
+
+
+def _find_replay(session: Session, principal: Principal, key: str) -> Trace | None:
+    return session.scalar(
+        select(Trace).where(Trace.team_id == principal.team_id, Trace.idempotency_key == key)
+    )
+
+
+def _record_upload(
+    session: Session,
+    store: TraceStore,
+    principal: Principal,
+    upload: UploadRequest,
+    staged: StagedFile,
+    gzipped: bool,
+) -> tuple[Trace, bool]:
+    """Insert the trace row (creating project and run on first use), then move the file in.
+
+    Services only flush; the request's unit of work commits, and deletes the moved file again
+    if that commit fails. Returns the trace and whether it was a replay of a known key.
+    """
+    if upload.idempotency_key is not None:
+        known = _find_replay(session, principal, upload.idempotency_key)
+        if known is not None:
+            return known, True
+    project = _get_or_create_project(session, principal.team_id, upload.project)
+    run = _get_or_create_run(session, project, upload.run)
+    if upload.metadata.tags:
+        merged = list(run.tags or []) + [t for t in upload.metadata.tags if t not in (run.tags or [])]
+        if merged != run.tags:
+            run.tags = merged
+    meta = upload.metadata
+    rank = upload.rank if upload.rank is not None else meta.rank
+    trace = Trace(
+        team_id=principal.team_id,
+        run_id=run.id,
+        rank=rank,
+        window_index=meta.window_index,
+        first_step=meta.first_step,
+        last_step=meta.last_step,
+        size_bytes=staged.size_bytes,
+        sha256=staged.sha256,
+        storage_key=TraceStore.new_key(principal.team_id, ".json.gz" if gzipped else ".json"),
+        filename="pending",
+        idempotency_key=upload.idempotency_key,
+        meta=meta.raw,
+        status="pending",
+        attempts=0,
+    )
+    try:
+        with session.begin_nested():
+            session.add(trace)
+            session.flush()
+    except IntegrityError:
+        # A concurrent request with the same Idempotency-Key won the race.
+        known = _find_replay(session, principal, upload.idempotency_key) if upload.idempotency_key else None
+        if known is None:
+            raise
+        return known, True
+    trace.filename = download_filename(upload.project, upload.run, rank, trace.id, gzipped)
+    session.flush()
+    store.commit(staged, trace.storage_key)
+    key = trace.storage_key
+    on_rollback(session, lambda: store.delete(key))
+    return trace, False
+
+
+def _get_or_create_project(session: Session, team_id: int, name: str) -> Project:
+    query = select(Project).where(Project.team_id == team_id, Project.name == name)
+    project = session.scalar(query)
+    if project is not None:
+        return project
+    try:
+        with session.begin_nested():
+            project = Project(team_id=team_id, name=name)
+            session.add(project)
+            session.flush()
+    except IntegrityError:  # created concurrently by another upload
+        project = session.scalars(query).one()
+    return project
+
+
+def _get_or_create_run(session: Session, project: Project, name: str) -> Run:
+    query = select(Run).where(Run.project_id == project.id, Run.name == name)
+    run = session.scalar(query)
+    if run is not None:
+        return run
+    try:
+        with session.begin_nested():
+            run = Run(project_id=project.id, name=name, tags=[])
+            session.add(run)
+            session.flush()
+    except IntegrityError:
+        run = session.scalars(query).one()
+    return run
+
+
+def download_filename(project: str, run: str, rank: int | None, trace_id: int, gzipped: bool) -> str:
+    """A name Chrome's trace viewer, Perfetto and TensorBoard recognise (``*.pt.trace.json[.gz]``)."""
+    rank_part = f"_rank{rank}" if rank is not None else ""
+    return f"{project}_{run}{rank_part}_{trace_id}.pt.trace.json{'.gz' if gzipped else ''}"
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+
+def load_trace(session: Session, principal: Principal, trace_id: int) -> tuple[Trace, Run, Project]:
+    """The trace with its run and project, if it belongs to the caller's team (else 404)."""
+    row = session.execute(
+        select(Trace, Run, Project)
+        .join(Run, Run.id == Trace.run_id)
+        .join(Project, Project.id == Run.project_id)
+        .where(Trace.id == trace_id, Project.team_id == principal.team_id)
+    ).first()
+    if row is None:
+        raise not_found("trace", trace_id)
+    trace, run, project = row
+    return trace, run, project
+
+
+@router.get("/{trace_id}", response_model=TraceOut, responses=_ERRORS, summary="Trace status and report")
+def get_trace(trace_id: int, principal: ReadTeam, session: SessionDep) -> TraceOut:
+    trace, run, project = load_trace(session, principal, trace_id)
+    analysis = session.scalar(select(Analysis).where(Analysis.trace_id == trace.id))
+    return TraceOut(
+        id=trace.id,
+        run_id=trace.run_id,
+        project=project.name,
+        run=run.name,
+        rank=trace.rank,
+        window_index=trace.window_index,
+        first_step=trace.first_step,
+        last_step=trace.last_step,
+        size_bytes=trace.size_bytes,
+        sha256=trace.sha256,
+        filename=trace.filename,
+        status=trace.status,
+        status_reason=trace.status_reason,
+        attempts=trace.attempts,
+        primary_kind=analysis.primary_kind if analysis else None,
+        primary_share=analysis.primary_share if analysis else None,
+        metadata=trace.meta,
+        created_at=trace.created_at,
+        updated_at=trace.updated_at,
+        download_url=f"/api/v1/traces/{trace.id}/download",
+        analysis=AnalysisOut.model_validate(analysis) if analysis is not None else None,
+    )
+
+
+@router.get(
+    "/{trace_id}/download",
+    response_class=FileResponse,
+    responses={200: {"description": "the original uploaded bytes"}, **_ERRORS},
+    summary="Download the trace as uploaded (open it in Perfetto or chrome://tracing)",
+)
+def download_trace(trace_id: int, request: Request, principal: ReadTeam, session: SessionDep) -> FileResponse:
+    trace, _, _ = load_trace(session, principal, trace_id)
+    store: TraceStore = request.app.state.store
+    path = store.path(trace.storage_key)
+    if not path.is_file():
+        raise ApiError(410, "gone", f"trace {trace_id} file is missing from the store")
+    media = "application/gzip" if trace.filename.endswith(".gz") else "application/json"
+    return FileResponse(
+        path,
+        media_type=media,
+        filename=trace.filename,
+        headers={"X-Content-SHA256": trace.sha256, "Cache-Control": "private, max-age=3600"},
+    )

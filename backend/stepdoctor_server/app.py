@@ -1,0 +1,311 @@
+"""Application factory: routers, JSON errors, health, readiness, metrics and the worker seam.
+
+Every error leaves as ``{"error": {"code", "message"}}``; an unexpected exception is logged with
+its traceback on the server and answered with a bare 500, never a stack trace to the client.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+from typing import Any
+
+import anyio.to_thread
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+from sqlalchemy.exc import OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from stepdoctor_server import api_catalog, api_traces
+from stepdoctor_server.db import Database
+from stepdoctor_server.errors import ApiError
+from stepdoctor_server.models import TRACE_STATUSES, Trace
+from stepdoctor_server.schemas import ErrorResponse, HealthOut
+from stepdoctor_server.settings import Settings, get_settings
+from stepdoctor_server.storage import TraceStore
+
+log = logging.getLogger("stepdoctor.server")
+
+# Optional modules written by other engineers; the app works (and is tested) without them.
+WORKER_MODULE = "stepdoctor_server.worker"
+EXTRA_ROUTER_MODULES = (
+    "stepdoctor_server.api_analysis",
+    "stepdoctor_server.api_exports",
+    "stepdoctor_dashboard.app",
+)
+
+
+def error_response(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+
+
+def _status_code_name(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
+    except ValueError:
+        return "error"
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    """One line naming the first offending parameter, e.g. ``query parameter 'limit': ...``."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request"
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    where = f"{loc[0]} parameter '{'.'.join(loc[1:])}'" if len(loc) > 1 else ".".join(loc) or "request"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{where}: {first.get('msg', 'invalid value')}{more}"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.code, exc.message, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(422, "invalid_request", _validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(exc.headers) if exc.headers else None
+        return error_response(exc.status_code, _status_code_name(exc.status_code), str(exc.detail), headers)
+
+    @app.exception_handler(OperationalError)
+    async def _database_down(request: Request, exc: OperationalError) -> JSONResponse:
+        # Lost connection, "database is locked" past the busy timeout: worth a retry later.
+        log.warning("database error on %s %s: %s", request.method, request.url.path, exc.orig or exc)
+        return error_response(
+            503, "database_unavailable", "database is busy or unreachable; retry later", {"Retry-After": "5"}
+        )
+
+    @app.exception_handler(ClientDisconnect)
+    async def _disconnected(_: Request, __: ClientDisconnect) -> JSONResponse:
+        return error_response(
+            400, "client_disconnected", "the client disconnected before the body was complete"
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal_error", "internal server error (see the server log)")
+
+
+# -- metrics -------------------------------------------------------------------------------------
+
+
+class _QueueCollector(Collector):
+    """Trace counts per status at scrape time: the analysis backlog is the ``pending`` gauge."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        family = GaugeMetricFamily("stepdoctor_traces", "Traces by analysis status", labels=["status"])
+        try:
+            with self.db.session() as session:
+                query = select(Trace.status, func.count(Trace.id)).group_by(Trace.status)
+                counts = {status: n for status, n in session.execute(query)}
+        except Exception:
+            return []
+        for status in TRACE_STATUSES:
+            family.add_metric([status], counts.get(status, 0))
+        return [family]
+
+
+class Metrics:
+    """Per-app registry, so several apps (tests) never collide in the global one."""
+
+    def __init__(self, db: Database) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "stepdoctor_http_requests",
+            "HTTP requests by route template, method and status",
+            ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "stepdoctor_http_request_duration_seconds",
+            "HTTP request latency by route template",
+            ["method", "route"],
+            registry=self.registry,
+        )
+        self.upload_bytes = Counter(
+            "stepdoctor_upload_bytes", "Bytes of accepted trace uploads", registry=self.registry
+        )
+        self.registry.register(_QueueCollector(db))
+
+
+class MetricsMiddleware:
+    """Pure ASGI (does not buffer bodies): counts requests and times them by route template."""
+
+    def __init__(self, app: ASGIApp, metrics_of: Callable[[], Metrics]) -> None:
+        self.app = app
+        self.metrics_of = metrics_of
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            metrics = self.metrics_of()
+            metrics.requests.labels(scope["method"], route, str(status)).inc()
+            metrics.latency.labels(scope["method"], route).observe(time.perf_counter() - start)
+            if route == "/api/v1/traces" and scope["method"] == "POST" and status == 201:
+                metrics.upload_bytes.inc(_content_length(scope))
+
+
+def _content_length(scope: Scope) -> int:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0
+    return 0
+
+
+# -- worker seam ---------------------------------------------------------------------------------
+
+
+def _start_workers(settings: Settings) -> Any:
+    """Start ``stepdoctor_server.worker.start_pool(settings)`` if that module exists.
+
+    The returned handle is stopped at shutdown through its ``stop()`` (or by calling it).
+    """
+    if settings.workers <= 0:
+        return None
+    try:
+        worker = importlib.import_module(WORKER_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name != WORKER_MODULE:
+            raise
+        log.warning("no analysis worker module (%s); traces stay pending", WORKER_MODULE)
+        return None
+    return worker.start_pool(settings)
+
+
+def _stop_workers(handle: Any) -> None:
+    if handle is None:
+        return
+    stop = getattr(handle, "stop", None)
+    if callable(stop):
+        stop()
+    elif callable(handle):
+        handle()
+
+
+def _include_optional_routers(app: FastAPI) -> None:
+    """Routers owned by other teams join when their module exposes ``router``."""
+    for name in EXTRA_ROUTER_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        router = getattr(module, "router", None)
+        if router is not None:
+            app.include_router(router)
+
+
+# -- factory -------------------------------------------------------------------------------------
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    db = Database(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        handle = await anyio.to_thread.run_sync(_start_workers, settings)
+        app.state.workers = handle
+        try:
+            yield
+        finally:
+            await anyio.to_thread.run_sync(_stop_workers, handle)
+            db.dispose()
+
+    app = FastAPI(
+        title="stepdoctor",
+        summary="Profiler-driven bottleneck diagnosis for PyTorch training",
+        version=_version(),
+        lifespan=lifespan,
+        responses={401: {"model": ErrorResponse}, 500: {"model": ErrorResponse}},
+    )
+    app.state.settings = settings
+    app.state.db = db
+    app.state.store = TraceStore(settings.traces_dir)
+    app.state.metrics = Metrics(db)
+    app.state.workers = None
+    install_error_handlers(app)
+    app.add_middleware(MetricsMiddleware, metrics_of=lambda: app.state.metrics)
+    app.include_router(api_traces.router)
+    app.include_router(api_catalog.router)
+    _install_health(app)
+    _include_optional_routers(app)
+    return app
+
+
+def _install_health(app: FastAPI) -> None:
+    @app.get("/healthz", response_model=HealthOut, tags=["ops"], summary="Liveness: the process answers")
+    async def healthz() -> HealthOut:
+        return HealthOut(status="ok")
+
+    @app.get(
+        "/readyz",
+        response_model=HealthOut,
+        tags=["ops"],
+        responses={503: {"model": ErrorResponse}},
+        summary="Readiness: the database answers",
+    )
+    async def readyz(request: Request) -> Response:
+        db: Database = request.app.state.db
+        try:
+            await anyio.to_thread.run_sync(db.ping)
+        except Exception as exc:
+            log.warning("readiness check failed: %s", exc)
+            return error_response(503, "database_unavailable", "database is not reachable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics", response_class=Response)
+    async def metrics(request: Request) -> Response:
+        registry = request.app.state.metrics.registry
+        body = await anyio.to_thread.run_sync(generate_latest, registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("stepdoctor")
+    except Exception:
+        return "0.0.0"

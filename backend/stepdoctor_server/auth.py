@@ -1,0 +1,134 @@
+"""API tokens: generated once, stored as sha256, checked on every request.
+
+A token carries one scope: ``upload`` (the agent; POST traces only), ``read`` (dashboards, scripts)
+or ``admin`` (everything). The principal is resolved in its own short unit of work so a long upload
+never holds a database transaction open while the body streams in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta, timezone
+from typing import Annotated
+
+from fastapi import Depends, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from stepdoctor_server.db import DatabaseDep
+from stepdoctor_server.errors import ApiError
+from stepdoctor_server.models import SCOPES, Team, Token, utcnow
+
+TOKEN_PREFIX = "sdt_"
+# last_used_at is informative; writing it on every request would serialise readers on SQLite.
+_TOUCH_INTERVAL = timedelta(seconds=60)
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a plain value, safe to use after the auth session closed."""
+
+    team_id: int
+    team_name: str
+    token_id: int
+    scope: str
+
+    def allows(self, scope: str) -> bool:
+        return self.scope == "admin" or self.scope == scope
+
+
+def generate_token() -> str:
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def get_or_create_team(session: Session, name: str) -> tuple[Team, bool]:
+    """Return the team called ``name`` and whether it was created now."""
+    team = session.scalar(select(Team).where(Team.name == name))
+    if team is not None:
+        return team, False
+    team = Team(name=name)
+    session.add(team)
+    session.flush()
+    return team, True
+
+
+def create_token(session: Session, team: Team, *, scope: str, name: str) -> tuple[Token, str]:
+    """Create a token; the plaintext is returned once and never stored."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
+    raw = generate_token()
+    token = Token(
+        team_id=team.id, name=name, scope=scope, hash=hash_token(raw), prefix=raw[: len(TOKEN_PREFIX) + 6]
+    )
+    session.add(token)
+    session.flush()
+    return token, raw
+
+
+def list_tokens(session: Session, team: Team) -> list[Token]:
+    return list(session.scalars(select(Token).where(Token.team_id == team.id).order_by(Token.id)))
+
+
+def authenticate(session: Session, raw: str) -> Principal | None:
+    """The principal for a plaintext token, or None when unknown or revoked."""
+    row = session.execute(
+        select(Token, Team.name).join(Team, Team.id == Token.team_id).where(Token.hash == hash_token(raw))
+    ).first()
+    if row is None:
+        return None
+    token, team_name = row
+    if token.revoked_at is not None:
+        return None
+    now = utcnow()
+    last = token.last_used_at
+    if last is None or now - (last if last.tzinfo else last.replace(tzinfo=timezone.utc)) > _TOUCH_INTERVAL:
+        token.last_used_at = now
+    return Principal(team_id=token.team_id, team_name=team_name, token_id=token.id, scope=token.scope)
+
+
+_bearer = HTTPBearer(auto_error=False, description="API token: `Authorization: Bearer sdt_...`")
+
+
+def _unauthorized(message: str) -> ApiError:
+    return ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
+
+
+def current_principal(
+    db: DatabaseDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]
+) -> Principal:
+    if credentials is None:
+        raise _unauthorized("missing bearer token (send 'Authorization: Bearer <token>')")
+    with db.session() as session:
+        principal = authenticate(session, credentials.credentials)
+    if principal is None:
+        raise _unauthorized("invalid or revoked token")
+    return principal
+
+
+CurrentTeam = Annotated[Principal, Depends(current_principal)]
+
+
+def require_scope(scope: str) -> Callable[[Principal], Principal]:
+    """A dependency that admits tokens with ``scope`` (or admin) and answers 403 otherwise."""
+
+    def dependency(principal: CurrentTeam) -> Principal:
+        if not principal.allows(scope):
+            raise ApiError(
+                403, "forbidden", f"this token has scope '{principal.scope}'; this endpoint needs '{scope}'"
+            )
+        return principal
+
+    return dependency
+
+
+ReadTeam = Annotated[Principal, Depends(require_scope("read"))]
+UploadTeam = Annotated[Principal, Depends(require_scope("upload"))]
+AdminTeam = Annotated[Principal, Depends(require_scope("admin"))]

@@ -1,0 +1,208 @@
+"""Server commands: ``serve``, ``worker``, ``token create|list``, ``db upgrade``.
+
+``main(argv)`` takes the command name as ``argv[0]`` (the ``stepdoctor`` dispatcher passes it on).
+Errors are one line on stderr and exit status 1 (2 for usage errors), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
+
+from stepdoctor_server import auth, migrate
+from stepdoctor_server.db import Database
+from stepdoctor_server.models import SCOPES, Team
+from stepdoctor_server.settings import Settings, get_settings
+
+DEFAULT_TEAM = "default"
+
+
+class CommandError(Exception):
+    """A user-facing failure: printed as one line, exit status 1."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stepdoctor", description="stepdoctor server commands")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser(
+        "serve", help="run the API server (applies migrations first)", description=_serve_doc()
+    )
+    serve.add_argument("--host", default=None, help="bind address (default STEPDOCTOR_HOST or 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="port (default STEPDOCTOR_PORT or 8000)")
+    serve.add_argument(
+        "--workers", type=int, default=None, help="analysis processes (default STEPDOCTOR_WORKERS)"
+    )
+
+    commands.add_parser("worker", help="run analysis workers only", add_help=False)
+
+    token = commands.add_parser("token", help="create or list API tokens")
+    token_commands = token.add_subparsers(dest="token_command", required=True)
+    create = token_commands.add_parser("create", help="create a token (printed alone on the last line)")
+    create.add_argument("--team", required=True, help="team name (created if missing)")
+    create.add_argument(
+        "--scope", choices=SCOPES, default="upload", help="what the token may do (default upload)"
+    )
+    create.add_argument("--name", default=None, help="a label to recognise the token by")
+    listing = token_commands.add_parser("list", help="list a team's tokens (never the secrets)")
+    listing.add_argument("--team", required=True)
+
+    db = commands.add_parser("db", help="database migrations")
+    db_commands = db.add_subparsers(dest="db_command", required=True)
+    db_commands.add_parser("upgrade", help="apply the Alembic migrations up to the latest revision")
+    return parser
+
+
+def _serve_doc() -> str:
+    return (
+        "Serve the API on one process. Configuration comes from STEPDOCTOR_* environment variables: "
+        "DATA_DIR (SQLite file and trace store), DATABASE_URL (postgresql+psycopg://... for PostgreSQL), "
+        "MAX_UPLOAD_BYTES, MAX_DECOMPRESSED_BYTES, WORKERS, HOST, PORT."
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["worker"]:
+        from stepdoctor_server import worker
+
+        return int(worker.main(args_list[1:]) or 0)
+    args = _parser().parse_args(args_list)
+    try:
+        settings = get_settings()
+        if args.command == "serve":
+            return serve(settings, host=args.host, port=args.port, workers=args.workers)
+        if args.command == "token":
+            if args.token_command == "create":
+                return token_create(settings, team=args.team, scope=args.scope, name=args.name)
+            return token_list(settings, team=args.team)
+        if args.command == "db":
+            return db_upgrade(settings)
+    except CommandError as exc:
+        print(f"stepdoctor {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except SQLAlchemyError as exc:
+        orig = getattr(exc, "orig", None)
+        detail = str(orig if orig is not None else exc).strip().splitlines()
+        first = detail[0] if detail else type(exc).__name__
+        print(f"stepdoctor {args.command}: database error at {_safe_url(settings)}: {first}", file=sys.stderr)
+        return 1
+    return 2
+
+
+def _safe_url(settings: Settings) -> str:
+    return make_url(settings.database_url).render_as_string(hide_password=True)
+
+
+def db_upgrade(settings: Settings) -> int:
+    migrate.upgrade(settings)
+    print(f"database at {_safe_url(settings)} is at revision {migrate.current_revision(settings)}")
+    return 0
+
+
+def token_create(settings: Settings, *, team: str, scope: str, name: str | None) -> int:
+    _check_team_name(team)
+    db = Database(settings)
+    try:
+        with db.session() as session:
+            team_row, created = auth.get_or_create_team(session, team)
+            token, raw = auth.create_token(session, team_row, scope=scope, name=name or f"{scope} token")
+            token_id = token.id
+    finally:
+        db.dispose()
+    if created:
+        print(f"created team {team!r}")
+    print(f"created {scope} token #{token_id} for team {team!r}; it is shown only once:")
+    print(raw)
+    return 0
+
+
+def token_list(settings: Settings, *, team: str) -> int:
+    db = Database(settings)
+    try:
+        with db.session() as session:
+            team_row = session.scalar(select(Team).where(Team.name == team))
+            if team_row is None:
+                raise CommandError(f"no team named {team!r}")
+            tokens = auth.list_tokens(session, team_row)
+    finally:
+        db.dispose()
+    print(f"{'ID':>5}  {'SCOPE':<7} {'PREFIX':<12} {'NAME':<24} {'CREATED':<20} {'LAST USED':<20} STATE")
+    for t in tokens:
+        print(
+            f"{t.id:>5}  {t.scope:<7} {t.prefix + '…':<12} {t.name[:24]:<24} {_when(t.created_at):<20} "
+            f"{_when(t.last_used_at):<20} {'revoked' if t.revoked_at else 'active'}"
+        )
+    return 0
+
+
+def _when(value: object) -> str:
+    return value.strftime("%Y-%m-%d %H:%M:%S") if hasattr(value, "strftime") else "-"
+
+
+def _check_team_name(name: str) -> None:
+    from stepdoctor_server.ingest import NAME_RE
+
+    if not NAME_RE.match(name):
+        raise CommandError(f"invalid team name {name!r}: use 1-128 characters of [A-Za-z0-9._-]")
+
+
+def bootstrap(settings: Settings, public_url: str) -> str | None:
+    """On an empty database create team 'default' and an admin token; return the login text."""
+    db = Database(settings)
+    try:
+        with db.session() as session:
+            if (session.scalar(select(func.count(Team.id))) or 0) > 0:
+                return None
+            team, _ = auth.get_or_create_team(session, DEFAULT_TEAM)
+            _, raw = auth.create_token(session, team, scope="admin", name="bootstrap admin")
+    finally:
+        db.dispose()
+    return "\n".join(
+        [
+            "",
+            f"First start: created team {DEFAULT_TEAM!r} and an admin token (shown only once, keep it):",
+            f"    {raw}",
+            f"Dashboard:   {public_url}/   (log in with the token above)",
+            f"API docs:    {public_url}/docs",
+            "Agent setup: export STEPDOCTOR_SERVER=" + public_url,
+            "             export STEPDOCTOR_TOKEN=$(stepdoctor token create --team default --scope upload | tail -1)",
+            "",
+        ]
+    )
+
+
+def serve(settings: Settings, *, host: str | None, port: int | None, workers: int | None) -> int:
+    import uvicorn
+
+    from stepdoctor_server.app import create_app
+
+    updates: dict[str, object] = {}
+    if host is not None:
+        updates["host"] = host
+    if port is not None:
+        updates["port"] = port
+    if workers is not None:
+        if workers < 0:
+            raise CommandError("--workers must be >= 0")
+        updates["workers"] = workers
+    settings = settings.model_copy(update=updates)
+    migrate.upgrade(settings)
+    shown_host = "127.0.0.1" if settings.host in {"0.0.0.0", "::"} else settings.host
+    message = bootstrap(settings, f"http://{shown_host}:{settings.port}")
+    if message:
+        print(message, flush=True)
+    print(
+        f"stepdoctor serve: database {_safe_url(settings)}, traces in {settings.traces_dir}, "
+        f"{settings.workers} analysis worker(s)",
+        flush=True,
+    )
+    uvicorn.run(
+        create_app(settings), host=settings.host, port=settings.port, log_level="info", access_log=False
+    )
+    return 0

@@ -1,0 +1,122 @@
+"""Engine, sessions and the request unit of work.
+
+Services only ``flush``; the request-scoped session dependency commits on success and rolls back on
+error, then runs the rollback hooks (e.g. deleting a trace file renamed into the store) so a failed
+request leaves neither rows nor files behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+from stepdoctor_server.settings import Settings
+
+_ROLLBACK_HOOKS = "stepdoctor_on_rollback"
+
+
+def make_engine(settings: Settings) -> Engine:
+    """Create the engine; SQLite gets WAL, foreign keys and writer-serialising transactions."""
+    url = make_url(settings.database_url)
+    if url.get_backend_name() != "sqlite":
+        return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    if url.database and url.database != ":memory:":
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(
+        url, connect_args={"check_same_thread": False, "timeout": settings.sqlite_busy_timeout_s}
+    )
+    _configure_sqlite(engine, settings)
+    return engine
+
+
+def _configure_sqlite(engine: Engine, settings: Settings) -> None:
+    """Take over pysqlite's transaction handling (needed for SAVEPOINT) and begin IMMEDIATE.
+
+    In WAL mode a deferred transaction that reads and then writes fails at once with "database is
+    locked" when another writer committed in between; taking the write lock at BEGIN makes
+    concurrent requests wait (up to the busy timeout) instead of failing. Keep sessions short.
+    """
+    busy_ms = int(settings.sqlite_busy_timeout_s * 1000)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={busy_ms}")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+class Database:
+    """The engine and session factory of one app (tests build several side by side)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.engine = make_engine(settings)
+        self.sessionmaker = sessionmaker(self.engine, expire_on_commit=False)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """A unit of work outside a request (CLI, workers, auth): commit on success, else roll back."""
+        with self.sessionmaker() as session:
+            try:
+                yield session
+                session.commit()
+                session.info.pop(_ROLLBACK_HOOKS, None)
+            except BaseException:
+                session.rollback()
+                run_rollback_hooks(session)
+                raise
+
+    def ping(self) -> None:
+        """Raise if the database cannot answer a trivial query."""
+        with self.engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+            conn.rollback()
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def on_rollback(session: Session, hook: Callable[[], None]) -> None:
+    """Run ``hook`` if this unit of work rolls back (undo side effects outside the database)."""
+    session.info.setdefault(_ROLLBACK_HOOKS, []).append(hook)
+
+
+def run_rollback_hooks(session: Session) -> None:
+    hooks: list[Callable[[], None]] = session.info.pop(_ROLLBACK_HOOKS, [])
+    for hook in reversed(hooks):
+        try:
+            hook()
+        except Exception:  # a failing cleanup must not mask the original error
+            continue
+
+
+def get_db(request: Request) -> Database:
+    db: Database = request.app.state.db
+    return db
+
+
+DatabaseDep = Annotated[Database, Depends(get_db)]
+
+
+def get_session(db: DatabaseDep) -> Iterator[Session]:
+    """Request unit of work; runs in the threadpool and finishes before the response is sent."""
+    with db.session() as session:
+        yield session
+
+
+# scope="function": commit before the response goes out, so a 201 means the row is durable.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]

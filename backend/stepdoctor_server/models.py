@@ -1,0 +1,179 @@
+"""SQLAlchemy 2.0 models: the whole schema (it exists in the database only through migrations).
+
+Relationships are ``lazy="raise"`` so nothing loads by accident; queries say what they join.
+The ``traces`` table doubles as the analysis job queue (status pending -> running -> done|failed).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_N_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+SCOPES = ("upload", "read", "admin")
+TRACE_STATUSES = ("pending", "running", "done", "failed")
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {  # noqa: RUF012 - SQLAlchemy reads this class attribute
+        datetime: DateTime(timezone=True),
+        dict[str, Any]: JSON(),
+        list[str]: JSON(),
+    }
+
+
+class Team(Base):
+    __tablename__ = "teams"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    tokens: Mapped[list[Token]] = relationship(back_populates="team", lazy="raise")
+    projects: Mapped[list[Project]] = relationship(back_populates="team", lazy="raise")
+
+
+class Token(Base):
+    """An API token; only its sha256 is stored, plus a short prefix so people can tell them apart."""
+
+    __tablename__ = "tokens"
+    __table_args__ = (CheckConstraint(_in("scope", SCOPES), name="scope"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    team_id: Mapped[int] = mapped_column(ForeignKey("teams.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    scope: Mapped[str] = mapped_column(String(16))
+    hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
+
+    team: Mapped[Team] = relationship(back_populates="tokens", lazy="raise")
+
+
+class Project(Base):
+    __tablename__ = "projects"
+    __table_args__ = (UniqueConstraint("team_id", "name"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    team_id: Mapped[int] = mapped_column(ForeignKey("teams.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    team: Mapped[Team] = relationship(back_populates="projects", lazy="raise")
+    runs: Mapped[list[Run]] = relationship(back_populates="project", lazy="raise")
+
+
+class Run(Base):
+    """A training run; ``diagnosis`` is the run-level aggregate the analysis worker writes."""
+
+    __tablename__ = "runs"
+    __table_args__ = (
+        UniqueConstraint("project_id", "name"),
+        Index("ix_runs_project_id_created_at", "project_id", "created_at"),
+        Index("ix_runs_created_at", "created_at"),
+        Index("ix_runs_primary_kind", "primary_kind"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(128))
+    tags: Mapped[list[str]] = mapped_column(default=list)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    primary_kind: Mapped[str | None] = mapped_column(String(32))
+    diagnosis: Mapped[dict[str, Any] | None]
+    diagnosis_engine_version: Mapped[str | None] = mapped_column(String(32))
+
+    project: Mapped[Project] = relationship(back_populates="runs", lazy="raise")
+    traces: Mapped[list[Trace]] = relationship(back_populates="run", lazy="raise")
+
+
+class Trace(Base):
+    """One uploaded trace file (one rank, one profiling window) and its analysis job state.
+
+    ``team_id`` is denormalised from run -> project so the Idempotency-Key can be unique per team.
+    """
+
+    __tablename__ = "traces"
+    __table_args__ = (
+        UniqueConstraint("team_id", "idempotency_key"),
+        CheckConstraint(_in("status", TRACE_STATUSES), name="status"),
+        Index("ix_traces_status_created_at", "status", "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    team_id: Mapped[int] = mapped_column(ForeignKey("teams.id", ondelete="CASCADE"))
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    rank: Mapped[int | None]
+    window_index: Mapped[int | None]
+    first_step: Mapped[int | None]
+    last_step: Mapped[int | None]
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    storage_key: Mapped[str] = mapped_column(String(255), unique=True)
+    filename: Mapped[str] = mapped_column(String(255))
+    idempotency_key: Mapped[str | None] = mapped_column(String(128))
+    # ``metadata`` is reserved on declarative classes, hence the attribute name.
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", default=dict)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    status_reason: Mapped[str | None] = mapped_column(Text)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    claimed_by: Mapped[str | None] = mapped_column(String(255))
+    claimed_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    run: Mapped[Run] = relationship(back_populates="traces", lazy="raise")
+    analysis: Mapped[Analysis | None] = relationship(back_populates="trace", lazy="raise")
+
+
+class Analysis(Base):
+    """The engine's report for one trace (``report`` is ``Report.to_dict()``)."""
+
+    __tablename__ = "analyses"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    trace_id: Mapped[int] = mapped_column(ForeignKey("traces.id", ondelete="CASCADE"), unique=True)
+    engine_version: Mapped[str] = mapped_column(String(32))
+    schema_version: Mapped[int]
+    primary_kind: Mapped[str | None] = mapped_column(String(32))
+    primary_share: Mapped[float | None] = mapped_column(Float)
+    report: Mapped[dict[str, Any]]
+    duration_ms: Mapped[int | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    trace: Mapped[Trace] = relationship(back_populates="analysis", lazy="raise")

@@ -1,0 +1,365 @@
+"""The analysis job queue: ``JobQueue`` interface and ``SqlJobQueue`` over the ``traces`` table.
+
+A job is a trace row: ``pending -> running -> done | failed``. Keeping the queue in the table the
+upload already writes means an accepted upload *is* an enqueued job (one commit, nothing to lose
+between two systems) and a restart resumes from the database alone. ``JobQueue`` is the seam for
+a broker (e.g. Redis) later: only claim/ack move; reports still land in the database.
+
+Claiming is atomic on both databases:
+- PostgreSQL: ``UPDATE ... WHERE id = (SELECT ... FOR UPDATE SKIP LOCKED)``, so concurrent workers
+  never block on, nor double-claim, the same row.
+- SQLite: pick the oldest pending id, then ``UPDATE ... WHERE id = :id AND status = 'pending'``;
+  a rowcount of 0 means another worker won, so try the next one. SQLite serialises writers.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any, Protocol
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
+
+from stepdoctor_server.aggregate import TraceReport, aggregate_run
+from stepdoctor_server.db import Database
+from stepdoctor_server.models import Analysis, Run, Trace
+
+# A job claimed more often than this (its worker died each time) is failed, not retried forever.
+MAX_ATTEMPTS = 3
+REASON_MAX_CHARS = 1000
+DIAGNOSIS_MIN_INTERVAL = timedelta(seconds=5)
+
+
+@dataclass(frozen=True)
+class AnalysisResult:
+    """What a worker stores for one trace."""
+
+    engine_version: str
+    schema_version: int
+    primary_kind: str | None
+    primary_share: float | None
+    report: dict[str, Any]
+    duration_ms: int
+
+
+class JobQueue(Protocol):
+    """Analysis jobs keyed by trace id."""
+
+    def enqueue(self, trace_id: int) -> None:
+        """(Re)queue a trace for analysis, whatever its state."""
+
+    def claim(self, worker_id: str) -> int | None:
+        """Atomically take the oldest pending job; None when there is none."""
+
+    def complete(self, trace_id: int, analysis: AnalysisResult) -> None:
+        """Store the analysis and mark the job done."""
+
+    def fail(self, trace_id: int, reason: str) -> None:
+        """Mark the job failed with a one-line reason shown to users."""
+
+    def requeue_stale(self, older_than: timedelta) -> int:
+        """Put back jobs claimed longer ago than ``older_than``; returns how many."""
+
+    def requeue_dead_local(self) -> int:
+        """Put back jobs held by worker processes of this host that no longer exist."""
+
+    def requeue_worker(self, worker_id: str) -> int:
+        """Put back the jobs held by one worker (the pool saw it die)."""
+
+
+def make_queue(db: Database) -> JobQueue:
+    """The configured queue; the one place a broker-backed implementation would be chosen."""
+    return SqlJobQueue(db)
+
+
+def worker_identity(index: int | str = 0) -> str:
+    """``host:pid:index`` — lets a restart tell a dead local worker's claims from live ones."""
+    return f"{socket.gethostname()}:{os.getpid()}:{index}"
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _one_line(reason: str) -> str:
+    line = " ".join(reason.split())
+    return line[: REASON_MAX_CHARS - 3] + "..." if len(line) > REASON_MAX_CHARS else line
+
+
+class SqlJobQueue:
+    """``JobQueue`` over the ``traces`` table (PostgreSQL or SQLite)."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._postgres = db.engine.dialect.name == "postgresql"
+
+    def enqueue(self, trace_id: int) -> None:
+        with self.db.session() as session:
+            reset_to_pending(session, [trace_id])
+
+    def claim(self, worker_id: str) -> int | None:
+        with self.db.session() as session:
+            return (
+                self._claim_postgres(session, worker_id)
+                if self._postgres
+                else self._claim_sqlite(session, worker_id)
+            )
+
+    def _claim_values(self, worker_id: str) -> dict[str, Any]:
+        now = _now()
+        return {
+            "status": "running",
+            "claimed_by": worker_id,
+            "claimed_at": now,
+            "updated_at": now,
+            "attempts": Trace.attempts + 1,
+        }
+
+    def _claim_postgres(self, session: Session, worker_id: str) -> int | None:
+        oldest = (
+            select(Trace.id)
+            .where(Trace.status == "pending")
+            .order_by(Trace.created_at, Trace.id)
+            .limit(1)
+            .with_for_update(skip_locked=True)
+            .scalar_subquery()
+        )
+        stmt = (
+            update(Trace)
+            .where(Trace.id == oldest)
+            .values(**self._claim_values(worker_id))
+            .returning(Trace.id)
+        )
+        return session.execute(stmt).scalar_one_or_none()
+
+    def _claim_sqlite(self, session: Session, worker_id: str) -> int | None:
+        for _ in range(8):
+            candidate = session.scalar(
+                select(Trace.id)
+                .where(Trace.status == "pending")
+                .order_by(Trace.created_at, Trace.id)
+                .limit(1)
+            )
+            if candidate is None:
+                return None
+            stmt = (
+                update(Trace)
+                .where(Trace.id == candidate, Trace.status == "pending")
+                .values(**self._claim_values(worker_id))
+                .execution_options(synchronize_session=False)
+            )
+            if session.execute(stmt).rowcount == 1:  # type: ignore[attr-defined]
+                return int(candidate)
+        return None
+
+    def complete(self, trace_id: int, analysis: AnalysisResult) -> None:
+        with self.db.session() as session:
+            session.execute(delete(Analysis).where(Analysis.trace_id == trace_id))
+            session.add(
+                Analysis(
+                    trace_id=trace_id,
+                    engine_version=analysis.engine_version,
+                    schema_version=analysis.schema_version,
+                    primary_kind=analysis.primary_kind,
+                    primary_share=analysis.primary_share,
+                    report=analysis.report,
+                    duration_ms=analysis.duration_ms,
+                )
+            )
+            # Only a job still running becomes done: a reanalyze request that reset it to pending
+            # meanwhile wins, and the job runs again.
+            session.execute(
+                update(Trace)
+                .where(Trace.id == trace_id, Trace.status == "running")
+                .values(status="done", status_reason=None, updated_at=_now())
+                .execution_options(synchronize_session=False)
+            )
+
+    def fail(self, trace_id: int, reason: str) -> None:
+        with self.db.session() as session:
+            session.execute(
+                update(Trace)
+                .where(Trace.id == trace_id, Trace.status == "running")
+                .values(status="failed", status_reason=_one_line(reason), updated_at=_now())
+                .execution_options(synchronize_session=False)
+            )
+
+    def requeue_stale(self, older_than: timedelta) -> int:
+        """Requeue running jobs claimed longer ago than ``older_than`` (their worker is presumed dead)."""
+        with self.db.session() as session:
+            cutoff = _now() - older_than
+            ids = session.scalars(
+                select(Trace.id).where(Trace.status == "running", Trace.claimed_at < cutoff)
+            ).all()
+            return _requeue_or_give_up(session, list(ids))
+
+    def requeue_dead_local(self) -> int:
+        """Requeue jobs claimed by worker processes of this host that no longer exist.
+
+        Run at pool start: a killed worker leaves its job ``running``; a live worker on another
+        host (``stepdoctor worker`` elsewhere) keeps its claims.
+        """
+        host = socket.gethostname()
+        with self.db.session() as session:
+            rows = session.execute(select(Trace.id, Trace.claimed_by).where(Trace.status == "running")).all()
+            dead = [tid for tid, owner in rows if _is_dead_local(owner, host)]
+            return _requeue_or_give_up(session, dead)
+
+    def requeue_worker(self, worker_id: str) -> int:
+        """Requeue the jobs held by one worker (its process just died)."""
+        with self.db.session() as session:
+            ids = session.scalars(
+                select(Trace.id).where(Trace.status == "running", Trace.claimed_by == worker_id)
+            ).all()
+            return _requeue_or_give_up(session, list(ids))
+
+
+def _is_dead_local(owner: str | None, host: str) -> bool:
+    if not owner:
+        return True
+    parts = owner.rsplit(":", 2)
+    if len(parts) != 3 or parts[0] != host:
+        return False
+    try:
+        pid = int(parts[1])
+    except ValueError:
+        return True
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # exists, owned by someone else
+        return False
+    return False
+
+
+def _requeue_or_give_up(session: Session, trace_ids: list[int]) -> int:
+    """Back to pending, unless the job already killed MAX_ATTEMPTS workers: then it fails."""
+    if not trace_ids:
+        return 0
+    now = _now()
+    session.execute(
+        update(Trace)
+        .where(Trace.id.in_(trace_ids), Trace.status == "running", Trace.attempts >= MAX_ATTEMPTS)
+        .values(
+            status="failed",
+            status_reason=f"internal error: the analysis worker died {MAX_ATTEMPTS} times on this trace",
+            updated_at=now,
+        )
+        .execution_options(synchronize_session=False)
+    )
+    result = session.execute(
+        update(Trace)
+        .where(Trace.id.in_(trace_ids), Trace.status == "running")
+        .values(status="pending", claimed_by=None, claimed_at=None, updated_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+def reset_to_pending(session: Session, trace_ids: Sequence[int]) -> int:
+    """Queue traces (again) for analysis; attempts restart so a retried trace gets full retries."""
+    if not trace_ids:
+        return 0
+    result = session.execute(
+        update(Trace)
+        .where(Trace.id.in_(list(trace_ids)))
+        .values(
+            status="pending",
+            status_reason=None,
+            claimed_by=None,
+            claimed_at=None,
+            attempts=0,
+            updated_at=_now(),
+        )
+        .execution_options(synchronize_session=False)
+    )
+    return int(result.rowcount)  # type: ignore[attr-defined]
+
+
+def is_outdated(analysis: Analysis, engine_version: str, schema_version: int) -> bool:
+    """An analysis made by another engine or report schema is redone on demand."""
+    return analysis.engine_version != engine_version or analysis.schema_version != schema_version
+
+
+def requeue_if_stale(session: Session, trace: Trace, analysis: Analysis | None) -> bool:
+    """Called when a report is read: a done trace analysed by an older engine goes back to pending.
+
+    Returns True when the report shown is stale (outdated, re-analysis queued or under way).
+    """
+    from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
+
+    if analysis is None or not is_outdated(analysis, ENGINE_VERSION, SCHEMA_VERSION):
+        return False
+    if trace.status in ("done", "failed"):
+        reset_to_pending(session, [trace.id])
+        session.refresh(trace)
+    return True
+
+
+def diagnosis_due(session: Session, run_id: int, *, min_interval: timedelta = DIAGNOSIS_MIN_INTERVAL) -> bool:
+    """Whether to re-aggregate the run now.
+
+    Aggregating reads every report of the run, so redoing it after each of a 512-trace run's jobs
+    would be quadratic. While other traces of the run are still queued, refresh at most every
+    ``min_interval``; the run's last job always refreshes.
+    """
+    waiting = session.scalar(
+        select(func.count(Trace.id)).where(Trace.run_id == run_id, Trace.status.in_(("pending", "running")))
+    )
+    if not waiting:
+        return True
+    diagnosis = session.scalar(select(Run.diagnosis).where(Run.id == run_id))
+    computed = (diagnosis or {}).get("computed_at")
+    if not isinstance(computed, str):
+        return True
+    try:
+        last = datetime.fromisoformat(computed)
+    except ValueError:
+        return True
+    return _now() - last >= min_interval
+
+
+def refresh_run_diagnosis(session: Session, run_id: int) -> dict[str, Any]:
+    """Recompute and store the run-level diagnosis from every analysed trace of the run."""
+    rows = session.execute(
+        select(Trace.id, Trace.rank, Trace.window_index, Analysis.report)
+        .join(Analysis, Analysis.trace_id == Trace.id)
+        .where(Trace.run_id == run_id)
+        .order_by(Trace.id)
+    ).all()
+    counts = dict(
+        session.execute(
+            select(Trace.status, func.count()).where(Trace.run_id == run_id).group_by(Trace.status)
+        ).all()
+    )
+    reports = [
+        TraceReport(trace_id=tid, rank=rank, window_index=win, report=report)
+        for tid, rank, win, report in rows
+    ]
+    diagnosis = aggregate_run(
+        reports,
+        failed=int(counts.get("failed", 0)),
+        pending=int(counts.get("pending", 0)) + int(counts.get("running", 0)),
+    )
+    diagnosis["computed_at"] = _now().isoformat()
+    primary = diagnosis.get("primary") or {}
+    engine_version = diagnosis.get("engine_version")
+    session.execute(
+        update(Run)
+        .where(Run.id == run_id)
+        .values(
+            diagnosis=diagnosis,
+            primary_kind=primary.get("kind"),
+            diagnosis_engine_version=engine_version if isinstance(engine_version, str) else None,
+            updated_at=_now(),
+        )
+        .execution_options(synchronize_session=False)
+    )
+    return diagnosis

@@ -1,0 +1,106 @@
+"""Pydantic models at the API edge (kept apart from the SQLAlchemy models on purpose)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Annotated, Any, Generic, TypeVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+T = TypeVar("T")
+
+
+def as_utc(value: datetime) -> datetime:
+    """SQLite hands back naive datetimes; everything we store is UTC."""
+    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+UTCDateTime = Annotated[datetime, AfterValidator(as_utc)]
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="stable machine-readable code, e.g. 'payload_too_large'")
+    message: str = Field(description="one human-readable line")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Page(BaseModel, Generic[T]):
+    items: list[T]
+    next: str | None = Field(description="cursor for the next page; null on the last page")
+
+
+class UploadResult(BaseModel):
+    id: int
+    run_id: int
+    status: str
+
+
+class AnalysisOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    engine_version: str
+    schema_version: int
+    primary_kind: str | None
+    primary_share: float | None
+    duration_ms: int | None
+    created_at: UTCDateTime
+    report: dict[str, Any]
+
+
+class TraceSummary(BaseModel):
+    id: int
+    run_id: int
+    rank: int | None
+    window_index: int | None
+    first_step: int | None
+    last_step: int | None
+    size_bytes: int
+    sha256: str
+    filename: str
+    status: str
+    status_reason: str | None
+    attempts: int
+    primary_kind: str | None = None
+    primary_share: float | None = None
+    created_at: UTCDateTime
+    updated_at: UTCDateTime
+
+
+class TraceOut(TraceSummary):
+    project: str
+    run: str
+    metadata: dict[str, Any]
+    download_url: str
+    analysis: AnalysisOut | None
+
+
+class ProjectOut(BaseModel):
+    id: int
+    name: str
+    created_at: UTCDateTime
+    run_count: int
+
+
+class RunOut(BaseModel):
+    id: int
+    project_id: int
+    project: str
+    name: str
+    tags: list[str]
+    primary_kind: str | None
+    trace_count: int
+    created_at: UTCDateTime
+    updated_at: UTCDateTime
+
+
+class RunDetail(RunOut):
+    diagnosis: dict[str, Any] | None
+    diagnosis_engine_version: str | None
+    trace_status: dict[str, int] = Field(description="number of traces per status")
+
+
+class HealthOut(BaseModel):
+    status: str

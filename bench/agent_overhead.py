@@ -1,0 +1,210 @@
+"""Agent overhead on a CPU training loop, measured side by side in one process.
+
+Modes, interleaved round by round so background load hits them alike:
+  none     no profiler
+  plain    torch.profiler on the same schedule, exporting with tensorboard_trace_handler
+  live     stepdoctor uploading to a live server (tests/support/fake_server.py on 127.0.0.1)
+  dead     stepdoctor with the server down (connection refused)
+  hang     stepdoctor with a server that accepts connections and never answers
+
+Prints median step-time ratios (all steps, and steps outside capture windows), the whole-loop
+ratio agent/plain, and the longest time any prof.step() took on the training thread, split into
+steps that export a window (torch's own work) and all others.
+
+    .venv/bin/python bench/agent_overhead.py [--steps 150] [--rounds 3] [--every 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import stepdoctor
+from support.fake_server import TOKEN, FakeServer, free_port
+
+WARMUP, ACTIVE, SKIP = 2, 3, 5
+
+
+@dataclass
+class Sample:
+    step_s: list[float] = field(default_factory=list)  # wall time per step, step() included
+    cpu_s: list[float] = field(default_factory=list)  # training-thread CPU time per step (load-immune)
+    call_s: list[float] = field(default_factory=list)  # time inside prof.step()
+    loop_s: float = 0.0
+
+
+class NoProfiler:
+    def step(self) -> None:
+        pass
+
+
+def workload(width: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width), torch.nn.ReLU(),
+        torch.nn.Linear(width, 10),
+    )  # fmt: skip
+    batches = [torch.randn(64, width) for _ in range(8)]
+    return model, torch.optim.SGD(model.parameters(), lr=0.01), batches
+
+
+def loop(prof: Any, steps: int, width: int) -> Sample:
+    model, opt, batches = workload(width)
+    sample = Sample()
+    begin = last = time.perf_counter()
+    last_cpu = time.thread_time()
+    for i in range(steps):
+        opt.zero_grad(set_to_none=True)
+        model(batches[i % len(batches)]).square().mean().backward()
+        opt.step()
+        before = time.perf_counter()
+        prof.step()
+        now = time.perf_counter()
+        sample.call_s.append(now - before)
+        cpu = time.thread_time()
+        sample.step_s.append(now - last)
+        sample.cpu_s.append(cpu - last_cpu)
+        last, last_cpu = now, cpu
+    sample.loop_s = time.perf_counter() - begin
+    return sample
+
+
+def in_window(step: int, every: int) -> bool:
+    """True for steps that warm up, record or export (the step ending a window runs the export), and
+    the step right after (it starts the next cycle's bookkeeping)."""
+    if step < SKIP:
+        return False
+    phase = (step - SKIP) % every
+    wait = every - WARMUP - ACTIVE
+    return phase >= wait - 1 or phase == 0
+
+
+def run_mode(mode: str, steps: int, every: int, width: int, servers: dict[str, str], spool: Path) -> Sample:
+    if mode == "none":
+        return loop(NoProfiler(), steps, width)
+    schedule = torch.profiler.schedule(
+        skip_first=SKIP, wait=every - WARMUP - ACTIVE, warmup=WARMUP, active=ACTIVE
+    )
+    if mode == "plain":
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU],
+            schedule=schedule,
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(str(spool / "plain")),
+            record_shapes=True,
+            profile_memory=True,
+        ) as prof:
+            return loop(prof, steps, width)
+    with stepdoctor.profile(
+        "bench",
+        mode,
+        server=servers[mode],
+        token=TOKEN,
+        spool=spool / mode,
+        skip_first=SKIP,
+        warmup=WARMUP,
+        active=ACTIVE,
+        every=every,
+        flush_timeout=5.0 if mode == "live" else 0.5,
+        http_timeout=5.0,
+    ) as agent:
+        sample = loop(agent, steps, width)
+    return sample
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--every", type=int, default=20, help="one capture window every N steps")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    torch.set_num_threads(args.threads)
+    modes = ["none", "plain", "live", "dead", "hang"]
+    results: dict[str, list[Sample]] = {m: [] for m in modes}
+    hang = socket.socket()
+    hang.bind(("127.0.0.1", 0))
+    hang.listen(64)  # accepts into the backlog, never answers
+    with FakeServer() as live, tempfile.TemporaryDirectory() as tmp:
+        servers = {
+            "live": live.url,
+            "dead": f"http://127.0.0.1:{free_port()}",
+            "hang": f"http://127.0.0.1:{hang.getsockname()[1]}",
+        }
+        run_mode("none", 20, args.every, args.width, servers, Path(tmp))  # warm caches and allocator
+        for rnd in range(args.rounds):
+            print(f"round {rnd + 1}/{args.rounds}", flush=True)
+            order = modes if rnd % 2 == 0 else modes[::-1]
+            for mode in order:
+                results[mode].append(
+                    run_mode(mode, args.steps, args.every, args.width, servers, Path(tmp) / str(rnd))
+                )
+        uploads = len(live.uploads)
+    hang.close()
+    report(results, args.every, uploads)
+    return 0
+
+
+def report(results: dict[str, list[Sample]], every: int, uploads: int) -> None:
+    def per_step(mode: str, outside: bool | None, cpu: bool = False) -> list[float]:
+        out = []
+        for sample in results[mode]:
+            for i, dt in enumerate(sample.cpu_s if cpu else sample.step_s):
+                if i == 0 or (outside is not None and in_window(i, every) == outside):
+                    continue
+                out.append(dt)
+        return out
+
+    def ratio(mode: str, base: str, outside: bool | None, cpu: bool = False) -> float:
+        return statistics.median(per_step(mode, outside, cpu)) / statistics.median(
+            per_step(base, outside, cpu)
+        )
+
+    def loop_ratio(mode: str) -> float:
+        """Median over rounds of (mode loop / plain loop in the same round): pairs share the machine's load."""
+        return statistics.median(
+            a.loop_s / b.loop_s for a, b in zip(results[mode], results["plain"], strict=True)
+        )
+
+    print(
+        f"\nmedian step without profiler: {statistics.median(per_step('none', None)) * 1000:.2f} ms wall; "
+        f"{sum(len(s.step_s) for s in results['none'])} steps per mode; live server received {uploads} traces"
+    )
+    print("ratios of median step time: wall (training-thread CPU)")
+    header = f"{'mode':<6} {'all/none':>17} {'outside/none':>17} {'all/plain':>17} {'loop/plain':>11}"
+    print(header + f" {'max step() export':>18} {'max step() other':>17}")
+    for mode in results:
+        export_max = other_max = 0.0
+        for sample in results[mode]:
+            for i, dt in enumerate(sample.call_s):
+                if in_window(i, every):
+                    export_max = max(export_max, dt)
+                else:
+                    other_max = max(other_max, dt)
+        cols = [
+            f"{ratio(mode, 'none', None):.4f} ({ratio(mode, 'none', None, True):.4f})",
+            f"{ratio(mode, 'none', True):.4f} ({ratio(mode, 'none', True, True):.4f})",
+            f"{ratio(mode, 'plain', None):.4f} ({ratio(mode, 'plain', None, True):.4f})",
+        ]
+        print(
+            f"{mode:<6} {cols[0]:>17} {cols[1]:>17} {cols[2]:>17} {loop_ratio(mode):>11.4f} "
+            f"{export_max * 1000:>15.1f} ms {other_max * 1000:>14.3f} ms"
+        )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,146 @@
+"""Tiny real CPU training loops, recorded with torch.profiler, each built to have one bottleneck.
+
+These give labelled traces for the diagnosis tests without a GPU. The input-bound loops calibrate
+the loader's delay against the measured compute step, so the label holds on slow and fast
+machines alike: loading one batch takes 1.5× a training step, which a single process cannot hide
+and two workers (each producing a batch every 1.5 steps, so 1.33 batches per step) can.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+WAIT, WARMUP, ACTIVE = 2, 1, 4
+BATCH = 8
+
+
+def _mlp() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+    return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
+def _record(path: Path, steps: Iterator[None]) -> Path:
+    """Run ``steps`` (one item per training step) under the profiler and export one trace."""
+    schedule = torch.profiler.schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE, repeat=1)
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU],
+        schedule=schedule,
+        profile_memory=True,
+        record_shapes=True,
+        on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
+    ) as prof:
+        for _ in range(WAIT + WARMUP + ACTIVE):
+            next(steps)
+            prof.step()
+    return path
+
+
+class SlowDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Each sample costs ``delay`` seconds (I/O or decoding stand-in) and the batch is 256×256."""
+
+    def __init__(self, delay: float, rows: int = 32) -> None:
+        self.delay, self.rows = delay, rows
+
+    def __len__(self) -> int:
+        return 10_000
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(self.delay)
+        return torch.randn(self.rows, 256), torch.randn(self.rows, 256)
+
+
+def _compute_step_seconds() -> float:
+    model, opt = _mlp()
+    x, y = torch.randn(BATCH * 32, 256), torch.randn(BATCH * 32, 256)
+    _train_step(model, opt, x, y)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        _train_step(model, opt, x, y)
+    return (time.perf_counter() - t0) / 3
+
+
+def input_bound(path: Path, *, num_workers: int = 0) -> Path:
+    """A loader whose batch costs 1.5 compute steps; ``num_workers=0`` waits for it every step."""
+    per_sample = 1.5 * _compute_step_seconds() / BATCH
+    kwargs: dict[str, object] = {"num_workers": num_workers}
+    if num_workers:
+        kwargs |= {"prefetch_factor": 4, "persistent_workers": True}
+    loader = DataLoader(SlowDataset(per_sample), batch_size=BATCH, **kwargs)  # type: ignore[arg-type]
+    model, opt = _mlp()
+
+    def steps() -> Iterator[None]:
+        for x, y in loader:
+            _train_step(model, opt, x.flatten(0, 1), y.flatten(0, 1))
+            yield
+
+    return _record(path, steps())
+
+
+def compute_bound(path: Path) -> Path:
+    """Big matmuls on data already in memory."""
+    model, opt = _mlp()
+    x, y = torch.randn(512, 256), torch.randn(512, 256)
+
+    def steps() -> Iterator[None]:
+        while True:
+            _train_step(model, opt, x, y)
+            yield
+
+    return _record(path, steps())
+
+
+def overhead_bound(path: Path) -> Path:
+    """Hundreds of tiny elementwise ops per step: dispatch overhead, not arithmetic."""
+    w = torch.randn(16, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=1e-3)
+
+    def steps() -> Iterator[None]:
+        while True:
+            h = w
+            for _ in range(150):
+                h = torch.tanh(h * 1.001 + 0.01)
+            opt.zero_grad(set_to_none=True)
+            h.sum().backward()
+            opt.step()
+            yield
+
+    return _record(path, steps())
+
+
+def memory_bound(path: Path) -> Path:
+    """Large per-step temporaries (allocate, fill, copy, concatenate 32 MB tensors), little math."""
+    model, opt = _mlp()
+    x, y = torch.randn(8, 256), torch.randn(8, 256)
+
+    def steps() -> Iterator[None]:
+        while True:
+            buf = torch.zeros(8 << 20)
+            dup = buf.clone()
+            both = torch.cat([buf, dup])
+            del buf, dup, both
+            _train_step(model, opt, x, y)
+            yield
+
+    return _record(path, steps())
+
+
+LOOPS: dict[str, Callable[[Path], Path]] = {
+    "input": input_bound,
+    "input_workers": lambda p: input_bound(p, num_workers=2),
+    "compute": compute_bound,
+    "launch": overhead_bound,
+    "memory": memory_bound,
+}

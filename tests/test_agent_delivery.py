@@ -1,0 +1,238 @@
+"""Delivery from the spool to a real HTTP server on 127.0.0.1: exactly once, whatever the server does."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from stepdoctor import sync, transport
+from stepdoctor.config import Delivery
+from stepdoctor.spool import EXPORT_SUFFIX, META_SUFFIX, PARTIAL, TRACE_SUFFIX, Spool
+from stepdoctor.worker import DeliveryWorker
+from support.fake_server import TOKEN, Failure, FakeServer
+
+FAST = Delivery(flush_timeout=10.0, http_timeout=2.0, backoff_base=0.02, backoff_max=0.2, compresslevel=1)
+
+
+@pytest.fixture(autouse=True)
+def _raise_agent_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STEPDOCTOR_RAISE_ERRORS", "1")
+
+
+@pytest.fixture(scope="module")
+def real_trace(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """A small real Kineto Chrome trace recorded once with plain torch.profiler."""
+    path = tmp_path_factory.mktemp("trace") / "t.json"
+    model = torch.nn.Linear(16, 4)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            model(torch.randn(8, 16)).sum().backward()
+            prof.step()
+    prof.export_chrome_trace(str(path))
+    return path.read_bytes()
+
+
+def spool_traces(spool: Spool, trace: bytes, count: int, server: str | None, run: str = "r1") -> list[str]:
+    """Commit ``count`` captures the way the agent does (export, rename, sidecar); returns their keys."""
+    directory = spool.run_dir("proj", run)
+    keys = []
+    for index in range(count):
+        stem = Spool.new_stem()
+        Spool.export_partial(directory, stem).write_bytes(trace)
+        key = uuid.uuid4().hex
+        window = {"index": index, "first_step": 10 * index, "last_step": 10 * index + 2}
+        sidecar = {"idempotency_key": key, "project": "proj", "run": run, "rank": 0, "window": window}
+        Spool.commit_capture(directory, stem, {**sidecar, "server": server, "metadata": {"host": "h"}})
+        keys.append(key)
+    return keys
+
+
+def worker_for(spool: Spool, server: FakeServer, token: str = TOKEN, delivery: Delivery = FAST) -> DeliveryWorker:
+    url = server.url
+    return DeliveryWorker(spool, lambda meta: (url, token) if meta.get("server") == url else None, delivery)
+
+
+def spool_files(spool: Spool) -> list[str]:
+    return sorted(str(p.relative_to(spool.root)) for p in spool.root.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize(
+    "failures",
+    [
+        [Failure("drop_before")],
+        [Failure("drop_after"), Failure("drop_after")],
+        [Failure("500"), Failure("503")],
+        [Failure("slow", delay=1.5)],
+    ],
+    ids=["drop-before-store", "drop-after-store", "5xx", "slow"],
+)
+def test_each_trace_arrives_exactly_once_despite_failures(
+    tmp_path: Path, real_trace: bytes, failures: list[Failure]
+) -> None:
+    with FakeServer() as server:
+        spool = Spool(tmp_path)
+        keys = spool_traces(spool, real_trace, 3, server.url)
+        server.fail_next(*failures)
+        worker = worker_for(spool, server, delivery=Delivery(http_timeout=0.5, backoff_base=0.02, backoff_max=0.1))
+        worker.notify()
+        assert worker.flush(15.0) is True
+        assert set(server.uploads) == set(keys)
+        assert {r.key for r in server.requests} == set(keys)  # retries reuse the key: no duplicates
+        assert worker.stats.delivered == 3 and worker.stats.retries >= 1
+        assert [r.mode for r in server.requests][: len(failures)] == [f.mode for f in failures]
+        assert spool_files(spool) == []
+        assert all(u.trace["traceEvents"] for u in server.uploads.values())
+        worker.close(1.0)
+
+
+def test_retry_after_is_honoured(tmp_path: Path, real_trace: bytes) -> None:
+    with FakeServer() as server:
+        spool = Spool(tmp_path)
+        (key,) = spool_traces(spool, real_trace, 1, server.url)
+        server.fail_next(Failure("429", retry_after=0.6))
+        worker = worker_for(spool, server)
+        worker.notify()
+        assert worker.flush(10.0)
+        first, second = server.requests
+        assert (first.status, second.status) == (429, 201)
+        assert second.at - first.at >= 0.55  # backoff base is 0.02 s: only Retry-After explains the wait
+        assert list(server.uploads) == [key]
+        worker.close(1.0)
+
+
+@pytest.mark.parametrize("token,status", [(TOKEN, 422), ("wrong", 401)])
+def test_final_rejection_goes_to_failed_with_reason_and_is_reported_once(
+    tmp_path: Path, real_trace: bytes, caplog: pytest.LogCaptureFixture, token: str, status: int
+) -> None:
+    with FakeServer() as server:
+        spool = Spool(tmp_path)
+        (key,) = spool_traces(spool, real_trace, 1, server.url)
+        if status == 422:
+            server.fail_next(Failure("reject", status=422))
+        worker = worker_for(spool, server, token=token)
+        with caplog.at_level(logging.WARNING, logger="stepdoctor"):
+            worker.notify()
+            assert worker.flush(5.0)
+            worker.notify()
+            worker.flush(1.0)
+        assert len(server.requests) == 1 and server.requests[0].status == status
+        assert server.uploads == {}
+        failed = tmp_path / "failed" / "proj" / "r1"
+        reasons = list(failed.glob("*.reason.txt"))
+        assert len(reasons) == 1 and f"HTTP {status}" in reasons[0].read_text()
+        assert len(list(failed.glob(f"*{TRACE_SUFFIX}"))) == 1
+        assert json.loads(next(failed.glob(f"*{META_SUFFIX}")).read_text())["idempotency_key"] == key
+        assert sum("moved to" in r.getMessage() for r in caplog.records) == 1
+        assert spool.sidecars() == []
+        worker.close(1.0)
+
+
+def test_server_down_keeps_everything_then_sync_uploads_exactly_once(
+    tmp_path: Path, real_trace: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = FakeServer(start=False)
+    spool = Spool(tmp_path)
+    keys = spool_traces(spool, real_trace, 3, server.url)
+    worker = worker_for(spool, server)
+    worker.notify()
+    started = time.monotonic()
+    assert worker.close(0.8) is False  # bounded: gives up at the deadline
+    assert time.monotonic() - started < 3.0
+    assert len(spool.sidecars()) == 3 and len(list(tmp_path.rglob(f"*{TRACE_SUFFIX}"))) == 3
+    server.up()
+    try:
+        assert sync.main(["--spool", str(tmp_path), "--token", TOKEN, "--timeout", "10"]) == 0
+        assert set(server.uploads) == set(keys) and len(server.requests) == 3
+        assert "3 uploaded" in capsys.readouterr().out
+        assert sync.main(["--spool", str(tmp_path), "--token", TOKEN, "--timeout", "2"]) == 0
+        assert len(server.requests) == 3  # nothing left to send twice
+    finally:
+        server.down()
+
+
+def test_sync_sends_local_traces_only_with_an_explicit_server(tmp_path: Path, real_trace: bytes) -> None:
+    with FakeServer() as server:
+        keys = spool_traces(Spool(tmp_path), real_trace, 2, None)
+        assert sync.main(["--spool", str(tmp_path), "--token", TOKEN, "--timeout", "2"]) == 0
+        assert server.requests == []
+        assert sync.main(["--spool", str(tmp_path), "--server", server.url, "--token", TOKEN]) == 0
+        assert set(server.uploads) == set(keys)
+
+
+def test_uncommitted_or_half_written_files_are_never_uploaded(tmp_path: Path, real_trace: bytes) -> None:
+    """A process killed mid-capture leaves partials without a sidecar: ignored, then cleaned up."""
+    spool = Spool(tmp_path)
+    directory = spool.run_dir("proj", "r1")
+    dead_pid = 2**22 + 12345  # above pid_max defaults: never alive
+    dead = f"{Spool.new_stem().rsplit('_', 1)[0]}_{dead_pid}.{time.time_ns()}"
+    (directory / f"{dead}{EXPORT_SUFFIX}{PARTIAL}").write_bytes(real_trace[: len(real_trace) // 2])
+    (directory / f"{dead}{TRACE_SUFFIX}{PARTIAL}").write_bytes(b"\x1f\x8b half")
+    # committed, but the process died before compressing: the export is complete and must go
+    (key,) = spool_traces(spool, real_trace, 1, None)
+    with FakeServer() as server:
+        assert sync.main(["--spool", str(tmp_path), "--server", server.url, "--token", TOKEN]) == 0
+        assert list(server.uploads) == [key]
+        assert json.loads(json.dumps(server.uploads[key].trace)) == json.loads(real_trace)
+    assert spool_files(spool) == []
+
+
+def test_claim_is_exclusive(tmp_path: Path, real_trace: bytes) -> None:
+    spool = Spool(tmp_path)
+    spool_traces(spool, real_trace, 1, None)
+    (sidecar,) = spool.sidecars()
+    with spool.claim(sidecar) as first, spool.claim(sidecar) as second:
+        assert first is not None and second is None
+    with spool.claim(sidecar) as again:
+        assert again is not None
+
+
+def test_compression_is_atomic_and_valid(tmp_path: Path, real_trace: bytes) -> None:
+    spool = Spool(tmp_path)
+    spool_traces(spool, real_trace, 1, None)
+    with spool.claim(spool.sidecars()[0]) as entry:
+        assert entry is not None
+        Spool.compress(entry, 1)
+        assert not entry.export.exists() and gzip.decompress(entry.trace.read_bytes()) == real_trace
+    assert not any(p.name.endswith(PARTIAL) for p in tmp_path.rglob("*"))
+
+
+def test_retry_after_parsing_and_classification() -> None:
+    assert transport.parse_retry_after("7") == 7.0
+    assert transport.parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == pytest.approx(10.0)
+    assert transport.parse_retry_after("soon") is None
+    assert transport.classify(201, "{}", None).outcome == "delivered"
+    assert transport.classify(200, "{}", None).outcome == "delivered"
+    for status in (408, 429, 500, 502, 503):
+        assert transport.classify(status, "", "3").outcome == "retry"
+    assert transport.classify(503, "", "3").retry_after == 3.0
+    for status in (400, 401, 403, 413, 415, 422):
+        assert transport.classify(status, "", None).outcome == "rejected"
+
+
+def test_metadata_header_fits_the_protocol_limit() -> None:
+    meta = {"host": "h", "rank": 1, "argv": ["x" * 500] * 100, "tags": {f"k{i}": "v" * 100 for i in range(200)}}
+    text = transport.metadata_header(meta)
+    assert len(text) <= transport.METADATA_HEADER_MAX
+    parsed = json.loads(text)
+    assert parsed["rank"] == 1 and parsed["host"] == "h"
+
+
+def test_child_process_worker_is_inert(tmp_path: Path) -> None:
+    """After fork, the parent's worker must neither start threads nor block in the child."""
+    worker = DeliveryWorker(Spool(tmp_path), None, FAST)
+    pid = os.fork()
+    if pid == 0:  # child
+        started = time.monotonic()
+        worker.notify()
+        ok = worker.flush(5.0) is False and worker._thread is None and time.monotonic() - started < 1
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -1,0 +1,166 @@
+"""Pure parts of the analysis service: run aggregation, run comparison, TensorBoard names and zip."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stepdoctor_server.aggregate import TraceReport, aggregate_run, merge_recommendations
+from stepdoctor_server.compare import compare_diagnoses
+from stepdoctor_server.tensorboard_export import ExportItem, archive_names, stream_zip, worker_name
+
+
+def _report(
+    kernel: float, loader: float, *, steps: int, shares: dict[str, float], recs: list[str]
+) -> dict[str, Any]:
+    return {
+        "breakdown": {"kernel": kernel, "dataloader": loader, "other": 0.0},
+        "step_time_us": kernel + loader,
+        "steps": [{"number": i} for i in range(steps)],
+        "metrics": {"shares": shares},
+        "primary": {"kind": max(shares, key=lambda k: shares[k]), "share": max(shares.values())},
+        "recommendations": [{"id": r, "title": r, "expected_speedup": 1.0 + i} for i, r in enumerate(recs)],
+        "findings": [{"id": f"f.{r}"} for r in recs],
+        "engine_version": "9.9",
+        "schema_version": 1,
+    }
+
+
+def test_aggregate_weights_by_steps_and_picks_kind_owning_most_time() -> None:
+    # rank 0: 1 step of 100 µs, 90% input; rank 1: 3 steps of 300 µs, 60% compute / 40% input.
+    a = _report(10.0, 90.0, steps=1, shares={"input": 0.9, "compute": 0.1, "other": 0.0}, recs=["in.workers"])
+    b = _report(180.0, 120.0, steps=3, shares={"input": 0.4, "compute": 0.6}, recs=["amp", "in.workers"])
+    diag = aggregate_run([TraceReport(1, 0, 0, a), TraceReport(2, 1, 0, b)])
+
+    assert diag["traces"] == 2 and diag["steps"] == 4
+    assert diag["breakdown"]["kernel"] == pytest.approx((10.0 * 1 + 180.0 * 3) / 4)
+    assert diag["breakdown"]["dataloader"] == pytest.approx((90.0 * 1 + 120.0 * 3) / 4)
+    assert diag["step_time_us"] == pytest.approx((100.0 + 300.0 * 3) / 4)
+    # Time owned: input 0.9*100 + 0.4*900 = 450; compute 0.1*100 + 0.6*900 = 550 of 1000 µs.
+    assert diag["primary"]["kind"] == "compute"
+    assert diag["primary"]["share"] == pytest.approx(0.55)
+    assert diag["shares"]["input"] == pytest.approx(0.45)
+    # Rank 1 is 1.5x the median (200 µs) of the two ranks -> straggler; rank 0 is not.
+    assert [s["rank"] for s in diag["stragglers"]] == [1]
+    assert diag["rank_spread"]["max_over_min"] == pytest.approx(3.0)
+    assert {r["rank"]: r["primary_kind"] for r in diag["ranks"]} == {0: "input", 1: "compute"}
+
+
+def test_other_time_never_becomes_the_primary_kind() -> None:
+    rep = _report(10.0, 0.0, steps=1, shares={"other": 0.8, "launch": 0.2}, recs=[])
+    assert aggregate_run([TraceReport(1, 0, 0, rep)])["primary"]["kind"] == "launch"
+
+
+def test_recommendations_merge_by_id_first_advice_first() -> None:
+    reports = [
+        TraceReport(1, 0, 0, {"recommendations": [{"id": "a", "expected_speedup": 1.1}, {"id": "b"}]}),
+        TraceReport(2, 1, 0, {"recommendations": [{"id": "b", "expected_speedup": 1.5}]}),
+        TraceReport(3, 2, 0, {"recommendations": [{"id": "b", "expected_speedup": 1.2}, {"id": "a"}]}),
+    ]
+    merged = merge_recommendations(reports)
+    assert [m["id"] for m in merged] == ["b", "a"]
+    assert merged[0]["traces"] == 3 and merged[0]["first_in"] == 2 and merged[0]["ranks"] == [0, 1, 2]
+    assert merged[0]["expected_speedup"] == 1.5
+
+
+def test_empty_run_has_no_primary() -> None:
+    diag = aggregate_run([], failed=2)
+    assert diag["primary"] is None and diag["failed"] == 2
+
+
+def test_compare_deltas_speedup_and_findings() -> None:
+    base = {
+        "step_time_us": 200.0,
+        "breakdown": {"kernel": 100.0, "dataloader": 100.0},
+        "primary": {"kind": "input"},
+        "findings": [{"id": "input.workers"}, {"id": "launch.graphs"}],
+    }
+    other = {
+        "step_time_us": 125.0,
+        "breakdown": {"kernel": 100.0, "dataloader": 25.0},
+        "primary": {"kind": "compute"},
+        "findings": [{"id": "launch.graphs"}, {"id": "compute.amp"}],
+    }
+    cmp = compare_diagnoses(base, other)
+    assert cmp["speedup"] == pytest.approx(1.6)
+    assert cmp["categories"]["dataloader"]["delta_us"] == pytest.approx(-75.0)
+    assert cmp["categories"]["dataloader"]["delta_pct"] == pytest.approx(-75.0)
+    assert cmp["categories"]["kernel"]["delta_us"] == 0.0
+    assert cmp["findings"] == {
+        "resolved": ["input.workers"],
+        "appeared": ["compute.amp"],
+        "persisting": ["launch.graphs"],
+    }
+    assert cmp["primary"] == {"base": "input", "other": "compute", "changed": True}
+
+
+def test_compare_handles_zero_base() -> None:
+    cmp = compare_diagnoses({"step_time_us": 0.0, "breakdown": {"memset": 0.0}}, {"step_time_us": 5.0})
+    assert cmp["speedup"] is None and cmp["categories"]["memset"]["delta_pct"] is None
+
+
+def test_tensorboard_names_match_the_plugin_patterns(tmp_path: Path) -> None:
+    consts = pytest.importorskip("torch_tb_profiler.consts")
+    gz = tmp_path / "a.json.gz"
+    gz.write_bytes(b"\x1f\x8b rest")
+    plain = tmp_path / "b.json"
+    plain.write_bytes(b"{}")
+    items = [
+        ExportItem(gz, rank=1, window_index=0, host="node.a", trace_id=3),
+        ExportItem(gz, rank=0, window_index=1, host="node.a", trace_id=2),
+        ExportItem(gz, rank=0, window_index=1, host="node.a", trace_id=4),  # same window uploaded twice
+        ExportItem(plain, rank=None, window_index=None, host=None, trace_id=9),
+    ]
+    names = [name for name, _ in archive_names("run-1", items)]
+    assert len(set(names)) == len(names) == 4
+    parsed = []
+    for name in names:
+        run_dir, file_name = name.split("/")
+        assert run_dir == "run-1"
+        m = consts.WORKER_PATTERN.match(file_name)
+        assert m is not None, file_name
+        node = consts.NODE_PROCESS_PATTERN.match(m.group(1))
+        assert node is not None
+        parsed.append((m.group(1), m.group(2), node.group(2), file_name.endswith(".gz")))
+    assert parsed[0][:3] == ("node-a_0", ".000001", "0")
+    assert parsed[1][:3] == ("node-a_0", ".000002", "0")
+    assert parsed[2][:3] == ("node-a_1", ".000000", "1")
+    assert parsed[3][3] is False and all(p[3] for p in parsed[:3])
+    assert worker_name("h", 7, 1) == "h_7"
+
+
+def test_stream_zip_round_trips_large_members(tmp_path: Path) -> None:
+    big = tmp_path / "big.bin"
+    payload = bytes(range(256)) * 20_000  # 5 MB: several chunks
+    big.write_bytes(payload)
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"x")
+    chunks = list(stream_zip([("r/a.pt.trace.json.gz", big), ("r/b.pt.trace.json", small)]))
+    assert len(chunks) > 2
+    with zipfile.ZipFile(io.BytesIO(b"".join(chunks))) as zf:
+        assert zf.testzip() is None
+        assert zf.read("r/a.pt.trace.json.gz") == payload
+        assert zf.read("r/b.pt.trace.json") == b"x"
+
+
+def test_demo_diagnosis_line() -> None:
+    from stepdoctor_server.demo import diagnosis_line
+
+    run = {
+        "diagnosis": {
+            "primary": {"kind": "input", "share": 0.6},
+            "step_time_us": 12_500.0,
+            "recommendations": [{"title": "Use DataLoader workers"}],
+        }
+    }
+    assert (
+        diagnosis_line("w0", run)
+        == "w0: input-bound (60% of step time), mean step 12.5 ms -> next: Use DataLoader workers"
+    )
+    assert "2 trace(s) failed" in diagnosis_line(
+        "w1", {"diagnosis": {"primary": None}, "trace_status": {"failed": 2}}
+    )

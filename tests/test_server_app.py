@@ -1,0 +1,91 @@
+"""App plumbing: JSON errors everywhere, health/readiness/metrics, OpenAPI, the worker seam."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from stepdoctor_server import app as app_module
+from stepdoctor_server.app import create_app
+from stepdoctor_server.settings import Settings
+from support.server import synthetic_trace, upload
+
+
+def test_framework_errors_are_json(client: TestClient) -> None:
+    missing = client.get("/api/v1/nothing-here")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    wrong_method = client.delete("/api/v1/runs")
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"]["code"] == "method_not_allowed"
+    bad_id = client.get("/api/v1/runs/abc")
+    assert bad_id.status_code == 422
+    assert bad_id.json()["error"]["message"].startswith("path parameter 'run_id'")
+
+
+def test_unexpected_error_is_a_bare_500_without_traceback(app: FastAPI, admin_token: str) -> None:
+    @app.get("/boom")
+    def boom() -> None:
+        raise RuntimeError("secret internals")
+
+    with TestClient(app, raise_server_exceptions=False) as client:
+        response = client.get("/boom")
+    assert response.status_code == 500
+    assert response.json() == {
+        "error": {"code": "internal_error", "message": "internal server error (see the server log)"}
+    }
+    assert "secret internals" not in response.text and "Traceback" not in response.text
+
+
+def test_readyz_reports_an_unreachable_database(tmp_path: Path) -> None:
+    settings = Settings(
+        data_dir=tmp_path, database_url="postgresql+psycopg://postgres@127.0.0.1:1/nowhere", workers=0
+    )
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/healthz").status_code == 200
+        response = client.get("/readyz")
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "database_unavailable"
+
+
+def test_metrics_count_requests_and_queue(client: TestClient) -> None:
+    assert upload(client, synthetic_trace()).status_code == 201
+    client.get("/api/v1/runs")
+    text = client.get("/metrics").text
+    assert 'stepdoctor_http_requests_total{method="POST",route="/api/v1/traces",status="201"} 1.0' in text
+    assert 'stepdoctor_http_requests_total{method="GET",route="/api/v1/runs",status="200"} 1.0' in text
+    assert 'stepdoctor_traces{status="pending"} 1.0' in text
+
+
+def test_openapi_documents_the_api(client: TestClient) -> None:
+    spec = client.get("/openapi.json").json()
+    for path in ("/api/v1/traces", "/api/v1/traces/{trace_id}/download", "/api/v1/runs", "/api/v1/projects"):
+        assert path in spec["paths"], path
+    assert "HTTPBearer" in spec["components"]["securitySchemes"]
+    assert client.get("/docs").status_code == 200
+
+
+def test_lifespan_starts_and_stops_the_worker_pool(
+    server_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+
+    class Handle:
+        def stop(self) -> None:
+            events.append("stop")
+
+    fake = types.ModuleType("fake_worker_for_test")
+    fake.start_pool = lambda settings: events.append(f"start:{settings.workers}") or Handle()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_worker_for_test", fake)
+    monkeypatch.setattr(app_module, "WORKER_MODULE", "fake_worker_for_test")
+
+    with TestClient(create_app(server_settings.model_copy(update={"workers": 2}))):
+        assert events == ["start:2"]
+    assert events == ["start:2", "stop"]
+    with TestClient(create_app(server_settings)):  # workers=0: no pool
+        pass
+    assert events == ["start:2", "stop"]

@@ -1,0 +1,187 @@
+"""Every kind of bad upload gets a precise 4xx JSON error and leaves nothing behind.
+
+After each refusal the database holds exactly the rows it held before (every table counted) and
+the trace store exactly the files (temp files included), and the server still answers.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from stepdoctor_server.app import create_app
+from stepdoctor_server.settings import Settings
+from support.server import bearer, row_counts, store_files, synthetic_trace, upload
+
+MAX_UPLOAD = 256 * 1024
+MAX_DECOMPRESSED = 2 * 1024 * 1024
+
+
+@pytest.fixture
+def tight_app(server_settings: Settings, app: FastAPI) -> Iterator[FastAPI]:
+    """The test app with small caps so over-size and bomb cases stay cheap (same database)."""
+    settings = server_settings.model_copy(
+        update={"max_upload_bytes": MAX_UPLOAD, "max_decompressed_bytes": MAX_DECOMPRESSED}
+    )
+    tight = create_app(settings)
+    yield tight
+    tight.state.db.dispose()
+
+
+@pytest.fixture
+def tight_client(tight_app: FastAPI, admin_token: str) -> Iterator[TestClient]:
+    with TestClient(tight_app, headers=bearer(admin_token)) as test_client:
+        yield test_client
+
+
+def _bomb() -> bytes:
+    """Valid gzip of a trace that inflates far beyond the cap (about 1000:1, 4x the cap)."""
+    raw = b'{"traceEvents": [' + b" " * (8 * 1024 * 1024) + b"]}"
+    return gzip.compress(raw, compresslevel=9)
+
+
+def _incompressible_trace(size: int) -> bytes:
+    """A well-formed gzip trace whose compressed size is about ``size`` bytes."""
+    pad = random.Random(0).randbytes(size).hex()
+    return gzip.compress(json.dumps({"traceEvents": [], "pad": pad}).encode(), 1)
+
+
+def _chunks(data: bytes, size: int = 32 * 1024) -> Iterator[bytes]:
+    for i in range(0, len(data), size):
+        yield data[i : i + size]
+
+
+VALID = synthetic_trace(50)
+
+# (id, request kwargs for support.server.upload, expected status, expected error code)
+CASES: list[tuple[str, dict[str, Any], int, str]] = [
+    ("malformed-json", {"body": b"this is not json at all", "gzipped": False}, 422, "invalid_trace"),
+    ("json-array", {"body": b"[1, 2, 3]", "gzipped": False}, 422, "invalid_trace"),
+    ("json-without-traceEvents", {"body": b'{"events": []}', "gzipped": False}, 422, "invalid_trace"),
+    ("malformed-gzip-payload", {"body": gzip.compress(b"garbage bytes")}, 422, "invalid_trace"),
+    ("truncated-gzip", {"body": VALID[: len(VALID) // 2]}, 400, "truncated_gzip"),
+    ("corrupt-gzip", {"body": VALID[:12] + b"\xff" * 40 + VALID[52:]}, 400, "invalid_gzip"),
+    ("declared-gzip-not-gzip", {"body": b'{"traceEvents": []}'}, 400, "invalid_gzip"),
+    (
+        "truncated-plain-json",
+        {"body": b'{"traceEvents": [{"ph": "X"', "gzipped": False},
+        400,
+        "truncated_json",
+    ),
+    ("empty-body", {"body": b"", "gzipped": False}, 400, "empty_body"),
+    ("gzip-bomb", {"body": _bomb()}, 413, "decompressed_too_large"),
+    ("over-size-with-length", {"body": _incompressible_trace(MAX_UPLOAD)}, 413, "payload_too_large"),
+    (
+        "wrong-content-type",
+        {"body": VALID, "headers": {"Content-Type": "text/plain"}},
+        415,
+        "unsupported_media_type",
+    ),
+    (
+        "form-content-type",
+        {"body": VALID, "headers": {"Content-Type": "application/x-www-form-urlencoded"}},
+        415,
+        "unsupported_media_type",
+    ),
+    (
+        "brotli-encoding",
+        {"body": VALID, "headers": {"Content-Encoding": "br"}},
+        415,
+        "unsupported_media_type",
+    ),
+    ("path-like-project", {"body": VALID, "project": "../../etc"}, 422, "invalid_name"),
+    ("slash-in-run", {"body": VALID, "run": "a/b"}, 422, "invalid_name"),
+    ("dot-leading-run", {"body": VALID, "run": ".hidden"}, 422, "invalid_name"),
+    ("odd-characters", {"body": VALID, "project": "proj ect;rm -rf"}, 422, "invalid_name"),
+    ("unicode-name", {"body": VALID, "run": "rün"}, 422, "invalid_name"),
+    ("too-long-name", {"body": VALID, "run": "r" * 129}, 422, "invalid_name"),
+    ("negative-rank", {"body": VALID, "rank": -1}, 422, "invalid_request"),
+    (
+        "metadata-not-json",
+        {"body": VALID, "headers": {"X-Stepdoctor-Metadata": "{nope"}},
+        422,
+        "invalid_metadata",
+    ),
+    (
+        "metadata-not-object",
+        {"body": VALID, "headers": {"X-Stepdoctor-Metadata": "[1]"}},
+        422,
+        "invalid_metadata",
+    ),
+    (
+        "metadata-too-big",
+        {"body": VALID, "headers": {"X-Stepdoctor-Metadata": json.dumps({"x": "y" * 9000})}},
+        422,
+        "invalid_metadata",
+    ),
+    ("bad-tags", {"body": VALID, "metadata": {"tags": [1, 2]}}, 422, "invalid_metadata"),
+    ("bad-window", {"body": VALID, "metadata": {"window": {"index": "zero"}}}, 422, "invalid_metadata"),
+    (
+        "bad-idempotency-key",
+        {"body": VALID, "idempotency_key": "spaces are bad"},
+        422,
+        "invalid_idempotency_key",
+    ),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "status", "code"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_upload_is_refused_cleanly(
+    tight_app: FastAPI, tight_client: TestClient, kwargs: dict[str, Any], status: int, code: str
+) -> None:
+    # One good upload first, so "unchanged" is checked against a non-empty state.
+    assert upload(tight_client, VALID, run="baseline").status_code == 201
+    rows_before, files_before = row_counts(tight_app), store_files(tight_app)
+
+    kwargs = dict(kwargs)
+    response = upload(tight_client, kwargs.pop("body"), **kwargs)
+
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and body["error"]["code"] == code
+    assert body["error"]["message"] and "\n" not in body["error"]["message"]
+    assert "Traceback" not in response.text
+    assert row_counts(tight_app) == rows_before
+    assert store_files(tight_app) == files_before
+    assert tight_client.get("/readyz").status_code == 200
+    assert upload(tight_client, VALID, run="after").status_code == 201
+
+
+def test_over_size_streamed_body_without_length_is_cut_off(
+    tight_app: FastAPI, tight_client: TestClient
+) -> None:
+    """Chunked upload (no Content-Length): the cap is enforced while streaming, temp file removed."""
+    rows_before, files_before = row_counts(tight_app), store_files(tight_app)
+    data = _incompressible_trace(MAX_UPLOAD)
+    assert len(data) > MAX_UPLOAD
+    response = upload(tight_client, _chunks(data))  # type: ignore[arg-type]
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "payload_too_large"
+    assert row_counts(tight_app) == rows_before
+    assert store_files(tight_app) == files_before
+
+
+def test_bad_pagination_values_are_422_json(client: TestClient) -> None:
+    for query in (
+        "limit=0",
+        "limit=201",
+        "limit=abc",
+        "cursor=%%%",
+        "cursor=bm9wZQ",
+        "sort=size",
+        "since=yesterday",
+        "primary_kind=slow",
+        "project=../x",
+    ):
+        response = client.get(f"/api/v1/runs?{query}")
+        assert response.status_code == 422, query
+        error = response.json()["error"]
+        assert error["code"] in {"invalid_request", "invalid_cursor", "invalid_name"}, query
+        assert error["message"], query
