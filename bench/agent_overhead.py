@@ -125,8 +125,8 @@ def run_mode(mode: str, steps: int, every: int, width: int, servers: dict[str, s
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=45)
+    parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--every", type=int, default=20, help="one capture window every N steps")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -160,32 +160,39 @@ def main() -> int:
 
 
 def report(results: dict[str, list[Sample]], every: int, uploads: int) -> None:
-    def per_step(mode: str, outside: bool | None, cpu: bool = False) -> list[float]:
-        out = []
-        for sample in results[mode]:
-            for i, dt in enumerate(sample.cpu_s if cpu else sample.step_s):
-                if i == 0 or (outside is not None and in_window(i, every) == outside):
-                    continue
-                out.append(dt)
-        return out
+    """Ratios are paired per round (each mode against the reference run in the same round, so the
+    machine's load drifts cancel), then the median over rounds is printed."""
 
-    def ratio(mode: str, base: str, outside: bool | None, cpu: bool = False) -> float:
-        return statistics.median(per_step(mode, outside, cpu)) / statistics.median(
-            per_step(base, outside, cpu)
+    def median_step(sample: Sample, outside: bool | None, cpu: bool) -> float:
+        values = sample.cpu_s if cpu else sample.step_s
+        return statistics.median(
+            dt
+            for i, dt in enumerate(values)
+            if i >= SKIP and (outside is None or in_window(i, every) != outside)
+        )
+
+    def paired(mode: str, base: str, outside: bool | None, cpu: bool = False) -> float:
+        return statistics.median(
+            median_step(a, outside, cpu) / median_step(b, outside, cpu)
+            for a, b in zip(results[mode], results[base], strict=True)
         )
 
     def loop_ratio(mode: str) -> float:
-        """Median over rounds of (mode loop / plain loop in the same round): pairs share the machine's load."""
         return statistics.median(
             a.loop_s / b.loop_s for a, b in zip(results[mode], results["plain"], strict=True)
         )
 
+    none_median = statistics.median(median_step(s, None, False) for s in results["none"])
+    rounds, steps = len(results["none"]), len(results["none"][0].step_s)
     print(
-        f"\nmedian step without profiler: {statistics.median(per_step('none', None)) * 1000:.2f} ms wall; "
-        f"{sum(len(s.step_s) for s in results['none'])} steps per mode; live server received {uploads} traces"
+        f"\n{rounds} rounds x {steps} steps per mode; median step without profiler {none_median * 1000:.2f} ms; "
+        f"one window ({WARMUP} warm-up + {ACTIVE} active steps) every {every} steps; "
+        f"live server received {uploads} traces"
     )
-    print("ratios of median step time: wall (training-thread CPU)")
-    header = f"{'mode':<6} {'all/none':>17} {'outside/none':>17} {'all/plain':>17} {'loop/plain':>11}"
+    print(
+        "median step-time ratios, wall (training-thread CPU); outside = steps that neither warm up, record nor export"
+    )
+    header = f"{'mode':<6} {'outside/none':>17} {'all/plain':>17} {'loop/plain':>11}"
     print(header + f" {'max step() export':>18} {'max step() other':>17}")
     for mode in results:
         export_max = other_max = 0.0
@@ -196,12 +203,11 @@ def report(results: dict[str, list[Sample]], every: int, uploads: int) -> None:
                 else:
                     other_max = max(other_max, dt)
         cols = [
-            f"{ratio(mode, 'none', None):.4f} ({ratio(mode, 'none', None, True):.4f})",
-            f"{ratio(mode, 'none', True):.4f} ({ratio(mode, 'none', True, True):.4f})",
-            f"{ratio(mode, 'plain', None):.4f} ({ratio(mode, 'plain', None, True):.4f})",
+            f"{paired(mode, 'none', True):.4f} ({paired(mode, 'none', True, True):.4f})",
+            f"{paired(mode, 'plain', None):.4f} ({paired(mode, 'plain', None, True):.4f})",
         ]
         print(
-            f"{mode:<6} {cols[0]:>17} {cols[1]:>17} {cols[2]:>17} {loop_ratio(mode):>11.4f} "
+            f"{mode:<6} {cols[0]:>17} {cols[1]:>17} {loop_ratio(mode):>11.4f} "
             f"{export_max * 1000:>15.1f} ms {other_max * 1000:>14.3f} ms"
         )
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 from sqlalchemy import select
+
 from stepdoctor_server import auth
 from stepdoctor_server.app import create_app
 from stepdoctor_server.migrate import upgrade

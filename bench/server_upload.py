@@ -144,6 +144,10 @@ def insert_runs(database_url: str, data_dir: Path, count: int) -> None:
             for i in range(count)
         ]
         session.execute(insert(Run), rows)
+    if database_url.startswith("postgresql"):
+        # What autovacuum does shortly after a bulk load; without statistics the planner guesses.
+        with db.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql("ANALYZE")
     db.dispose()
 
 

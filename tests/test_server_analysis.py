@@ -341,3 +341,15 @@ def test_worker_command_analyses_and_stops_on_sigint(
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
     assert "1 analysis process" in out
+
+
+def test_missing_file_fails_the_job_and_the_queue_moves_on(client: TestClient, app: FastAPI) -> None:
+    lost = _upload_file(client, RANK0, run="lost", rank=0)
+    kept = _upload_file(client, RANK1, run="lost", rank=1)
+    with app.state.db.session() as session:
+        key = session.scalar(select(Trace.storage_key).where(Trace.id == lost))
+    app.state.store.path(key).unlink()
+    assert _drain(app) == 2
+    assert _statuses(app, [lost, kept]) == {lost: "failed", kept: "done"}
+    reason = client.get(f"/api/v1/traces/{lost}").json()["status_reason"]
+    assert reason and key.rsplit("/", 1)[-1] not in reason  # no internal storage key in user text

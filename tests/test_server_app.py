@@ -48,8 +48,12 @@ def test_readyz_reports_an_unreachable_database(tmp_path: Path) -> None:
     with TestClient(create_app(settings)) as client:
         assert client.get("/healthz").status_code == 200
         response = client.get("/readyz")
+        api = client.get("/api/v1/runs", headers={"Authorization": "Bearer sdt_x"})
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "database_unavailable"
+    # API calls say "retry later" (the agent honours Retry-After) instead of a bare 500.
+    assert api.status_code == 503 and api.headers["retry-after"] == "5"
+    assert api.json()["error"]["code"] == "database_unavailable"
 
 
 def test_metrics_count_requests_and_queue(client: TestClient) -> None:

@@ -97,6 +97,12 @@ class Profile:
         self._first_step: int | None = None
         self._last_step: int | None = None
         self._recording: frozenset[Any] = frozenset()
+        self._none: Any = None
+        self._tp: Any = None
+        self._kwargs: dict[str, Any] = {}
+        self._schedule_fn: Callable[[int], Any] = lambda step: None
+        self._active: Any = None  # the torch profiler of the window in progress
+        self._step_num = 0
         self._static_meta: dict[str, Any] = {}
         self._worker: DeliveryWorker | None = None
 
@@ -129,33 +135,65 @@ class Profile:
         self._static_meta = _metadata.collect(cfg.tags, self._loader)
         self._worker = DeliveryWorker(spool, self._router(), cfg.delivery, cleanup=True)
         self._worker.notify()  # deliver what earlier runs left behind while we train
+        self._tp = tp
+        self._none = tp.ProfilerAction.NONE
         self._recording = frozenset({tp.ProfilerAction.RECORD, tp.ProfilerAction.RECORD_AND_SAVE})
-        self.profiler = tp.profile(**self._torch_kwargs(tp))
-        preset = getattr(self.profiler, "preset_metadata_json", None)
+        self._kwargs = self._torch_kwargs(tp)
+        self._schedule_fn = self._kwargs["schedule"]
+        self._state = "running"
+        _live.add(self)
+        if self._schedule_fn(0) != self._none:
+            self._open_window(0)
+        return self
+
+    def step(self) -> None:
+        """Mark the end of a training step. Outside capture windows this is a counter and one schedule
+        lookup (torch.profiler itself is not running); it never touches the network."""
+        if self._state != "running" or os.getpid() != self._pid:
+            return
+        if self._active is None:
+            self._step_num += 1
+            if self._schedule_fn(self._step_num) == self._none:
+                return
+            self._open_window(self._step_num)
+        else:
+            self._step_in_window()
+
+    @guarded()
+    def _open_window(self, step: int) -> None:
+        """Start torch.profiler just before a window, numbered globally so ProfilerStep#N matches."""
+        prof = self._tp.profile(**self._kwargs)
+        prof.step_num = step
+        prof.current_action = self._schedule_fn(step)
+        if hasattr(prof, "_prev_schedule_action"):
+            prof._prev_schedule_action = prof.current_action
+        preset = getattr(prof, "preset_metadata_json", None)
         if preset is not None:
             preset("stepdoctor", json.dumps(self._static_meta, default=str))
             if self._needs_distributed_info():
                 info = {"rank": self._static_meta["rank"], "world_size": self._static_meta["world_size"]}
                 preset("distributedInfo", json.dumps(info))
-        self.profiler.start()
-        self._state = "running"
-        _live.add(self)
-        return self
-
-    def step(self) -> None:
-        """Mark the end of a training step. Cheap outside capture windows; never touches the network."""
-        if self._state != "running" or os.getpid() != self._pid:
-            return
-        self._step()
+        self.profiler = self._active = prof
+        try:
+            prof.start()
+        except Exception:
+            self._active = None
+            self._state = "broken"
+            raise
 
     @guarded()
-    def _step(self) -> None:
-        prof = self.profiler
+    def _step_in_window(self) -> None:
+        prof = self._active
         if prof.current_action in self._recording:
             self._note_step(prof.step_num)
         try:
             prof.step()
+            self._step_num = prof.step_num
+            if prof.current_action == self._none:  # window saved: leave torch.profiler until the next one
+                self._active = None
+                prof.stop()
         except Exception:
+            self._active = None
             self._state = "broken"  # a profiler in an unknown state must not be stepped again
             raise
 
@@ -184,10 +222,11 @@ class Profile:
             self._state = "stopped"
         _live.discard(self)
         try:
-            if not broken:
-                if self.profiler.current_action in self._recording:
-                    self._note_step(self.profiler.step_num)
-                self.profiler.stop()
+            prof, self._active = self._active, None
+            if prof is not None and not broken:
+                if prof.current_action in self._recording:
+                    self._note_step(prof.step_num)
+                prof.stop()  # a window cut short is still saved
         finally:
             if self._worker is not None:
                 self._worker.close(self.config.delivery.flush_timeout)

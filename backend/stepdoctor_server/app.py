@@ -40,10 +40,11 @@ log = logging.getLogger("stepdoctor.server")
 
 # Optional modules written by other engineers; the app works (and is tested) without them.
 WORKER_MODULE = "stepdoctor_server.worker"
+# Each exposes ``install(app)`` (pages, static mounts) or a ``router``.
 EXTRA_ROUTER_MODULES = (
     "stepdoctor_server.api_analysis",
     "stepdoctor_server.api_exports",
-    "stepdoctor_dashboard.app",
+    "stepdoctor_dashboard.routes",
 )
 
 
@@ -223,7 +224,7 @@ def _stop_workers(handle: Any) -> None:
 
 
 def _include_optional_routers(app: FastAPI) -> None:
-    """Routers owned by other teams join when their module exposes ``router``."""
+    """Routers owned by other teams join through ``install(app)`` or their ``router``."""
     for name in EXTRA_ROUTER_MODULES:
         try:
             module = importlib.import_module(name)
@@ -231,8 +232,11 @@ def _include_optional_routers(app: FastAPI) -> None:
             if exc.name != name:
                 raise
             continue
+        install = getattr(module, "install", None)
         router = getattr(module, "router", None)
-        if router is not None:
+        if callable(install):
+            install(app)
+        elif router is not None:
             app.include_router(router)
 
 

@@ -263,7 +263,10 @@ class BodyInspector:
         if self._head:  # fewer than 2 bytes in total
             head, self._head = self._head, b""
             self._decide(head)
-            self._feed_gzip(head) if self.gzipped else self._feed_text(head)
+            if self.gzipped:
+                self._feed_gzip(head)
+            else:
+                self._feed_text(head)
         if self.compressed_bytes == 0:
             raise ApiError(400, "empty_body", "request body is empty: send the trace JSON (gzip allowed)")
         if self.gzipped and not self._member_done:

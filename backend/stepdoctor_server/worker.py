@@ -93,28 +93,36 @@ def failure_reason(exc: BaseException) -> str:
 
 
 def process_one(db: Database, queue: JobQueue, store: TraceStore, settings: Settings, worker_id: str) -> bool:
-    """Claim and handle one job; returns False when the queue was empty."""
+    """Claim and handle one job; returns False when the queue was empty.
+
+    Whatever goes wrong after the claim ends the job (done or failed): a claimed job is never
+    left ``running`` by a worker that is still alive.
+    """
     trace_id = queue.claim(worker_id)
     if trace_id is None:
         return False
-    with db.session() as session:
-        trace = session.scalars(select(Trace).where(Trace.id == trace_id)).one()
-        path, meta, run_id = store.path(trace.storage_key), dict(trace.meta or {}), trace.run_id
-        filename = trace.filename
+    run_id: int | None = None
+    path: Path | None = None
+    filename = ""
     try:
+        with db.session() as session:
+            trace = session.scalars(select(Trace).where(Trace.id == trace_id)).one()
+            run_id, meta, filename = trace.run_id, dict(trace.meta or {}), trace.filename
+            path = store.path(trace.storage_key)
         result = analyze_file(path, meta, settings.max_decompressed_bytes)
+        queue.complete(trace_id, result)
+        log.info("trace %s: %s in %d ms", trace_id, result.primary_kind, result.duration_ms)
     except Exception as exc:  # one bad trace fails its own job, never the worker
-        # Users know the file by its download name, not by our storage key.
-        reason = failure_reason(exc).replace(str(path), filename).replace(path.name, filename)
+        reason = failure_reason(exc)
+        if path is not None:  # users know the file by its download name, not by our storage key
+            reason = reason.replace(str(path), filename).replace(path.name, filename)
         if reason.startswith("internal error"):
-            log.exception("trace %s: analysis crashed", trace_id)
+            log.exception("trace %s: analysis failed", trace_id)
         else:
             log.info("trace %s: %s", trace_id, reason)
         queue.fail(trace_id, reason)
-    else:
-        queue.complete(trace_id, result)
-        log.info("trace %s: %s in %d ms", trace_id, result.primary_kind, result.duration_ms)
-    _refresh_run(db, run_id)
+    if run_id is not None:
+        _refresh_run(db, run_id)
     return True
 
 

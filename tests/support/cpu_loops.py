@@ -1,7 +1,7 @@
 """Tiny real CPU training loops, recorded with torch.profiler, each built to have one bottleneck.
 
 These give labelled traces for the diagnosis tests without a GPU. The input-bound loops calibrate
-the loader's delay against the measured compute step, so the label holds on slow and fast
+the loader's delay against the measured compute step, so the label holds on slow, fast and busy
 machines alike: loading one batch takes 1.5× a training step, which a single process cannot hide
 and two workers (each producing a batch every 1.5 steps, so 1.33 batches per step) can.
 """
@@ -63,27 +63,37 @@ class SlowDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 def _compute_step_seconds() -> float:
+    """The fastest of a few steps: an unloaded machine's speed, so workers never fall behind it."""
     model, opt = _mlp()
     x, y = torch.randn(BATCH * 32, 256), torch.randn(BATCH * 32, 256)
     _train_step(model, opt, x, y)
-    t0 = time.perf_counter()
-    for _ in range(3):
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
         _train_step(model, opt, x, y)
-    return (time.perf_counter() - t0) / 3
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def input_bound(path: Path, *, num_workers: int = 0) -> Path:
-    """A loader whose batch costs 1.5 compute steps; ``num_workers=0`` waits for it every step."""
-    per_sample = 1.5 * _compute_step_seconds() / BATCH
+    """A loader whose batch costs 1.5 compute steps; ``num_workers=0`` waits for it every step.
+
+    In-process (``num_workers=0``) the delay follows the last measured step, so a machine that
+    slows down mid-recording keeps the 1.5 ratio; workers get the calibrated value at fork.
+    """
+    dataset = SlowDataset(1.5 * _compute_step_seconds() / BATCH)
     kwargs: dict[str, object] = {"num_workers": num_workers}
     if num_workers:
         kwargs |= {"prefetch_factor": 4, "persistent_workers": True}
-    loader = DataLoader(SlowDataset(per_sample), batch_size=BATCH, **kwargs)  # type: ignore[arg-type]
+    loader = DataLoader(dataset, batch_size=BATCH, **kwargs)  # type: ignore[arg-type]
     model, opt = _mlp()
 
     def steps() -> Iterator[None]:
         for x, y in loader:
+            t0 = time.perf_counter()
             _train_step(model, opt, x.flatten(0, 1), y.flatten(0, 1))
+            if not num_workers:
+                dataset.delay = 1.5 * (time.perf_counter() - t0) / BATCH
             yield
 
     return _record(path, steps())

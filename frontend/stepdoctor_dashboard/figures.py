@@ -1,0 +1,147 @@
+"""Plotly figures built server-side from stored diagnoses; pages only call ``Plotly.newPlot``.
+
+Pure functions from the JSON the engine and the aggregator store to ``go.Figure``: no database,
+no request, so they are tested directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import plotly.graph_objects as go
+import plotly.io as pio
+
+# The TensorBoard profiler plugin's categories, in its priority order, with stable colours.
+CATEGORY_COLORS = {
+    "kernel": "#4c78a8",
+    "memcpy": "#f58518",
+    "memset": "#e45756",
+    "communication": "#72b7b2",
+    "runtime": "#54a24b",
+    "dataloader": "#eeca3b",
+    "cpu_exec": "#b279a2",
+    "other": "#bab0ac",
+}
+KIND_COLORS = {
+    "input": "#eeca3b",
+    "transfer": "#f58518",
+    "launch": "#54a24b",
+    "memory": "#e45756",
+    "sync": "#9d755d",
+    "communication": "#72b7b2",
+    "compute": "#4c78a8",
+    "other": "#bab0ac",
+}
+_LAYOUT = {"margin": {"l": 60, "r": 20, "t": 40, "b": 40}, "template": "plotly_white", "height": 320}
+
+
+def to_json(fig: go.Figure) -> str:
+    return str(pio.to_json(fig, validate=False))
+
+
+def _num(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
+def breakdown_figure(breakdown: Mapping[str, Any], title: str = "Average step time breakdown") -> go.Figure:
+    """One horizontal stacked bar: where an average step's wall time goes (µs → ms)."""
+    fig = go.Figure()
+    for category, value in _ordered(breakdown):
+        fig.add_bar(
+            y=["step"],
+            x=[_num(value) / 1000.0],
+            name=category,
+            orientation="h",
+            marker_color=CATEGORY_COLORS.get(category),
+            hovertemplate=f"{category}: %{{x:.3f}} ms<extra></extra>",
+        )
+    fig.update_layout(barmode="stack", title=title, xaxis_title="ms per step", **{**_LAYOUT, "height": 220})
+    return fig
+
+
+def shares_figure(shares: Mapping[str, Any], title: str = "Bottleneck shares of step time") -> go.Figure:
+    items = sorted(((k, _num(v)) for k, v in shares.items()), key=lambda kv: -kv[1])
+    fig = go.Figure(
+        go.Bar(
+            x=[k for k, _ in items],
+            y=[v * 100.0 for _, v in items],
+            marker_color=[KIND_COLORS.get(k, "#888") for k, _ in items],
+            hovertemplate="%{x}: %{y:.1f}%<extra></extra>",
+        )
+    )
+    fig.update_layout(title=title, yaxis_title="% of step time", **_LAYOUT)
+    return fig
+
+
+def steps_figure(report: Mapping[str, Any], title: str = "Per-step breakdown") -> go.Figure:
+    """Stacked bars per step, from a trace report's ``steps`` (each with its own breakdown)."""
+    steps = [s for s in report.get("steps") or [] if isinstance(s, Mapping)]
+    labels = [str(s.get("number", i)) for i, s in enumerate(steps)]
+    fig = go.Figure()
+    categories = [c for c, _ in _ordered(_union_keys(s.get("breakdown") or {} for s in steps))]
+    for category in categories:
+        fig.add_bar(
+            x=labels,
+            y=[_num((s.get("breakdown") or {}).get(category)) / 1000.0 for s in steps],
+            name=category,
+            marker_color=CATEGORY_COLORS.get(category),
+        )
+    fig.update_layout(barmode="stack", title=title, xaxis_title="step", yaxis_title="ms", **_LAYOUT)
+    return fig
+
+
+def ranks_figure(ranks: Sequence[Mapping[str, Any]], title: str = "Step time per rank") -> go.Figure:
+    labels = ["?" if r.get("rank") is None else str(r["rank"]) for r in ranks]
+    fig = go.Figure(
+        go.Bar(x=labels, y=[_num(r.get("step_time_us")) / 1000.0 for r in ranks], marker_color="#4c78a8")
+    )
+    fig.update_layout(title=title, xaxis_title="rank", yaxis_title="ms per step", **_LAYOUT)
+    return fig
+
+
+def compare_figure(comparison: Mapping[str, Any], base_name: str, other_name: str) -> go.Figure:
+    """Grouped bars per category, before and after."""
+    cats = comparison.get("categories") or {}
+    names = list(cats)
+    fig = go.Figure()
+    fig.add_bar(x=names, y=[_num(cats[c].get("base_us")) / 1000.0 for c in names], name=base_name)
+    fig.add_bar(x=names, y=[_num(cats[c].get("other_us")) / 1000.0 for c in names], name=other_name)
+    fig.update_layout(
+        barmode="group", title="Before / after, per category", yaxis_title="ms per step", **_LAYOUT
+    )
+    return fig
+
+
+def memory_figure(series: Mapping[str, Any], title: str = "Memory over the capture") -> go.Figure | None:
+    """Allocated/reserved curves per device from a report's memory series, when the trace had them."""
+    curves = [c for c in series.get("curves") or [] if isinstance(c, Mapping)] if series else []
+    if not curves:
+        return None
+    fig = go.Figure()
+    for curve in curves:
+        t = [x / 1000.0 for x in curve.get("t_us") or []]
+        label = str(curve.get("device", "device"))
+        if curve.get("allocated"):
+            fig.add_scatter(
+                x=t, y=[b / 2**20 for b in curve["allocated"]], name=f"{label} allocated", mode="lines"
+            )
+        if curve.get("reserved"):
+            fig.add_scatter(
+                x=t, y=[b / 2**20 for b in curve["reserved"]], name=f"{label} reserved", mode="lines"
+            )
+    fig.update_layout(title=title, xaxis_title="ms", yaxis_title="MiB", **_LAYOUT)
+    return fig
+
+
+def _ordered(values: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    known = [(k, values[k]) for k in CATEGORY_COLORS if k in values]
+    return known + sorted((k, v) for k, v in values.items() if k not in CATEGORY_COLORS)
+
+
+def _union_keys(dicts: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in dicts:
+        for k in d:
+            out.setdefault(str(k), 0)
+    return out
