@@ -130,11 +130,14 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=20, help="one capture window every N steps")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument(
+        "--modes", default="none,plain,live,dead,hang", help="comma-separated; keep none,plain"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     warnings.filterwarnings("ignore", category=UserWarning)
     torch.set_num_threads(args.threads)
-    modes = ["none", "plain", "live", "dead", "hang"]
+    modes = args.modes.split(",")
     results: dict[str, list[Sample]] = {m: [] for m in modes}
     hang = socket.socket()
     hang.bind(("127.0.0.1", 0))
@@ -193,15 +196,17 @@ def report(results: dict[str, list[Sample]], every: int, uploads: int) -> None:
         "median step-time ratios, wall (training-thread CPU); outside = steps that neither warm up, record nor export"
     )
     header = f"{'mode':<6} {'outside/none':>17} {'all/plain':>17} {'loop/plain':>11}"
-    print(header + f" {'max step() export':>18} {'max step() other':>17}")
+    print(
+        header
+        + f" {'max step() export':>18} {'max step() other':>17} {'step() other':>13} {'step() sum':>13}"
+    )
     for mode in results:
-        export_max = other_max = 0.0
+        exports, others = [0.0], [0.0]
         for sample in results[mode]:
             for i, dt in enumerate(sample.call_s):
-                if in_window(i, every):
-                    export_max = max(export_max, dt)
-                else:
-                    other_max = max(other_max, dt)
+                (exports if in_window(i, every) else others).append(dt)
+        export_max, other_max = max(exports), max(others)
+        calls_per_round = statistics.median(sum(sample.call_s) for sample in results[mode])
         cols = [
             f"{paired(mode, 'none', True):.4f} ({paired(mode, 'none', True, True):.4f})",
             f"{paired(mode, 'plain', None):.4f} ({paired(mode, 'plain', None, True):.4f})",
@@ -209,6 +214,7 @@ def report(results: dict[str, list[Sample]], every: int, uploads: int) -> None:
         print(
             f"{mode:<6} {cols[0]:>17} {cols[1]:>17} {loop_ratio(mode):>11.4f} "
             f"{export_max * 1000:>15.1f} ms {other_max * 1000:>14.3f} ms"
+            f" {statistics.median(others) * 1e6:>10.1f} us {calls_per_round * 1000:>10.1f} ms"
         )
 
 

@@ -55,7 +55,9 @@ def spool_traces(spool: Spool, trace: bytes, count: int, server: str | None, run
     return keys
 
 
-def worker_for(spool: Spool, server: FakeServer, token: str = TOKEN, delivery: Delivery = FAST) -> DeliveryWorker:
+def worker_for(
+    spool: Spool, server: FakeServer, token: str = TOKEN, delivery: Delivery = FAST
+) -> DeliveryWorker:
     url = server.url
     return DeliveryWorker(spool, lambda meta: (url, token) if meta.get("server") == url else None, delivery)
 
@@ -81,7 +83,9 @@ def test_each_trace_arrives_exactly_once_despite_failures(
         spool = Spool(tmp_path)
         keys = spool_traces(spool, real_trace, 3, server.url)
         server.fail_next(*failures)
-        worker = worker_for(spool, server, delivery=Delivery(http_timeout=0.5, backoff_base=0.02, backoff_max=0.1))
+        worker = worker_for(
+            spool, server, delivery=Delivery(http_timeout=0.5, backoff_base=0.02, backoff_max=0.1)
+        )
         worker.notify()
         assert worker.flush(15.0) is True
         assert set(server.uploads) == set(keys)
@@ -206,7 +210,9 @@ def test_compression_is_atomic_and_valid(tmp_path: Path, real_trace: bytes) -> N
 
 def test_retry_after_parsing_and_classification() -> None:
     assert transport.parse_retry_after("7") == 7.0
-    assert transport.parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == pytest.approx(10.0)
+    assert transport.parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == pytest.approx(
+        10.0
+    )
     assert transport.parse_retry_after("soon") is None
     assert transport.classify(201, "{}", None).outcome == "delivered"
     assert transport.classify(200, "{}", None).outcome == "delivered"
@@ -218,7 +224,12 @@ def test_retry_after_parsing_and_classification() -> None:
 
 
 def test_metadata_header_fits_the_protocol_limit() -> None:
-    meta = {"host": "h", "rank": 1, "argv": ["x" * 500] * 100, "tags": {f"k{i}": "v" * 100 for i in range(200)}}
+    meta = {
+        "host": "h",
+        "rank": 1,
+        "argv": ["x" * 500] * 100,
+        "tags": {f"k{i}": "v" * 100 for i in range(200)},
+    }
     text = transport.metadata_header(meta)
     assert len(text) <= transport.METADATA_HEADER_MAX
     parsed = json.loads(text)

@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from stepdoctor import sync
 from stepdoctor.spool import EXPORT_SUFFIX, META_SUFFIX, PARTIAL, TRACE_SUFFIX
 from support.fake_server import TOKEN, FakeServer
@@ -34,13 +33,25 @@ sys.exit(main(sys.argv[1:]))
 
 def agent_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPDOCTOR_", "RANK", "WORLD_SIZE"))}
-    env.update({"STEPDOCTOR_RAISE_ERRORS": "1", "STEPDOCTOR_PROJECT": "proc", "STEPDOCTOR_TOKEN": TOKEN}, **extra)
+    env.update(
+        {"STEPDOCTOR_RAISE_ERRORS": "1", "STEPDOCTOR_PROJECT": "proc", "STEPDOCTOR_TOKEN": TOKEN}, **extra
+    )
     return env
 
 
 def demo_cmd(spool: Path, run: str, *args: str) -> list[str]:
     base = ["--run", run, "--spool", str(spool), "--skip-first", "1", "--warmup", "1", "--active", "2"]
-    return [sys.executable, "-m", "stepdoctor.demo_train", *base, "--sample-ms", "0.2", "--batch-size", "8", *args]
+    return [
+        sys.executable,
+        "-m",
+        "stepdoctor.demo_train",
+        *base,
+        "--sample-ms",
+        "0.2",
+        "--batch-size",
+        "8",
+        *args,
+    ]
 
 
 def sidecar_keys(spool: Path) -> set[str]:
@@ -48,7 +59,12 @@ def sidecar_keys(spool: Path) -> set[str]:
 
 
 def test_sigterm_between_export_and_commit_never_uploads_the_half_capture(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-c", KILL_IN_COMMIT, *demo_cmd(tmp_path, "killed", "--repeat", "3", "--steps", "12")[3:]]
+    cmd = [
+        sys.executable,
+        "-c",
+        KILL_IN_COMMIT,
+        *demo_cmd(tmp_path, "killed", "--repeat", "3", "--steps", "12")[3:],
+    ]
     proc = subprocess.run(cmd, env=agent_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGTERM, proc.stderr[-2000:]
     run_dir = tmp_path / "proc" / "killed"
@@ -57,7 +73,10 @@ def test_sigterm_between_export_and_commit_never_uploads_the_half_capture(tmp_pa
     keys = sidecar_keys(tmp_path)
     assert len(keys) == 1  # only the committed first window
     with FakeServer() as server:
-        assert sync.main(["--spool", str(tmp_path), "--server", server.url, "--token", TOKEN, "--timeout", "10"]) == 0
+        assert (
+            sync.main(["--spool", str(tmp_path), "--server", server.url, "--token", TOKEN, "--timeout", "10"])
+            == 0
+        )
         assert set(server.uploads) == keys and len(server.requests) == 1
     assert not any(run_dir.iterdir())  # the dead process's partial export was cleaned up, never sent
 
@@ -80,7 +99,10 @@ def test_sigterm_at_a_random_moment_leaves_a_consistent_spool(tmp_path: Path) ->
         assert "traceEvents" in json.loads(data)
     keys = sidecar_keys(tmp_path)
     with FakeServer() as server:
-        assert sync.main(["--spool", str(tmp_path), "--server", server.url, "--token", TOKEN, "--timeout", "20"]) == 0
+        assert (
+            sync.main(["--spool", str(tmp_path), "--server", server.url, "--token", TOKEN, "--timeout", "20"])
+            == 0
+        )
         assert set(server.uploads) == keys
     assert not (tmp_path / "failed").exists()
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
@@ -109,9 +131,13 @@ def test_two_ranks_as_separate_processes_land_in_one_run(tmp_path: Path) -> None
 
 def test_server_down_for_the_whole_run_then_sync_cli_uploads_exactly_once(tmp_path: Path) -> None:
     server = FakeServer(start=False)
-    cmd = demo_cmd(tmp_path, "offline", "--workers", "2", "--steps", "9", "--repeat", "2", "--server", server.url)
+    cmd = demo_cmd(
+        tmp_path, "offline", "--workers", "2", "--steps", "9", "--repeat", "2", "--server", server.url
+    )
     started = time.monotonic()
-    proc = subprocess.run([*cmd, "--flush-timeout", "1"], env=agent_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [*cmd, "--flush-timeout", "1"], env=agent_env(), capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "steps=9" in proc.stdout and time.monotonic() - started < 40
     assert "2 trace(s) captured, 0 uploaded" in proc.stderr and "left in spool" in proc.stderr

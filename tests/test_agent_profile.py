@@ -21,13 +21,27 @@ from support.fake_server import TOKEN, FakeServer
 
 # TensorBoard profiler plugin's file pattern (torch-tb-profiler run loader)
 TB_PATTERN = re.compile(r"^(.*?)(\.\d+)?\.pt\.trace\.json(\.gz)?$")
-SMALL = {"skip_first": 1, "warmup": 1, "active": 2, "flush_timeout": 10.0, "http_timeout": 5.0, "backoff_base": 0.05}
+SMALL: dict[str, Any] = {
+    "skip_first": 1,
+    "warmup": 1,
+    "active": 2,
+    "flush_timeout": 10.0,
+    "http_timeout": 5.0,
+    "backoff_base": 0.05,
+}
 
 
 @pytest.fixture(autouse=True)
 def _agent_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STEPDOCTOR_RAISE_ERRORS", "1")
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "STEPDOCTOR_DISABLED"):
+    for var in (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "TORCHELASTIC_RUN_ID",
+        "SLURM_JOB_ID",
+        "STEPDOCTOR_DISABLED",
+    ):
         monkeypatch.delenv(var, raising=False)
     for var in ("STEPDOCTOR_SERVER", "STEPDOCTOR_TOKEN", "STEPDOCTOR_PROJECT", "STEPDOCTOR_RUN"):
         monkeypatch.delenv(var, raising=False)
@@ -35,7 +49,9 @@ def _agent_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def step_names(trace: dict[str, Any]) -> list[int]:
     return sorted(
-        int(e["name"].split("#")[1]) for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")
+        int(e["name"].split("#")[1])
+        for e in trace["traceEvents"]
+        if str(e.get("name", "")).startswith("ProfilerStep#")
     )
 
 
@@ -108,7 +124,15 @@ def test_analyze_reads_the_local_spool(tmp_path: Path) -> None:
     with stepdoctor.profile("local", "analyze", spool=tmp_path, **SMALL) as prof:
         train(prof, loader, make_model())
     report = pipeline.analyze_path(tmp_path / "local" / "analyze").to_dict()
-    assert report["primary"]["kind"] in {"input", "transfer", "launch", "memory", "sync", "communication", "compute"}
+    assert report["primary"]["kind"] in {
+        "input",
+        "transfer",
+        "launch",
+        "memory",
+        "sync",
+        "communication",
+        "compute",
+    }
 
 
 def test_periodic_capture_and_profiler_kwargs_pass_through(tmp_path: Path) -> None:
@@ -164,7 +188,9 @@ def test_agent_errors_never_reach_the_training_loop(tmp_path: Path, monkeypatch:
         stepdoctor.profile("p", "r", spool=blocker / "spool", **SMALL).start()
 
 
-def test_the_next_run_uploads_what_an_earlier_run_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_next_run_uploads_what_an_earlier_run_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("STEPDOCTOR_TOKEN", TOKEN)
     server = FakeServer(start=False)
     quick = {**SMALL, "flush_timeout": 0.3}
@@ -182,3 +208,22 @@ def test_the_next_run_uploads_what_an_earlier_run_left(tmp_path: Path, monkeypat
         assert left <= set(server.uploads) and second.stats.delivered == 2
     finally:
         server.down()
+
+
+def test_fast_path_window_prediction_matches_torch_schedule() -> None:
+    """Outside windows step() skips the schedule lookup; the predicted next window must be exact."""
+    from stepdoctor.profiler import NEVER, next_window_start
+
+    none = torch.profiler.ProfilerAction.NONE
+    for skip_first, wait, warmup, active, repeat in [
+        (0, 0, 1, 1, 0),
+        (5, 3, 2, 3, 1),
+        (1, 4, 0, 2, 2),
+        (10, 0, 2, 3, 0),
+    ]:
+        schedule = torch.profiler.schedule(
+            skip_first=skip_first, wait=wait, warmup=warmup, active=active, repeat=repeat
+        )
+        for step in range(80):
+            expected = next((s for s in range(step, 300) if schedule(s) != none), NEVER)
+            assert next_window_start(step, skip_first, wait, warmup, active, repeat) == expected

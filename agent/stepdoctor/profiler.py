@@ -24,6 +24,15 @@ from stepdoctor.spool import Spool
 from stepdoctor.worker import DeliveryWorker, Stats
 
 _live: weakref.WeakSet[Profile] = weakref.WeakSet()
+_PID = os.getpid()  # kept current by the fork hook: os.getpid() is a syscall, step() is hot
+
+
+def _after_fork_in_child() -> None:
+    global _PID
+    _PID = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class NoopProfile:
@@ -103,6 +112,7 @@ class Profile:
         self._schedule_fn: Callable[[int], Any] = lambda step: None
         self._active: Any = None  # the torch profiler of the window in progress
         self._step_num = 0
+        self._next_window = 0  # steps before this one need no schedule lookup
         self._static_meta: dict[str, Any] = {}
         self._worker: DeliveryWorker | None = None
 
@@ -147,17 +157,25 @@ class Profile:
         return self
 
     def step(self) -> None:
-        """Mark the end of a training step. Outside capture windows this is a counter and one schedule
-        lookup (torch.profiler itself is not running); it never touches the network."""
-        if self._state != "running" or os.getpid() != self._pid:
-            return
+        """Mark the end of a training step. Outside capture windows this is a counter compare
+        (torch.profiler itself is not running); it never touches the network."""
         if self._active is None:
             self._step_num += 1
+            if self._step_num < self._next_window or self._state != "running" or self._pid != _PID:
+                return
             if self._schedule_fn(self._step_num) == self._none:
+                self._next_window = self._find_next_window(self._step_num + 1)
                 return
             self._open_window(self._step_num)
-        else:
+        elif self._state == "running" and self._pid == _PID:
             self._step_in_window()
+
+    def _find_next_window(self, step: int) -> int:
+        """First step >= ``step`` the schedule does not skip, from our own schedule parameters (a user's
+        schedule callable is opaque, so then it is asked every step)."""
+        if self._schedule is not None:
+            return step
+        return next_window_start(step, *self.config.schedule.resolved())
 
     @guarded()
     def _open_window(self, step: int) -> None:
@@ -330,6 +348,20 @@ class Profile:
             self.captured, stats.delivered, self.config.server, stats.rejected, count, size / 1e6, where,
             " (the next run or `stepdoctor sync` will upload them)" if count else "",
         )  # fmt: skip
+
+
+def next_window_start(step: int, skip_first: int, wait: int, warmup: int, active: int, repeat: int) -> int:
+    """Smallest step >= ``step`` where ``torch.profiler.schedule(...)`` is not NONE (2**62: never)."""
+    cycle = wait + warmup + active
+    span = warmup + active
+    # window k covers [skip_first + k*cycle + wait, skip_first + (k+1)*cycle - 1]
+    k = max(0, -(-(step - skip_first - wait - span + 1) // cycle))
+    if repeat and k >= repeat:
+        return NEVER
+    return max(step, skip_first + k * cycle + wait)
+
+
+NEVER = 2**62
 
 
 def profile(

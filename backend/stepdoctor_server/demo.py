@@ -43,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--no-wait", action="store_true", help="exit after the summary instead of serving")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    _stop_on_signals()
 
     client_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     url = f"http://{client_host}:{args.port}"
@@ -70,6 +71,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         _stop(server)
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM (``docker stop``, a supervisor) both stop the server before we exit,
+    even when the demo was started with SIGINT ignored (a background job of a script)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
 
 
 def _cli(*args: str) -> list[str]:

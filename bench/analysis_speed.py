@@ -1,0 +1,254 @@
+"""Analysis speed and memory: stepdoctor vs HTA 0.5.0 vs the decode floor, side by side in one run.
+
+For every GPU fixture and one large trace (≥ 800 MB decompressed, built in a temp dir by repeating
+``df_index_resolver``'s events shifted in time), each contender runs in a fresh subprocess; we report
+its wall time (imports excluded) and peak RSS (``ru_maxrss`` of that process, imports included):
+- ours: ``load_trace`` + steps + breakdown + GPU metrics + HTA-style temporal/idle/launch metrics;
+- pipeline: the full ``pipeline.analyze_path`` report, when that module exists;
+- hta: ``TraceAnalysis`` load + temporal breakdown + idle-time breakdown (the rank passed);
+- floor: gzip decompression + one typed msgspec decode of the whole file (what no parser can beat).
+Targets: ≥ 10× faster than HTA at ≤ 1/4 of its memory; the large trace in ≤ 15 s under 1.5 GB.
+
+Run: ``.venv/bin/python bench/analysis_speed.py [--skip-large] [--only NAME]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO.parent / "shared" / "fixtures" / "traces" / "hta"
+GPU_FIXTURES = [
+    "df_index_resolver/df_index_resolver.json.gz",
+    "trace_diff/control/control.json.gz",
+    "trace_diff/test/test.json.gz",
+    "negative_queue_length_values_check/rank0.json.gz",
+    "ns_resolution_trace/rank-0.Apr_03_18_51_38.1102.pt.trace.json.gz",
+    "nccl_parser_config/nccl_data.json.gz",
+    "trace_filter/sampled_rank-0.json.gz",
+    "critical_path/simple_add/benchmark_result_493459_1694039959_trace.json.gz",
+    "amd_trace/mi250_minitoy_train_ROCm6_2_kineto.json.gz",
+    "triton_example/triton_example.json.gz",
+]
+LARGE_SOURCE = "df_index_resolver/df_index_resolver.json.gz"
+LARGE_TARGET_BYTES = 820 * 2**20
+HTA_MAX_SECONDS = 180
+
+# Each child prints one JSON line: {"seconds": ..., "rss_mb": ...}.
+CHILD = r"""
+import json, resource, sys, time
+mode, path, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if mode == "ours":
+    from stepdoctor_analysis import breakdown, gpu_metrics, hta_metrics, parse, steps
+    t = time.perf_counter()
+    tr = parse.load_trace(path)
+    st = steps.find_steps(tr)
+    breakdown.compute_breakdown(tr, st)
+    gpu_metrics.compute_gpu_metrics(tr, st)
+    hta_metrics.temporal_breakdown(tr)
+    hta_metrics.idle_time_breakdown(tr)
+    hta_metrics.kernel_launch_stats(tr)
+elif mode == "pipeline":
+    from stepdoctor_analysis import pipeline
+    t = time.perf_counter()
+    pipeline.analyze_path(path).to_dict()
+elif mode == "floor":
+    import zlib, msgspec
+    from stepdoctor_analysis.parse import _Event
+    class Top(msgspec.Struct):
+        traceEvents: list[_Event]
+    t = time.perf_counter()
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    data = zlib.decompress(raw, zlib.MAX_WBITS | 16) if raw[:2] == b"\x1f\x8b" else raw
+    del raw
+    msgspec.json.decode(data, type=Top)
+elif mode == "hta":
+    import logging, warnings
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    from hta.trace_analysis import TraceAnalysis
+    t = time.perf_counter()
+    ta = TraceAnalysis(trace_dir=path)
+    r = next(iter(ta.t.traces))
+    ta.get_temporal_breakdown(visualize=False)
+    ta.get_idle_time_breakdown(ranks=[r], visualize=False)
+seconds = time.perf_counter() - t
+print(json.dumps({"seconds": seconds, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def run_child(mode: str, path: Path, rank: int = 0, timeout: float = 900) -> dict[str, float] | None:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD, mode, str(path), str(rank)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    if out.returncode != 0 or not lines:
+        print(f"  [{mode} failed on {path.name}: {out.stderr.strip().splitlines()[-1:]}]", file=sys.stderr)
+        return None
+    return json.loads(lines[-1])  # type: ignore[no-any-return]
+
+
+def decompressed_size(path: Path) -> int:
+    with gzip.open(path, "rb") as fh:
+        size = 0
+        while chunk := fh.read(16 << 20):
+            size += len(chunk)
+    return size
+
+
+def build_large(dest: Path) -> Path:
+    """Repeat the source trace's events, shifted past the previous copy, until ≥ LARGE_TARGET_BYTES.
+
+    Correlation/external ids and step numbers are offset per copy so joins and steps stay unique;
+    the file is written one event per line, like Kineto does.
+    """
+    with gzip.open(FIXTURES / LARGE_SOURCE) as fh:
+        top = json.load(fh)
+    every = top.pop("traceEvents")
+    events = [e for e in every if e.get("ph") != "M"]
+    meta = [e for e in every if e.get("ph") == "M"]
+    t0 = min(e["ts"] for e in events if "ts" in e)
+    t1 = max(e["ts"] + e.get("dur", 0) for e in events if "ts" in e)
+    span = int(t1 - t0) + 1000
+    out = dest / "large.json.gz"
+    written = 0
+    with gzip.open(out, "wb", compresslevel=1) as gz:
+        head = json.dumps(top)[:-1].encode() + b', "traceEvents": [\n'
+        gz.write(head)
+        written += len(head)
+        copy = 0
+        first = True
+        while written < LARGE_TARGET_BYTES:
+            shift = copy * span
+            lines = []
+            for e in events + (meta if copy == 0 else []):
+                e2 = dict(e)
+                if "ts" in e2:
+                    e2["ts"] = e2["ts"] + shift
+                args = e2.get("args")
+                if isinstance(args, dict):
+                    args = dict(args)
+                    for key in ("correlation", "External id", "external id"):
+                        if isinstance(args.get(key), int) and args[key] > 0:
+                            args[key] += copy * 10_000_000
+                    e2["args"] = args
+                if e2.get("ph") in ("s", "f") and isinstance(e2.get("id"), int):
+                    e2["id"] += copy * 10_000_000
+                name = e2.get("name", "")
+                if isinstance(name, str) and name.startswith("ProfilerStep#"):
+                    e2["name"] = f"ProfilerStep#{int(name.split('#')[1]) + copy * 100}"
+                lines.append(json.dumps(e2))
+            block = (b"" if first else b",\n") + ",\n".join(lines).encode()
+            first = False
+            gz.write(block)
+            written += len(block)
+            copy += 1
+        gz.write(b"\n]}\n")
+    return out
+
+
+def fmt(x: float | None, unit: str = "") -> str:
+    return "-" if x is None else f"{x:.2f}{unit}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--skip-large", action="store_true")
+    ap.add_argument("--only", help="substring of a fixture name")
+    args = ap.parse_args(argv)
+    have_pipeline = (REPO / "backend" / "stepdoctor_analysis" / "pipeline.py").exists()
+    cases: list[tuple[str, Path, bool]] = [
+        (rel.split("/")[-1], FIXTURES / rel, False) for rel in GPU_FIXTURES if (FIXTURES / rel).exists()
+    ]
+    tmp = Path(tempfile.mkdtemp(prefix="stepdoctor-bench-"))
+    try:
+        if not args.skip_large:
+            t = time.perf_counter()
+            large = build_large(tmp)
+            print(f"built {large.name}: {large.stat().st_size / 2**20:.0f} MB gz in {time.perf_counter() - t:.0f} s")
+            cases.append(("large (df_index x N)", large, True))
+        if args.only:
+            cases = [c for c in cases if args.only in c[0]]
+        rows = []
+        hta_rate = None  # seconds per decompressed MB, to decide whether HTA can finish the large one
+        for label, path, is_large in cases:
+            mb = decompressed_size(path) / 2**20
+            ours = run_child("ours", path)
+            pipe = run_child("pipeline", path) if have_pipeline else None
+            floor = run_child("floor", path)
+            hta: dict[str, float] | None = None
+            note = ""
+            if is_large and hta_rate is not None and hta_rate * mb > HTA_MAX_SECONDS:
+                note = f"HTA skipped: ~{hta_rate * mb:.0f} s expected (> {HTA_MAX_SECONDS} s)"
+            else:
+                hdir = tmp / f"hta-{len(rows)}"
+                hdir.mkdir()
+                os.symlink(path, hdir / path.name)
+                hta = run_child("hta", hdir, timeout=HTA_MAX_SECONDS * 2)
+                if hta is None:
+                    note = "HTA failed or timed out"
+                elif label.startswith("df_index"):
+                    hta_rate = hta["seconds"] / mb
+            rows.append((label, mb, ours, pipe, hta, floor, note))
+            print_row(rows[-1])
+        print_table(rows)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def print_row(row: tuple[Any, ...]) -> None:
+    label, mb, ours, pipe, hta, floor, note = row
+    print(
+        f"  {label}: {mb:.0f} MB ours={fmt(ours and ours['seconds'], 's')} "
+        f"pipeline={fmt(pipe and pipe['seconds'], 's')} hta={fmt(hta and hta['seconds'], 's')} "
+        f"floor={fmt(floor and floor['seconds'], 's')} {note}",
+        flush=True,
+    )
+
+
+def print_table(rows: list[tuple[Any, ...]]) -> None:
+    head = (
+        f"{'trace':<40} {'MB':>6} | {'ours s':>7} {'RSS MB':>7} | {'pipe s':>7} {'RSS MB':>7} | "
+        f"{'HTA s':>7} {'RSS MB':>7} | {'floor s':>7} {'RSS MB':>7} | {'HTA/ours':>8} {'RSS ours/HTA':>12} "
+        f"{'ours/floor':>10}"
+    )
+    print()
+    print(head)
+    print("-" * len(head))
+    for label, mb, ours, pipe, hta, floor, note in rows:
+
+        def cell(r: dict[str, float] | None) -> str:
+            return f"{fmt(r and r['seconds']):>7} {fmt(r and r['rss_mb'], ''):>7}"
+
+        speed = hta["seconds"] / ours["seconds"] if hta and ours else None
+        mem = ours["rss_mb"] / hta["rss_mb"] if hta and ours else None
+        vs_floor = ours["seconds"] / floor["seconds"] if floor and ours else None
+        print(
+            f"{label[:40]:<40} {mb:>6.0f} | {cell(ours)} | {cell(pipe)} | {cell(hta)} | {cell(floor)} | "
+            f"{fmt(speed, 'x'):>8} {fmt(mem):>12} {fmt(vs_floor, 'x'):>10}" + (f"  ({note})" if note else "")
+        )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
