@@ -1,5 +1,8 @@
 """``stepdoctor analyze PATH [--format text|json] [--rank N] [--max-bytes N]``: offline diagnosis.
 
+``--deep critical-path`` (or ``--diff OTHER``) adds HTA's critical path (or trace diff against OTHER)
+from the optional ``stepdoctor[hta]`` extra, after the report; JSON puts it under a ``deep`` key.
+
 Bad input exits with status 2 and one line on stderr, never a traceback: users feed this
 arbitrary files. A progress line appears on stderr only once the analysis has taken over a second.
 """
@@ -13,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 from .errors import TraceError
 
@@ -73,7 +76,29 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-bytes", type=int, default=None, help="refuse traces larger than this when decompressed"
     )
+    p.add_argument("--deep", choices=("critical-path",), default=None, help="add HTA's critical path")
+    p.add_argument("--diff", metavar="OTHER", default=None, help="add HTA's kernel-level diff PATH → OTHER")
+    p.add_argument("--step", type=int, default=None, help="ProfilerStep number for --deep/--diff")
     return p
+
+
+def _deep(args: argparse.Namespace, progress: _Progress) -> dict[str, Any] | None:
+    from . import deep
+
+    if args.diff is not None:
+        progress("diffing traces (HTA)")
+        return deep.trace_diff(
+            args.path,
+            args.diff,
+            base_rank=args.rank,
+            other_rank=args.rank,
+            base_step=args.step,
+            other_step=args.step,
+        )
+    if args.deep == "critical-path":
+        progress("critical path (HTA)")
+        return deep.critical_path(args.path, rank=args.rank, step=args.step)
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,8 +106,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .pipeline import analyze_path
 
     try:
+        if args.deep or args.diff is not None:
+            from .deep import require_hta
+
+            require_hta()  # fail before the long part, not after it
         with _Progress(sys.stderr) as progress:
             report = analyze_path(args.path, rank=args.rank, max_bytes=args.max_bytes, progress=progress)
+            deep_result = _deep(args, progress)
     except TraceError as exc:
         print(f"stepdoctor analyze: {exc}", file=sys.stderr)
         return 2
@@ -105,7 +135,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 1
     if args.format == "json":
-        print(json.dumps(report.to_dict(), indent=2))
+        print(json.dumps(report.to_dict() | ({"deep": deep_result} if deep_result else {}), indent=2))
     else:
         sys.stdout.write(report.render_text())
+        if deep_result:
+            from .deep import render_text
+
+            sys.stdout.write("\n" + render_text(deep_result))
     return 0

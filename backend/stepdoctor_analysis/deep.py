@@ -171,7 +171,8 @@ def _quiet() -> Iterator[None]:
         log.disabled = disabled
 
 
-def _import_hta() -> None:
+def require_hta() -> None:
+    """Raise the one-line install hint unless HTA is importable."""
     if not available():
         raise TraceError(f"deep analysis needs Holistic Trace Analysis: {INSTALL_HINT}")
 
@@ -194,7 +195,7 @@ def critical_path(
     warm-up), else the first; the last of several only when asked for by number (it may be cut
     off, which is why HTA drops its kernels by default). Without step markers: the whole trace.
     """
-    _import_hta()
+    require_hta()
     src = _resolve(path, rank)
     with _quiet(), _staged(src) as (tmp, files):
         try:
@@ -207,7 +208,9 @@ def critical_path(
             chosen = _choose_step(steps, step, src.path)
             df = ta.t.get_trace(src.rank)
             if not bool((df["stream"] >= 0).any()):
-                raise TraceError(f"{src.path.name}: no GPU activity; critical path analysis needs GPU kernels")
+                raise TraceError(
+                    f"{src.path.name}: no GPU activity; critical path analysis needs GPU kernels"
+                )
             annotation, instance = _hta_window(ta, src.rank, chosen)
             result = ta.critical_path_analysis(rank=src.rank, annotation=annotation, instance_id=instance)
             if not result or not result[1]:
@@ -332,7 +335,9 @@ def _inside(full: Any, ev: int, windows: list[tuple[int, int, int, int]]) -> boo
     return any(p == pid and t == tid and s <= ts < e for p, t, s, e in windows)
 
 
-def _top_ops(per_event: dict[int, float], full: Any, sym: list[str], length: float, top: int) -> list[dict[str, Any]]:
+def _top_ops(
+    per_event: dict[int, float], full: Any, sym: list[str], length: float, top: int
+) -> list[dict[str, Any]]:
     """Ops/kernels by time on the path, events of the same name and kind summed."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for ev, us in per_event.items():
@@ -340,8 +345,15 @@ def _top_ops(per_event: dict[int, float], full: Any, sym: list[str], length: flo
         dur = float(full.at[ev, "dur"])
         r = rows.setdefault(
             (name, cat),
-            {"name": name, "kind": cat, "device": "gpu" if full.at[ev, "stream"] >= 0 else "cpu",
-             "us": 0.0, "share": 0.0, "events": 0, "longest_event_us": 0.0},
+            {
+                "name": name,
+                "kind": cat,
+                "device": "gpu" if full.at[ev, "stream"] >= 0 else "cpu",
+                "us": 0.0,
+                "share": 0.0,
+                "events": 0,
+                "longest_event_us": 0.0,
+            },
         )
         r["us"] += us
         r["events"] += 1
@@ -371,7 +383,7 @@ def trace_diff(
     Steps default as in ``critical_path`` (the first full step), so a warm-up step is not compared
     with a steady one. Rows are grouped by full name, separately for host ops and device kernels.
     """
-    _import_hta()
+    require_hta()
     base, other = _resolve(base_path, base_rank), _resolve(other_path, other_rank)
     with _quiet(), _staged(base) as (tmp_b, files_b), _staged(other) as (tmp_o, files_o):
         try:
@@ -388,8 +400,13 @@ def trace_diff(
             rows: list[dict[str, Any]] = []
             for device, dt in (("gpu", DeviceType.GPU), ("cpu", DeviceType.CPU)):
                 comp = TraceDiff.compare_traces(
-                    lb, lo, control_rank=base.rank, test_rank=other.rank,
-                    control_iteration=sb, test_iteration=so, device_type=dt,
+                    lb,
+                    lo,
+                    control_rank=base.rank,
+                    test_rank=other.rank,
+                    control_iteration=sb,
+                    test_iteration=so,
+                    device_type=dt,
                 )
                 rows.extend(_diff_rows(comp, device))
         except TraceError:
@@ -414,12 +431,30 @@ def _diff_rows(comp: Any, device: str) -> list[dict[str, Any]]:
             continue  # the step marker itself: its duration is the step time, not an op
         bc, oc = int(r["base_counts"]), int(r["other_counts"])
         bu, ou = float(r["base_total_duration"]), float(r["other_total_duration"])
-        change = "added" if not bc else "removed" if not oc else "more" if oc > bc else "fewer" if oc < bc else "same"
-        out.append({
-            "name": str(name), "device": device, "change": change,
-            "base_count": bc, "other_count": oc, "delta_count": oc - bc,
-            "base_us": bu, "other_us": ou, "delta_us": ou - bu,
-        })
+        change = (
+            "added"
+            if not bc
+            else "removed"
+            if not oc
+            else "more"
+            if oc > bc
+            else "fewer"
+            if oc < bc
+            else "same"
+        )
+        out.append(
+            {
+                "name": str(name),
+                "device": device,
+                "change": change,
+                "base_count": bc,
+                "other_count": oc,
+                "delta_count": oc - bc,
+                "base_us": bu,
+                "other_us": ou,
+                "delta_us": ou - bu,
+            }
+        )
     return out
 
 

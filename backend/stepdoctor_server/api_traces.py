@@ -30,6 +30,7 @@ from stepdoctor_server.ingest import (
     validate_name,
 )
 from stepdoctor_server.models import Analysis, Project, Run, Trace
+from stepdoctor_server.queue import requeue_if_stale
 from stepdoctor_server.schemas import AnalysisOut, ErrorResponse, TraceOut, UploadResult
 from stepdoctor_server.settings import Settings
 from stepdoctor_server.storage import StagedFile, TraceStore, too_large
@@ -253,6 +254,8 @@ def load_trace(session: Session, principal: Principal, trace_id: int) -> tuple[T
 def get_trace(trace_id: int, principal: ReadTeam, session: SessionDep) -> TraceOut:
     trace, run, project = load_trace(session, principal, trace_id)
     analysis = session.scalar(select(Analysis).where(Analysis.trace_id == trace.id))
+    # A report from an older engine is still shown, flagged stale, while it is redone.
+    stale = requeue_if_stale(session, trace, analysis)
     return TraceOut(
         id=trace.id,
         run_id=trace.run_id,
@@ -275,6 +278,7 @@ def get_trace(trace_id: int, principal: ReadTeam, session: SessionDep) -> TraceO
         updated_at=trace.updated_at,
         download_url=f"/api/v1/traces/{trace.id}/download",
         analysis=AnalysisOut.model_validate(analysis) if analysis is not None else None,
+        stale=stale,
     )
 
 

@@ -75,6 +75,7 @@ class TraceOut(TraceSummary):
     metadata: dict[str, Any]
     download_url: str
     analysis: AnalysisOut | None
+    stale: bool = False  # the analysis is from an older engine; a re-analysis is queued
 
 
 class ProjectOut(BaseModel):
