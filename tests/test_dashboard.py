@@ -49,6 +49,13 @@ def test_compare_figure_pairs_base_and_other() -> None:
     assert [t.y[0] for t in fig.data] == [2.0, 1.0]
 
 
+def test_steps_figure_stacks_the_attributed_kinds_per_step() -> None:
+    report = {"steps": [{"number": 7, "kinds": {"input": 3000.0, "compute": 1000.0, "sync": 0.0}}]}
+    fig = figures.steps_figure(report)
+    assert {t.name: t.y[0] for t in fig.data} == {"input": 3.0, "compute": 1.0}
+    assert list(fig.data[0].x) == ["7"]
+
+
 def test_memory_figure_only_when_the_trace_had_memory_events() -> None:
     assert figures.memory_figure({}) is None
     fig = figures.memory_figure(
@@ -241,3 +248,21 @@ def _wait_done(api: httpx.Client, token: str, trace_id: int, timeout: float = 12
             return
         time.sleep(0.3)
     raise AssertionError("analysis did not finish")
+
+
+def test_trace_page_draws_the_memory_curve(
+    client: TestClient, app: FastAPI, read_token: str, tmp_path: Path
+) -> None:
+    from support.synthetic import allocator_churn_trace
+
+    body = allocator_churn_trace(tmp_path / "churn.json.gz").read_bytes()
+    trace_id = upload(client, body, project="mem", run="churn").json()["id"]
+    _drain(app)
+    with TestClient(app) as browser:
+        _login(browser, read_token)
+        page = browser.get(f"/traces/{trace_id}")
+    plots = _plots(page.text)
+    assert {"plot-breakdown", "plot-steps", "plot-memory"} <= set(plots)
+    allocated = next(t for t in plots["plot-memory"]["data"] if t["name"].endswith("allocated"))
+    # The builder's peak total is 90% of an A100's memory; the figure is in MiB.
+    assert max(allocated["y"]) == pytest.approx(int(85_899_345_920 * 0.9) / 2**20)

@@ -104,3 +104,41 @@ def analyze_memory(trace: RankTrace, steps: list[Step], *, host_memory: int = 0)
 def _peak(totals: np.ndarray) -> int:
     valid = totals[totals != NONE]
     return int(valid.max()) if valid.size else 0
+
+
+def memory_curves(trace: RankTrace, *, origin_ns: int, max_points: int = 400) -> list[dict[str, object]]:
+    """Allocated/reserved totals over time per device, downsampled for drawing.
+
+    Each bucket keeps its maximum so peaks survive downsampling; times are µs from ``origin_ns``.
+    Devices whose events carry no totals (very old traces) are left out.
+    """
+    m = trace.memory
+    curves: list[dict[str, object]] = []
+    if not len(m):
+        return curves
+    keys = np.unique(np.stack([m.device_type.astype(np.int64), m.device_id.astype(np.int64)]), axis=1)
+    for dtype, did in keys.T:
+        sel = np.flatnonzero((m.device_type == dtype) & (m.device_id == did) & (m.total_allocated != NONE))
+        if sel.size == 0:
+            continue
+        sel = sel[np.argsort(m.ts[sel], kind="stable")]
+        ts, alloc, reserved = m.ts[sel], m.total_allocated[sel], m.total_reserved[sel]
+        if ts.size > max_points:
+            span = max(1, int(ts[-1] - ts[0]))
+            bucket = ((ts - ts[0]) * (max_points - 1)) // span
+            first = np.flatnonzero(np.diff(bucket, prepend=-1))
+            ts = ts[first]
+            alloc = np.maximum.reduceat(alloc, first)
+            reserved = np.maximum.reduceat(reserved, first)
+        is_cuda = int(dtype) == 1
+        curves.append(
+            {
+                "device": f"cuda:{int(did)}"
+                if is_cuda
+                else ("cpu" if int(dtype) == 0 else f"dev{int(dtype)}"),
+                "t_us": ((ts - origin_ns) / 1000.0).round(1).tolist(),
+                "allocated": alloc.tolist(),
+                "reserved": np.maximum(reserved, 0).tolist() if (reserved != NONE).any() else [],
+            }
+        )
+    return curves

@@ -20,7 +20,7 @@ from . import hta_metrics as hta
 from .comm import analyze_comm, rank_spread
 from .errors import TraceError
 from .inputs import analyze_inputs, loader_settings
-from .memory import analyze_memory
+from .memory import analyze_memory, memory_curves
 from .model import RankTrace
 from .ops import analyze_ops
 from .report import Report, StepRow, plain
@@ -147,6 +147,11 @@ def _metrics(trace: RankTrace, ctx: Context, step_list: list[Any]) -> dict[str, 
             "devices": [plain(d) | {"peak_fraction": d.peak_fraction} for d in ctx.memory.devices],
             "steady_alloc_calls_per_step": ctx.memory.steady_alloc_calls_per_step,
             "out_of_memory": ctx.memory.out_of_memory,
+            # For drawing: totals over time, µs from the first step's start (``origin_us``).
+            "series": {
+                "origin_us": round(step_list[0].start / 1e3, 3),
+                "curves": memory_curves(trace, origin_ns=step_list[0].start),
+            },
         },
         "communication": ctx.comm,
         "input": {k: v for k, v in plain(ctx.inputs).items() if k != "intervals"},

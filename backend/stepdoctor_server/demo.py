@@ -181,7 +181,7 @@ def _summary(url: str, token: str, runs: dict[str, dict[str, Any]], log_path: Pa
         print(f"  {diagnosis_line(name, runs[name])}")
         print(f"    {url}/runs/{runs[name]['id']}")
     ids = [runs[name]["id"] for name, _ in RUNS]
-    print(f"Compare:      {url}/api/v1/compare?base={ids[0]}&other={ids[1]}")
+    print(f"Compare:      {url}/compare?base={ids[0]}&other={ids[1]}")
     print("=" * 72, flush=True)
 
 

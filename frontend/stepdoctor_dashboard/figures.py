@@ -74,18 +74,18 @@ def shares_figure(shares: Mapping[str, Any], title: str = "Bottleneck shares of 
     return fig
 
 
-def steps_figure(report: Mapping[str, Any], title: str = "Per-step breakdown") -> go.Figure:
-    """Stacked bars per step, from a trace report's ``steps`` (each with its own breakdown)."""
+def steps_figure(report: Mapping[str, Any], title: str = "Where each step's time goes") -> go.Figure:
+    """Stacked bars per profiled step of the bottleneck kinds the engine attributed (``steps[].kinds``)."""
     steps = [s for s in report.get("steps") or [] if isinstance(s, Mapping)]
     labels = [str(s.get("number", i)) for i, s in enumerate(steps)]
+    kinds = [k for k in KIND_COLORS if any(_num((s.get("kinds") or {}).get(k)) > 0 for s in steps)]
     fig = go.Figure()
-    categories = [c for c, _ in _ordered(_union_keys(s.get("breakdown") or {} for s in steps))]
-    for category in categories:
+    for kind in kinds:
         fig.add_bar(
             x=labels,
-            y=[_num((s.get("breakdown") or {}).get(category)) / 1000.0 for s in steps],
-            name=category,
-            marker_color=CATEGORY_COLORS.get(category),
+            y=[_num((s.get("kinds") or {}).get(kind)) / 1000.0 for s in steps],
+            name=kind,
+            marker_color=KIND_COLORS[kind],
         )
     fig.update_layout(barmode="stack", title=title, xaxis_title="step", yaxis_title="ms", **_LAYOUT)
     return fig
@@ -130,18 +130,46 @@ def memory_figure(series: Mapping[str, Any], title: str = "Memory over the captu
             fig.add_scatter(
                 x=t, y=[b / 2**20 for b in curve["reserved"]], name=f"{label} reserved", mode="lines"
             )
-    fig.update_layout(title=title, xaxis_title="ms", yaxis_title="MiB", **_LAYOUT)
+    fig.update_layout(
+        title=title, xaxis_title="ms since the first profiled step", yaxis_title="MiB", **_LAYOUT
+    )
+    return fig
+
+
+# HTA critical-path bound types (``stepdoctor_analysis.deep.BOUND_TYPES``), coloured like our kinds.
+BOUND_COLORS = {
+    "kernel_kernel_overhead": "#54a24b",
+    "launch_overhead": "#88d27a",
+    "data_loading": "#eeca3b",
+    "cpu": "#b279a2",
+    "gpu_compute": "#4c78a8",
+    "gpu_memory": "#f58518",
+    "communication": "#72b7b2",
+}
+
+
+def critical_path_figure(result: Mapping[str, Any], title: str = "Critical path by bound type") -> go.Figure:
+    """Bars of a critical-path result's ``breakdown`` (µs → ms), in bound-type order, share on hover."""
+    breakdown = result.get("breakdown") or {}
+    shares = result.get("shares") or {}
+    names = [k for k in BOUND_COLORS if k in breakdown] + sorted(
+        k for k in breakdown if k not in BOUND_COLORS
+    )
+    fig = go.Figure(
+        go.Bar(
+            x=names,
+            y=[_num(breakdown[k]) / 1000.0 for k in names],
+            customdata=[_num(shares.get(k)) * 100.0 for k in names],
+            marker_color=[BOUND_COLORS.get(k, "#bab0ac") for k in names],
+            hovertemplate="%{x}: %{y:.3f} ms (%{customdata:.1f}% of the path)<extra></extra>",
+        )
+    )
+    step = result.get("step")
+    full_title = f"{title} (step {step})" if step is not None else title
+    fig.update_layout(title=full_title, yaxis_title="ms on the critical path", **_LAYOUT)
     return fig
 
 
 def _ordered(values: Mapping[str, Any]) -> list[tuple[str, Any]]:
     known = [(k, values[k]) for k in CATEGORY_COLORS if k in values]
     return known + sorted((k, v) for k, v in values.items() if k not in CATEGORY_COLORS)
-
-
-def _union_keys(dicts: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for d in dicts:
-        for k in d:
-            out.setdefault(str(k), 0)
-    return out

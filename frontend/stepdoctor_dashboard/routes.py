@@ -172,10 +172,46 @@ def trace_page(request: Request, trace_id: int, viewer: Viewer, session: Session
         figs["breakdown"] = figures.to_json(figures.breakdown_figure(report["breakdown"]))
     if report.get("steps"):
         figs["steps"] = figures.to_json(figures.steps_figure(report))
-    memory = figures.memory_figure((report.get("metrics") or {}).get("memory_series") or {})
+    memory = figures.memory_figure(((report.get("metrics") or {}).get("memory") or {}).get("series") or {})
     if memory is not None:
         figs["memory"] = figures.to_json(memory)
-    return _render(request, "trace.html", viewer, trace=trace, run=run, project=project, r=report, figs=figs)
+    jobs = [j for j in api_analysis.deep_analyses(session, trace.id) if j.kind == "critical_path"]
+    latest = jobs[0] if jobs else None
+    shown = next((j for j in jobs if j.status == "done" and j.result), None)
+    if shown is not None and shown.result is not None:
+        figs["critical_path"] = figures.to_json(figures.critical_path_figure(shown.result))
+    return _render(
+        request,
+        "trace.html",
+        viewer,
+        trace=trace,
+        run=run,
+        project=project,
+        r=report,
+        figs=figs,
+        cp_latest=latest,
+        cp=shown.result if shown is not None else None,
+        can_request=viewer.allows("upload"),
+    )
+
+
+@router.post("/traces/{trace_id}/deep/critical-path")
+async def request_critical_path(trace_id: int, request: Request, viewer: Viewer, db: DatabaseDep) -> Response:
+    """The page's "Critical path (HTA)" button: the API's service, then back to the trace page.
+
+    The cookie is ``SameSite=Strict``, so another site cannot submit this form on a user's behalf.
+    """
+    form = parse_qs((await request.body()).decode("utf-8", "replace"))
+    step_text = (form.get("step") or [""])[0].strip()
+    force = (form.get("force") or [""])[0] in ("1", "true", "on")
+    if step_text and not (step_text.isdigit() and int(step_text) < 2**31):
+        raise ApiError(422, "invalid_step", f"step must be a non-negative integer, got {step_text[:40]!r}")
+    if not viewer.allows("upload"):
+        raise ApiError(403, "forbidden", "requesting an analysis needs an upload or admin token")
+    step = int(step_text) if step_text else None
+    with db.session() as session:
+        api_analysis.request_critical_path(session, viewer, trace_id, step=step, force=force)
+    return RedirectResponse(f"/traces/{trace_id}#critical-path", status_code=303)
 
 
 @router.get("/compare", response_class=HTMLResponse)
