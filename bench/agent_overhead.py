@@ -20,6 +20,7 @@ import argparse
 import logging
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,9 +31,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import stepdoctor
-from support.fake_server import TOKEN, FakeServer, free_port
+
+SUPPORT = Path(__file__).resolve().parents[1] / "tests" / "support"
+sys.path.insert(0, str(SUPPORT.parent))
+from support.fake_server import TOKEN, free_port  # noqa: E402
 
 WARMUP, ACTIVE, SKIP = 2, 3, 5
 
@@ -43,6 +46,8 @@ class Sample:
     cpu_s: list[float] = field(default_factory=list)  # training-thread CPU time per step (load-immune)
     call_s: list[float] = field(default_factory=list)  # time inside prof.step()
     loop_s: float = 0.0
+    loop_cpu_s: float = 0.0  # whole-process CPU over the loop and the exit flush (background work included)
+    delivered: int = 0
 
 
 class NoProfiler:
@@ -92,6 +97,13 @@ def in_window(step: int, every: int) -> bool:
 
 
 def run_mode(mode: str, steps: int, every: int, width: int, servers: dict[str, str], spool: Path) -> Sample:
+    cpu = time.process_time()
+    sample = _run_mode(mode, steps, every, width, servers, spool)
+    sample.loop_cpu_s = time.process_time() - cpu
+    return sample
+
+
+def _run_mode(mode: str, steps: int, every: int, width: int, servers: dict[str, str], spool: Path) -> Sample:
     if mode == "none":
         return loop(NoProfiler(), steps, width)
     schedule = torch.profiler.schedule(
@@ -120,15 +132,16 @@ def run_mode(mode: str, steps: int, every: int, width: int, servers: dict[str, s
         http_timeout=5.0,
     ) as agent:
         sample = loop(agent, steps, width)
+    sample.delivered = agent.stats.delivered
     return sample
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=45)
+    parser.add_argument("--steps", type=int, default=55)
     parser.add_argument("--rounds", type=int, default=16)
-    parser.add_argument("--every", type=int, default=20, help="one capture window every N steps")
-    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--every", type=int, default=25, help="one capture window every N steps")
+    parser.add_argument("--width", type=int, default=1024, help="MLP width (sets the step time)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument(
         "--modes", default="none,plain,live,dead,hang", help="comma-separated; keep none,plain"
@@ -142,27 +155,36 @@ def main() -> int:
     hang = socket.socket()
     hang.bind(("127.0.0.1", 0))
     hang.listen(64)  # accepts into the backlog, never answers
-    with FakeServer() as live, tempfile.TemporaryDirectory() as tmp:
-        servers = {
-            "live": live.url,
-            "dead": f"http://127.0.0.1:{free_port()}",
-            "hang": f"http://127.0.0.1:{hang.getsockname()[1]}",
-        }
-        run_mode("none", 20, args.every, args.width, servers, Path(tmp))  # warm caches and allocator
-        for rnd in range(args.rounds):
-            print(f"round {rnd + 1}/{args.rounds}", flush=True)
-            order = modes if rnd % 2 == 0 else modes[::-1]
-            for mode in order:
-                results[mode].append(
-                    run_mode(mode, args.steps, args.every, args.width, servers, Path(tmp) / str(rnd))
-                )
-        uploads = len(live.uploads)
+    port = free_port()
+    # The live server runs in its own process, as a real one would: its JSON parsing must not
+    # compete with the training thread for this process's GIL.
+    live = subprocess.Popen(
+        [sys.executable, str(SUPPORT / "fake_server.py"), str(port)], stdout=subprocess.PIPE
+    )
+    assert live.stdout is not None and live.stdout.readline()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            servers = {
+                "live": f"http://127.0.0.1:{port}",
+                "dead": f"http://127.0.0.1:{free_port()}",
+                "hang": f"http://127.0.0.1:{hang.getsockname()[1]}",
+            }
+            run_mode("none", 20, args.every, args.width, servers, Path(tmp))  # warm caches and allocator
+            for rnd in range(args.rounds):
+                print(f"round {rnd + 1}/{args.rounds}", flush=True)
+                order = modes if rnd % 2 == 0 else modes[::-1]
+                for mode in order:
+                    sample = run_mode(mode, args.steps, args.every, args.width, servers, Path(tmp) / str(rnd))
+                    results[mode].append(sample)
+    finally:
+        live.terminate()
+        live.wait()
     hang.close()
-    report(results, args.every, uploads)
+    report(results, args.every)
     return 0
 
 
-def report(results: dict[str, list[Sample]], every: int, uploads: int) -> None:
+def report(results: dict[str, list[Sample]], every: int) -> None:
     """Ratios are paired per round (each mode against the reference run in the same round, so the
     machine's load drifts cancel), then the median over rounds is printed."""
 
@@ -180,41 +202,48 @@ def report(results: dict[str, list[Sample]], every: int, uploads: int) -> None:
             for a, b in zip(results[mode], results[base], strict=True)
         )
 
-    def loop_ratio(mode: str) -> float:
+    def loop_ratio(mode: str, cpu: bool = False) -> float:
         return statistics.median(
-            a.loop_s / b.loop_s for a, b in zip(results[mode], results["plain"], strict=True)
+            (a.loop_cpu_s / b.loop_cpu_s) if cpu else (a.loop_s / b.loop_s)
+            for a, b in zip(results[mode], results["plain"], strict=True)
         )
 
     none_median = statistics.median(median_step(s, None, False) for s in results["none"])
     rounds, steps = len(results["none"]), len(results["none"][0].step_s)
+    delivered = sum(s.delivered for s in results.get("live", []))
     print(
         f"\n{rounds} rounds x {steps} steps per mode; median step without profiler {none_median * 1000:.2f} ms; "
-        f"one window ({WARMUP} warm-up + {ACTIVE} active steps) every {every} steps; "
-        f"live server received {uploads} traces"
+        f"one window ({WARMUP} warm-up + {ACTIVE} active steps) every {every} steps; live server got {delivered} traces"
     )
+    print("Ratios of median step time, wall (training-thread CPU in parentheses):")
+    print("  outside/none: steps that neither warm up, record nor export, against no profiler")
+    print("  all/plain:    every step, against plain torch.profiler")
     print(
-        "median step-time ratios, wall (training-thread CPU); outside = steps that neither warm up, record nor export"
+        "  loop/plain:   whole loop wall time (whole-process CPU incl. background gzip/upload and exit flush)"
     )
-    header = f"{'mode':<6} {'outside/none':>17} {'all/plain':>17} {'loop/plain':>11}"
+    print("prof.step() on the training thread: longest in window steps (torch's stop+export) and elsewhere;")
+    print("  median outside windows; median of the step that saves a window; total per round")
     print(
-        header
-        + f" {'max step() export':>18} {'max step() other':>17} {'step() other':>13} {'step() sum':>13}"
+        f"{'mode':<6} {'outside/none':>17} {'all/plain':>17} {'loop/plain':>17} {'max window':>11} {'max other':>10}"
+        f" {'med other':>10} {'med save':>9} {'total':>8}"
     )
     for mode in results:
-        exports, others = [0.0], [0.0]
+        window_calls, other_calls, saves = [0.0], [0.0], []
         for sample in results[mode]:
             for i, dt in enumerate(sample.call_s):
-                (exports if in_window(i, every) else others).append(dt)
-        export_max, other_max = max(exports), max(others)
-        calls_per_round = statistics.median(sum(sample.call_s) for sample in results[mode])
+                (window_calls if in_window(i, every) else other_calls).append(dt)
+                if i >= SKIP and (i - SKIP) % every == every - 1:
+                    saves.append(dt)
+        total = statistics.median(sum(sample.call_s) for sample in results[mode])
         cols = [
             f"{paired(mode, 'none', True):.4f} ({paired(mode, 'none', True, True):.4f})",
             f"{paired(mode, 'plain', None):.4f} ({paired(mode, 'plain', None, True):.4f})",
+            f"{loop_ratio(mode):.4f} ({loop_ratio(mode, True):.4f})",
         ]
         print(
-            f"{mode:<6} {cols[0]:>17} {cols[1]:>17} {loop_ratio(mode):>11.4f} "
-            f"{export_max * 1000:>15.1f} ms {other_max * 1000:>14.3f} ms"
-            f" {statistics.median(others) * 1e6:>10.1f} us {calls_per_round * 1000:>10.1f} ms"
+            f"{mode:<6} {cols[0]:>17} {cols[1]:>17} {cols[2]:>17} {max(window_calls) * 1e3:>8.1f} ms"
+            f" {max(other_calls) * 1e3:>7.2f} ms {statistics.median(other_calls) * 1e6:>7.1f} us"
+            f" {statistics.median(saves or [0.0]) * 1e3:>6.1f} ms {total * 1e3:>5.1f} ms"
         )
 
 

@@ -2,11 +2,13 @@
 
 For every GPU fixture and one large trace (≥ 800 MB decompressed, built in a temp dir by repeating
 ``df_index_resolver``'s events shifted in time), each contender runs in a fresh subprocess; we report
-its wall time (imports excluded) and peak RSS (``ru_maxrss`` of that process, imports included):
+its wall time (imports excluded) and peak RSS (``VmHWM`` of that process, imports included):
 - ours: ``load_trace`` + steps + breakdown + GPU metrics + HTA-style temporal/idle/launch metrics;
 - pipeline: the full ``pipeline.analyze_path`` report, when that module exists;
 - hta: ``TraceAnalysis`` load + temporal breakdown + idle-time breakdown (the rank passed);
-- floor: gzip decompression + one typed msgspec decode of the whole file (what no parser can beat).
+- floor: gzip decompression + one typed msgspec decode of the whole file (the naive lower bound);
+- stream: our own streaming decompress + chunked typed decode with the column building switched off
+  (the lower bound of our design: ours/stream is what the columnar model costs).
 Targets: ≥ 10× faster than HTA at ≤ 1/4 of its memory; the large trace in ≤ 15 s under 1.5 GB.
 
 Run: ``.venv/bin/python bench/analysis_speed.py [--skip-large] [--only NAME]``.
@@ -46,7 +48,7 @@ HTA_MAX_SECONDS = 180
 
 # Each child prints one JSON line: {"seconds": ..., "rss_mb": ...}.
 CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 mode, path, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if mode == "ours":
     from stepdoctor_analysis import breakdown, gpu_metrics, hta_metrics, parse, steps
@@ -73,6 +75,14 @@ elif mode == "floor":
     data = zlib.decompress(raw, zlib.MAX_WBITS | 16) if raw[:2] == b"\x1f\x8b" else raw
     del raw
     msgspec.json.decode(data, type=Top)
+elif mode == "stream":
+    from stepdoctor_analysis import parse
+    parse._Builder.absorb = lambda self, events: None  # decode every chunk, build nothing
+    t = time.perf_counter()
+    try:
+        parse.load_trace(path)
+    except parse.TraceError:
+        pass  # "contains no events": expected, nothing was kept
 elif mode == "hta":
     import logging, warnings
     warnings.filterwarnings("ignore")
@@ -84,7 +94,10 @@ elif mode == "hta":
     ta.get_temporal_breakdown(visualize=False)
     ta.get_idle_time_breakdown(ranks=[r], visualize=False)
 seconds = time.perf_counter() - t
-print(json.dumps({"seconds": seconds, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+# VmHWM: this process's peak RSS (ru_maxrss would report the parent's, inherited across fork+exec).
+with open("/proc/self/status") as fh:
+    hwm_kb = next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
+print(json.dumps({"seconds": seconds, "rss_mb": hwm_kb / 1024}))
 """
 
 
@@ -105,7 +118,8 @@ def run_child(mode: str, path: Path, rank: int = 0, timeout: float = 900) -> dic
     if out.returncode != 0 or not lines:
         print(f"  [{mode} failed on {path.name}: {out.stderr.strip().splitlines()[-1:]}]", file=sys.stderr)
         return None
-    return json.loads(lines[-1])  # type: ignore[no-any-return]
+    result: dict[str, float] = json.loads(lines[-1])
+    return result
 
 
 def decompressed_size(path: Path) -> int:
@@ -185,17 +199,20 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_large:
             t = time.perf_counter()
             large = build_large(tmp)
-            print(f"built {large.name}: {large.stat().st_size / 2**20:.0f} MB gz in {time.perf_counter() - t:.0f} s")
+            print(
+                f"built {large.name}: {large.stat().st_size / 2**20:.0f} MB gz in {time.perf_counter() - t:.0f} s"
+            )
             cases.append(("large (df_index x N)", large, True))
         if args.only:
             cases = [c for c in cases if args.only in c[0]]
-        rows = []
+        rows: list[tuple[Any, ...]] = []
         hta_rate = None  # seconds per decompressed MB, to decide whether HTA can finish the large one
         for label, path, is_large in cases:
             mb = decompressed_size(path) / 2**20
             ours = run_child("ours", path)
             pipe = run_child("pipeline", path) if have_pipeline else None
             floor = run_child("floor", path)
+            stream = run_child("stream", path)
             hta: dict[str, float] | None = None
             note = ""
             if is_large and hta_rate is not None and hta_rate * mb > HTA_MAX_SECONDS:
@@ -209,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                     note = "HTA failed or timed out"
                 elif label.startswith("df_index"):
                     hta_rate = hta["seconds"] / mb
-            rows.append((label, mb, ours, pipe, hta, floor, note))
+            rows.append((label, mb, ours, pipe, hta, floor, stream, note))
             print_row(rows[-1])
         print_table(rows)
     finally:
@@ -218,11 +235,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_row(row: tuple[Any, ...]) -> None:
-    label, mb, ours, pipe, hta, floor, note = row
+    label, mb, ours, pipe, hta, floor, stream, note = row
+
+    def sec(r: dict[str, float] | None) -> str:
+        return "-" if r is None else f"{r['seconds']:.2f}s/{r['rss_mb']:.0f}MB"
+
     print(
-        f"  {label}: {mb:.0f} MB ours={fmt(ours and ours['seconds'], 's')} "
-        f"pipeline={fmt(pipe and pipe['seconds'], 's')} hta={fmt(hta and hta['seconds'], 's')} "
-        f"floor={fmt(floor and floor['seconds'], 's')} {note}",
+        f"  {label}: {mb:.0f} MB ours={sec(ours)} pipeline={sec(pipe)} hta={sec(hta)} floor={sec(floor)} "
+        f"stream={sec(stream)} {note}",
         flush=True,
     )
 
@@ -230,23 +250,25 @@ def print_row(row: tuple[Any, ...]) -> None:
 def print_table(rows: list[tuple[Any, ...]]) -> None:
     head = (
         f"{'trace':<40} {'MB':>6} | {'ours s':>7} {'RSS MB':>7} | {'pipe s':>7} {'RSS MB':>7} | "
-        f"{'HTA s':>7} {'RSS MB':>7} | {'floor s':>7} {'RSS MB':>7} | {'HTA/ours':>8} {'RSS ours/HTA':>12} "
-        f"{'ours/floor':>10}"
+        f"{'HTA s':>7} {'RSS MB':>7} | {'floor s':>7} {'RSS MB':>7} | {'strm s':>7} {'RSS MB':>7} | "
+        f"{'HTA/ours':>8} {'RSS ours/HTA':>12} {'ours/floor':>10} {'ours/strm':>9}"
     )
     print()
     print(head)
     print("-" * len(head))
-    for label, mb, ours, pipe, hta, floor, note in rows:
+    for label, mb, ours, pipe, hta, floor, stream, note in rows:
 
         def cell(r: dict[str, float] | None) -> str:
-            return f"{fmt(r and r['seconds']):>7} {fmt(r and r['rss_mb'], ''):>7}"
+            return "      -       -" if r is None else f"{r['seconds']:>7.2f} {r['rss_mb']:>7.0f}"
 
         speed = hta["seconds"] / ours["seconds"] if hta and ours else None
         mem = ours["rss_mb"] / hta["rss_mb"] if hta and ours else None
         vs_floor = ours["seconds"] / floor["seconds"] if floor and ours else None
+        vs_stream = ours["seconds"] / stream["seconds"] if stream and ours else None
         print(
             f"{label[:40]:<40} {mb:>6.0f} | {cell(ours)} | {cell(pipe)} | {cell(hta)} | {cell(floor)} | "
-            f"{fmt(speed, 'x'):>8} {fmt(mem):>12} {fmt(vs_floor, 'x'):>10}" + (f"  ({note})" if note else "")
+            f"{cell(stream)} | {fmt(speed, 'x'):>8} {fmt(mem):>12} {fmt(vs_floor, 'x'):>10} {fmt(vs_stream, 'x'):>9}"
+            + (f"  ({note})" if note else "")
         )
 
 

@@ -82,7 +82,18 @@ def test_sigterm_between_export_and_commit_never_uploads_the_half_capture(tmp_pa
 
 
 def test_sigterm_at_a_random_moment_leaves_a_consistent_spool(tmp_path: Path) -> None:
-    cmd = demo_cmd(tmp_path, "random", "--every", "3", "--steps", "400", "--server", "http://127.0.0.1:9")
+    cmd = demo_cmd(
+        tmp_path,
+        "random",
+        "--every",
+        "3",
+        "--repeat",
+        "0",
+        "--steps",
+        "400",
+        "--server",
+        "http://127.0.0.1:9",
+    )
     proc = subprocess.Popen(cmd, env=agent_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while not list(tmp_path.glob(f"*/*/*{META_SUFFIX}")) and time.monotonic() < deadline:
@@ -112,7 +123,7 @@ def test_two_ranks_as_separate_processes_land_in_one_run(tmp_path: Path) -> None
     with FakeServer() as server:
         procs = [
             subprocess.Popen(
-                demo_cmd(tmp_path, "ddp", "--steps", "6", "--server", server.url),
+                demo_cmd(tmp_path, "ddp", "--steps", "6", "--repeat", "1", "--server", server.url),
                 env=agent_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2"),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -6,12 +6,12 @@ real fixtures check invariants that must hold on whatever users upload.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from support.fixtures import CPU_FIXTURES, GPU_FIXTURES, parsed, write_trace
 
 from stepdoctor_analysis import hta_metrics as hm
 from stepdoctor_analysis.breakdown import CATEGORIES, compute_breakdown
@@ -19,12 +19,21 @@ from stepdoctor_analysis.gpu_metrics import compute_gpu_metrics
 from stepdoctor_analysis.model import RankTrace, Step
 from stepdoctor_analysis.parse import load_trace
 from stepdoctor_analysis.steps import find_steps
+from support.fixtures import CPU_FIXTURES, GPU_FIXTURES, parsed, write_trace
 
 US = 1000  # ns per µs
 
 
 def step(n: int, ts: float, dur: float) -> dict[str, Any]:
-    return {"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{n}", "pid": 1, "tid": 1, "ts": ts, "dur": dur}
+    return {
+        "ph": "X",
+        "cat": "user_annotation",
+        "name": f"ProfilerStep#{n}",
+        "pid": 1,
+        "tid": 1,
+        "ts": ts,
+        "dur": dur,
+    }
 
 
 def op(ts: float, dur: float, name: str = "aten::add", cat: str = "cpu_op") -> dict[str, Any]:
@@ -38,10 +47,18 @@ def launch(ts: float, dur: float, corr: int, name: str = "cudaLaunchKernel") -> 
     }  # fmt: skip
 
 
-def gpu(ts: float, dur: float, corr: int, name: str = "gemm", cat: str = "kernel", stream: int = 7, **args: Any) -> dict[str, Any]:
+def gpu(
+    ts: float,
+    dur: float,
+    corr: int,
+    name: str = "gemm",
+    cat: str = "kernel",
+    stream: int = 7,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     return {
         "ph": "X", "cat": cat, "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur,
-        "args": {"correlation": corr, "stream": stream, "device": 0, **args},
+        "args": {"correlation": corr, "stream": stream, "device": 0, **(extra or {})},
     }  # fmt: skip
 
 
@@ -90,7 +107,7 @@ def test_fixture_steps_are_ordered_and_parts_sum_to_step_time(rel: str) -> None:
     tr = parsed(rel)
     steps = find_steps(tr)
     assert steps
-    for a, b in zip(steps, steps[1:], strict=False):
+    for a, b in itertools.pairwise(steps):
         assert a.end <= b.start and a.number < b.number
     bd = compute_breakdown(tr, steps)
     for s, parts in zip(steps, bd.per_step, strict=True):
@@ -149,10 +166,10 @@ def test_dataloader_time_is_found_in_real_traces() -> None:
 def test_gpu_utilization_sm_efficiency_and_occupancy(tmp_path: Path) -> None:
     events = [
         step(1, 0, 100), step(2, 100, 100),
-        launch(1, 1, 1), gpu(0, 100, 1, **{"blocks per SM": 0.6, "est. achieved occupancy %": 50}),
-        launch(2, 1, 2), gpu(0, 100, 2, stream=8, **{"blocks per SM": 0.6, "est. achieved occupancy %": 30}),
+        launch(1, 1, 1), gpu(0, 100, 1, extra={"blocks per SM": 0.6, "est. achieved occupancy %": 50}),
+        launch(2, 1, 2), gpu(0, 100, 2, stream=8, extra={"blocks per SM": 0.6, "est. achieved occupancy %": 30}),
         launch(101, 1, 3), gpu(100, 50, 3, name="Memcpy DtoD (Device -> Device)", cat="gpu_memcpy"),
-        launch(102, 1, 4), gpu(150, 50, 4, **{"blocks per SM": 0.2, "est. achieved occupancy %": 10}),
+        launch(102, 1, 4), gpu(150, 50, 4, extra={"blocks per SM": 0.2, "est. achieved occupancy %": 10}),
     ]  # fmt: skip
     tr = trace(tmp_path, events)
     m = compute_gpu_metrics(tr, find_steps(tr))

@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.fixtures import CPU_FIXTURES, GPU_FIXTURES, fixture, parsed
 
 from stepdoctor_analysis import hta_metrics as hm
 from stepdoctor_analysis.breakdown import CATEGORIES, compute_breakdown, is_dataloader_name
 from stepdoctor_analysis.gpu_metrics import compute_gpu_metrics
 from stepdoctor_analysis.steps import find_steps, step_marker_mask
+from support.fixtures import CPU_FIXTURES, GPU_FIXTURES, fixture, parsed
 
 pytestmark = pytest.mark.slow
 
@@ -163,4 +163,7 @@ def test_temporal_and_idle_breakdown_match_hta(rel: str, tmp_path: Path) -> None
             assert streams[int(r["stream"])].idle_ns == 0
             continue
         ratio = streams[int(r["stream"])].ratio(r["idle_category"])
-        assert ratio * 100 == pytest.approx(r["idle_time_ratio"] * 100, abs=1.0), (r["stream"], r["idle_category"])
+        assert ratio * 100 == pytest.approx(r["idle_time_ratio"] * 100, abs=1.0), (
+            r["stream"],
+            r["idle_category"],
+        )

@@ -28,7 +28,16 @@ from support.fixtures import (
     write_trace,
 )
 
-GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset", "cuda_sync", "gpu_user_annotation", "Kernel", "Memcpy", "Memset"}
+GPU_CATS = {
+    "kernel",
+    "gpu_memcpy",
+    "gpu_memset",
+    "cuda_sync",
+    "gpu_user_annotation",
+    "Kernel",
+    "Memcpy",
+    "Memset",
+}
 
 
 @functools.cache
@@ -38,7 +47,7 @@ def raw_json(rel: str, exact: bool = False) -> dict[str, Any]:
     ``exact`` keeps the written decimals (``Decimal``) instead of rounding them to floats.
     """
     with gzip.open(fixture(rel)) as fh:
-        return json.load(fh, parse_float=Decimal if exact else float)  # type: ignore[no-any-return]
+        return json.load(fh, parse_float=Decimal if exact else float)
 
 
 def test_fixture_lists_cover_every_shared_trace() -> None:
@@ -108,7 +117,9 @@ def test_metadata_rank_devices_and_memory_events() -> None:
     assert len(df.memory) == text.count(b'"name": "[memory]"') == 28010
     assert int(df.memory.bytes.sum()) == sum(int(b) for b in re.findall(rb'"Bytes": (-?\d+)', text))
     assert set(np.unique(df.memory.device_type).tolist()) <= {0, 1}
-    assert df.memory.total_allocated.max() == max(int(b) for b in re.findall(rb'"Total Allocated": (\d+)', text))
+    assert df.memory.total_allocated.max() == max(
+        int(b) for b in re.findall(rb'"Total Allocated": (\d+)', text)
+    )
 
     amd = parsed("amd_trace/mi250_minitoy_train_ROCm6_2_kineto.json.gz")
     assert amd.rank is None and amd.world_size is None
@@ -208,7 +219,16 @@ def test_old_traces_get_correlation_from_flow_events(tmp_path: Path) -> None:
         {"ph": "X", "cat": "Operator", "name": "ProfilerStep#1", "pid": 1, "tid": 1, "ts": 100, "dur": 50},
         {"ph": "X", "cat": "Runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": 110, "dur": 5},
         {"ph": "s", "cat": "async", "id": 77, "name": "launch", "pid": 1, "tid": 1, "ts": 110},
-        {"ph": "f", "cat": "async", "id": 77, "name": "launch", "pid": 0, "tid": "stream 7", "ts": 160, "bp": "e"},
+        {
+            "ph": "f",
+            "cat": "async",
+            "id": 77,
+            "name": "launch",
+            "pid": 0,
+            "tid": "stream 7",
+            "ts": 160,
+            "bp": "e",
+        },
         {"ph": "X", "cat": "Kernel", "name": "k", "pid": 0, "tid": "stream 7", "ts": 160, "dur": 30},
     ]
     tr = load_trace(write_trace(tmp_path / "old.json", events))
@@ -274,7 +294,9 @@ def test_gzip_bomb_stops_at_the_cap(tmp_path: Path) -> None:
     bomb = tmp_path / "bomb.json.gz"
     bomb.write_bytes(gzip.compress(b'{"traceEvents": [' + b" " * (16 << 20) + b"]}", compresslevel=1))
     assert bomb.stat().st_size < 1 << 20
-    with pytest.raises(TraceTooLarge, match=r"bomb.json.gz: decompressed trace exceeds the 1,048,576 byte limit"):
+    with pytest.raises(
+        TraceTooLarge, match=r"bomb.json.gz: decompressed trace exceeds the 1,048,576 byte limit"
+    ):
         load_trace(bomb, max_bytes=1 << 20)
     plain = tmp_path / "big.json"
     plain.write_bytes(b" " * (2 << 20))

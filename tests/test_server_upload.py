@@ -144,6 +144,7 @@ def test_download_returns_original_bytes_with_viewer_filename(client: TestClient
 
 
 def test_trace_status_includes_analysis_when_done(app: FastAPI, client: TestClient) -> None:
+    from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
     from stepdoctor_server.models import Analysis
 
     created = upload(client, synthetic_trace()).json()
@@ -158,8 +159,8 @@ def test_trace_status_includes_analysis_when_done(app: FastAPI, client: TestClie
         session.add(
             Analysis(
                 trace_id=trace.id,
-                engine_version="t",
-                schema_version=1,
+                engine_version=ENGINE_VERSION,  # a current report (an older one would be redone)
+                schema_version=SCHEMA_VERSION,
                 primary_kind="input",
                 primary_share=0.6,
                 report=report,

@@ -102,7 +102,7 @@ class Delivery:
     backoff_base: float = 1.0
     backoff_max: float = 60.0
     retry_after_max: float = 3600.0
-    compresslevel: int = 3
+    compresslevel: int = 1
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """A short CPU training loop instrumented with stepdoctor, for demos and tests.
 
 ``python -m stepdoctor.demo_train --run before --workers 0`` is visibly input-bound: each sample
-costs ``--sample-ms`` of Python work in ``__getitem__``, which the training thread pays itself;
-``--workers 2`` moves that work to DataLoader worker processes, so the same model trains faster.
+waits ``--sample-ms`` (storage latency) and burns ``--cpu-ms`` (decoding) in ``__getitem__``, which
+the training thread pays itself; ``--workers 2`` moves that to DataLoader worker processes that
+load the next batches while the model trains, so the same model trains faster.
 Run both to get a before/after pair. Server, token, project and spool come from the usual
 ``STEPDOCTOR_*`` variables or the flags below.
 """
@@ -25,19 +26,25 @@ import stepdoctor
 
 
 class SlowDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Synthetic images whose loading costs CPU time, like decoding and augmenting JPEGs."""
+    """Synthetic images whose loading is slow like real reading + decoding: ``io_ms`` of waiting
+    (storage latency, a sleep) and ``cpu_ms`` of busy work (decode, augment) per sample."""
 
-    def __init__(self, size: int, sample_ms: float, features: int = 3 * 16 * 16, classes: int = 10) -> None:
-        self.size, self.sample_s, self.features, self.classes = size, sample_ms / 1000.0, features, classes
+    def __init__(
+        self, size: int, io_ms: float, cpu_ms: float = 0.2, features: int = 3 * 16 * 16, classes: int = 10
+    ) -> None:
+        self.size, self.features, self.classes = size, features, classes
+        self.io_s, self.cpu_s = io_ms / 1000.0, cpu_ms / 1000.0
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        deadline = time.perf_counter() + self.sample_s
+        if self.io_s:
+            time.sleep(self.io_s)
         generator = torch.Generator().manual_seed(index)
         x = torch.rand(self.features, generator=generator)
-        while time.perf_counter() < deadline:  # busy CPU work, as decoding is; not a sleep
+        deadline = time.perf_counter() + self.cpu_s
+        while time.perf_counter() < deadline:
             x = (x * 1.0001).clamp_(0, 1)
         return x, torch.tensor(index % self.classes)
 
@@ -52,8 +59,10 @@ def make_model(features: int = 3 * 16 * 16, hidden: int = 256, classes: int = 10
     )
 
 
-def make_loader(workers: int, batch_size: int, steps: int, sample_ms: float) -> DataLoader[Any]:
-    dataset = SlowDataset(size=batch_size * steps, sample_ms=sample_ms)
+def make_loader(
+    workers: int, batch_size: int, steps: int, sample_ms: float, cpu_ms: float = 0.0
+) -> DataLoader[Any]:
+    dataset = SlowDataset(size=batch_size * steps, io_ms=sample_ms, cpu_ms=cpu_ms)
     return DataLoader(
         dataset,
         batch_size=batch_size,
@@ -90,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=0, help="DataLoader num_workers")
     parser.add_argument("--steps", type=int, default=30, help="training steps")
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--sample-ms", type=float, default=1.0, help="CPU cost of loading one sample")
+    parser.add_argument("--sample-ms", type=float, default=1.0, help="storage latency per sample (a sleep)")
+    parser.add_argument("--cpu-ms", type=float, default=0.1, help="CPU work per sample (decode, augment)")
     parser.add_argument("--project", default=None, help="default: $STEPDOCTOR_PROJECT or 'demo'")
     parser.add_argument("--server", default=None)
     parser.add_argument("--token", default=None)
@@ -98,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-first", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--active", type=int, default=3)
-    parser.add_argument("--repeat", type=int, default=None)
+    parser.add_argument("--repeat", type=int, default=2, help="capture windows (0: until the end)")
     parser.add_argument("--every", type=int, default=None)
     parser.add_argument("--flush-timeout", type=float, default=None)
     parser.add_argument("--http-timeout", type=float, default=30.0)
@@ -111,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(0)
-    loader = make_loader(args.workers, args.batch_size, args.steps, args.sample_ms)
+    loader = make_loader(args.workers, args.batch_size, args.steps, args.sample_ms, args.cpu_ms)
     tags = dict(tag.split("=", 1) for tag in args.tag if "=" in tag)
     tags.setdefault("demo", "workers")
     with stepdoctor.profile(

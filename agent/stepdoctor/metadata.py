@@ -129,6 +129,7 @@ def collect(tags: dict[str, str], loader: Any | None = None) -> dict[str, Any]:
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "cpu_count": os.cpu_count(),
+        "cpu_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "job_id": job_id(),
         "argv": list(sys.argv),
         "cwd": os.getcwd(),

@@ -94,8 +94,9 @@ class Profile:
             "record_shapes": record_shapes,
             "with_stack": with_stack,
         }
-        self._schedule = schedule
         self._profiler_kwargs = dict(profiler_kwargs or {})
+        # A schedule passed either way is the user's: opaque to our next-window prediction.
+        self._schedule = self._profiler_kwargs.pop("schedule", None) or schedule
         self._user_trace_ready: Callable[[Any], Any] | None = self._profiler_kwargs.pop(
             "on_trace_ready", None
         )
@@ -390,7 +391,7 @@ def profile(
     http_timeout: float = 30.0,
     backoff_base: float = 1.0,
     backoff_max: float = 60.0,
-    compresslevel: int = 3,
+    compresslevel: int = 1,
 ) -> Profile | NoopProfile:
     """Profile a training loop; call ``prof.step()`` once per step.
 

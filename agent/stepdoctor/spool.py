@@ -219,6 +219,22 @@ class Spool:
         os.replace(entry.sidecar, dest / entry.sidecar.name)
         return dest
 
+    def requeue_failed(self) -> int:
+        """Move traces parked in ``failed/`` back into the spool (after fixing a token, say)."""
+        moved = 0
+        for sidecar in self.root.glob(f"{FAILED_DIR}/*/*/*{META_SUFFIX}"):
+            stem = sidecar.name[: -len(META_SUFFIX)]
+            dest = self.root / sidecar.parent.relative_to(self.root / FAILED_DIR)
+            dest.mkdir(parents=True, exist_ok=True)
+            for suffix in (TRACE_SUFFIX, EXPORT_SUFFIX):
+                source = sidecar.with_name(stem + suffix)
+                if source.exists():
+                    os.replace(source, dest / source.name)
+            os.replace(sidecar, dest / sidecar.name)  # the sidecar last: it commits the trace again
+            sidecar.with_name(stem + REASON_SUFFIX).unlink(missing_ok=True)
+            moved += 1
+        return moved
+
     def cleanup_orphans(self) -> int:
         """Delete leftovers of captures whose process died before the commit point (this host only)."""
         removed = 0

@@ -28,6 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--server", help="upload everything here (default: each trace's own server)")
     parser.add_argument("--token", help="API token (default: $STEPDOCTOR_TOKEN)")
     parser.add_argument(
+        "--retry-failed", action="store_true", help="also resend traces the server refused (failed/)"
+    )
+    parser.add_argument(
         "--timeout", type=float, default=300.0, help="give up retrying after this many seconds"
     )
     parser.add_argument("--http-timeout", type=float, default=60.0, help="per-request timeout in seconds")
@@ -59,6 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     worker = DeliveryWorker(spool, route, delivery)
     spool.cleanup_orphans()
+    if args.retry_failed:
+        spool.requeue_failed()
     deadline = time.monotonic() + args.timeout
     remaining = worker.run_pass()
     while remaining and time.monotonic() < deadline:
@@ -66,10 +71,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         remaining = worker.run_pass()
     stats = worker.stats
     unsent = sum(1 for sidecar in spool.sidecars() if _routable(sidecar, override))
-    print(
-        f"stepdoctor sync: {stats.delivered} uploaded, {stats.rejected} rejected (moved to {spool.root / 'failed'}), "
-        f"{remaining} left in {spool.root}" + (f" ({unsent} need --server)" if unsent else "")
+    parts = [f"{stats.delivered} uploaded"]
+    if stats.rejected:
+        parts.append(f"{stats.rejected} rejected (moved to {spool.root / 'failed'})")
+    parts.append(
+        f"{remaining} left in {spool.root}"
+        + (f" ({unsent} captured without a server: pass --server)" if unsent else "")
     )
+    print("stepdoctor sync: " + ", ".join(parts))
     return 1 if remaining or stats.rejected else 0
 
 

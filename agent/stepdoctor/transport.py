@@ -95,15 +95,33 @@ def upload(
     conn_cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
     conn = conn_cls(url.hostname, url.port, timeout=timeout, blocksize=1 << 16)
     try:
-        with open(trace, "rb") as body:
-            conn.request("POST", path, body=body, headers=headers)
-            response = conn.getresponse()
-            text = response.read(4096).decode("utf-8", "replace")
-            return classify(response.status, text, response.getheader("Retry-After"))
+        try:
+            with open(trace, "rb") as body:
+                conn.request("POST", path, body=body, headers=headers)
+        except OSError as exc:
+            # A server may answer (401, 413) and close before reading a large body: use its answer.
+            early = _early_response(conn)
+            return early if early is not None else Result("retry", None, _describe(exc))
+        response = conn.getresponse()
+        text = response.read(4096).decode("utf-8", "replace")
+        return classify(response.status, text, response.getheader("Retry-After"))
     except (OSError, http.client.HTTPException) as exc:
-        return Result("retry", None, f"{type(exc).__name__}: {exc}".rstrip(": "))
+        return Result("retry", None, _describe(exc))
     finally:
         conn.close()
+
+
+def _early_response(conn: http.client.HTTPConnection) -> Result | None:
+    try:
+        response = conn.getresponse()
+        text = response.read(4096).decode("utf-8", "replace")
+    except (OSError, http.client.HTTPException):
+        return None
+    return classify(response.status, text, response.getheader("Retry-After"))
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".rstrip(": ")
 
 
 def classify(status: int, body: str, retry_after: str | None) -> Result:

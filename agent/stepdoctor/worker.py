@@ -195,8 +195,9 @@ class DeliveryWorker:
 
     def _handle(self, entry: Entry) -> bool:
         """Advance one trace as far as possible; True when it needs nothing more from us."""
-        if "_unreadable" in entry.meta:
-            self._reject(entry, f"unreadable sidecar: {entry.meta['_unreadable']}")
+        problem = _sidecar_problem(entry.meta)
+        if problem:
+            self._reject(entry, f"unusable sidecar: {problem}")
             return True
         if not entry.trace.exists():
             if not entry.export.exists():
@@ -243,6 +244,16 @@ class DeliveryWorker:
         dest = self.spool.move_failed(entry, reason)
         self.stats.rejected += 1
         logger.warning("stepdoctor: trace %s not uploaded, moved to %s: %s", entry.stem, dest, reason)
+
+
+def _sidecar_problem(meta: dict[str, Any]) -> str | None:
+    """Why a sidecar cannot be delivered (hand-edited, truncated by a full disk...), or None."""
+    if "_unreadable" in meta:
+        return str(meta["_unreadable"])
+    missing = [
+        k for k in ("idempotency_key", "project", "run") if not isinstance(meta.get(k), str) or not meta[k]
+    ]
+    return f"missing {', '.join(missing)}" if missing else None
 
 
 @guarded()

@@ -20,8 +20,8 @@ from __future__ import annotations
 import contextlib
 import gzip
 import importlib.util
+import itertools
 import logging
-import math
 import os
 import re
 import tempfile
@@ -38,9 +38,10 @@ HTA_VERSION = "0.5.0"
 INSTALL_HINT = "install 'stepdoctor[hta]'"
 TOP_N = 15
 
-# Critical-path bound types, in display order. HTA's own labels map onto them; we split two of its
-# buckets: CPU time inside a DataLoader fetch is ``data_loading`` (HTA: cpu_bound) and memcpy/memset
-# on the device is ``gpu_memory`` (HTA: gpu_compute_bound), since input and transfer are separate
+# Critical-path bound types, in display order. HTA's labels map onto them (gpu_kernel_kernel_overhead,
+# gpu_kernel_launch_overhead, cpu_bound, gpu_compute_bound, gpu_communication_bound); we split two of
+# its buckets: host time inside a DataLoader fetch is ``data_loading`` (HTA: cpu_bound) and device
+# memcpy/memset is ``gpu_memory`` (HTA: gpu_compute_bound), as input and transfer are separate
 # bottleneck kinds for us.
 BOUND_TYPES = (
     "kernel_kernel_overhead",
@@ -51,13 +52,6 @@ BOUND_TYPES = (
     "gpu_memory",
     "communication",
 )
-_HTA_BOUND = {
-    "gpu_kernel_kernel_overhead": "kernel_kernel_overhead",
-    "gpu_kernel_launch_overhead": "launch_overhead",
-    "cpu_bound": "cpu",
-    "gpu_compute_bound": "gpu_compute",
-    "gpu_communication_bound": "communication",
-}
 _LOADER_PREFIXES = ("enumerate(DataLoader)", "enumerate(DataPipe)")
 _GPU_MEMORY_RE = re.compile(r"^(Memcpy|Memset|dma)")
 _STEP_RE = re.compile(r"^ProfilerStep\s*#\s*(\d+)$")
@@ -266,45 +260,63 @@ def _hta_window(ta: Any, rank: int, step: int | None) -> tuple[str, int | None]:
     names = ta.t.get_trace(rank)["name"]
     matches = names[names.isin(ids)].tolist()
     if exact is None or exact not in matches:
-        raise TraceError(f"ProfilerStep#{step} was dropped by HTA's loader")
+        raise TraceError(f"ProfilerStep#{step} was dropped by HTA's loader (no events in it?)")
     return annotation, matches.index(exact)
 
 
 def _summarize_path(graph: Any, edges: Any, t: Any, rank: int, top: int) -> dict[str, Any]:
+    """Walk the path's edges in time order and bucket their weights by our bound types.
+
+    HTA's own ``bound_by`` sums (from its breakdown frame) are kept as ``hta_breakdown``, a cross-check
+    and a bridge for users who know HTA. Per-op time counts only the op's own span edges: HTA files a
+    kernel-kernel gap under the kernel before it, which is overhead, not that kernel's time.
+    """
+    from hta.utils.utils import is_comm_kernel
+
     sym = t.symbol_table.get_sym_table()
     full = t.get_trace(rank)
     loaders = _loader_windows(full, sym)
-    by_bound = dict.fromkeys(BOUND_TYPES, 0.0)
-    hta_raw: dict[str, float] = {}
-    per_event: dict[int, float] = {}
-    for row in edges.itertuples(index=False):
-        us = float(row.duration)
-        if not us:
-            continue
-        label = str(row.bound_by)
-        hta_raw[label] = hta_raw.get(label, 0.0) + us
-        ev = None if _isnan(row.event_idx) else int(row.event_idx)
-        bound = _HTA_BOUND.get(label, "cpu")
-        if ev is not None:
-            per_event[ev] = per_event.get(ev, 0.0) + us
-            name = sym[int(full.at[ev, "name"])]
-            if bound == "cpu" and _inside(full, ev, loaders):
-                bound = "data_loading"
-            elif bound == "gpu_compute" and _GPU_MEMORY_RE.match(name):
-                bound = "gpu_memory"
-        by_bound[bound] += us
-    length = sum(by_bound.values())
     nodes = [graph.node_list[n] for n in graph.critical_path_nodes]
+    by_bound = dict.fromkeys(BOUND_TYPES, 0.0)
+    per_event: dict[int, float] = {}
+    for u, v in itertools.pairwise(graph.critical_path_nodes):
+        e = graph.edges[u, v]["object"]
+        if not e.weight:
+            continue
+        kind = e.type.value
+        if kind == "critical_path_kernel_kernel_delay":
+            by_bound["kernel_kernel_overhead"] += e.weight
+            continue
+        if kind == "critical_path_kernel_launch_delay":
+            by_bound["launch_overhead"] += e.weight
+            continue
+        ev = graph.get_event_attribution_for_edge(e)
+        if ev is None:  # an unattributed span: HTA leaves it unlabelled; it is host time
+            by_bound["cpu"] += e.weight
+            continue
+        per_event[ev] = per_event.get(ev, 0.0) + e.weight
+        name = sym[int(full.at[ev, "name"])]
+        if int(full.at[ev, "stream"]) < 0:
+            start, end = graph.node_list[u].ts, graph.node_list[v].ts
+            fetch = _inside(full, ev, start, end, loaders)
+            by_bound["data_loading" if fetch else "cpu"] += e.weight
+        elif is_comm_kernel(name):
+            by_bound["communication"] += e.weight
+        else:
+            by_bound["gpu_memory" if _GPU_MEMORY_RE.match(name) else "gpu_compute"] += e.weight
+    by_bound = {k: float(v) for k, v in by_bound.items()}
+    length = sum(by_bound.values())
+    hta_raw = edges[edges["duration"] > 0].groupby("bound_by")["duration"].sum()
     return {
         "length_us": length,
         "path_start_us": float(nodes[0].ts),
         "path_end_us": float(nodes[-1].ts),
         "breakdown": by_bound,
         "shares": {k: (v / length if length else 0.0) for k, v in by_bound.items()},
-        "hta_breakdown": dict(sorted(hta_raw.items())),
+        "hta_breakdown": {str(k) or "unlabelled": float(v) for k, v in sorted(hta_raw.items())},
         "top": _top_ops(per_event, full, sym, length, top),
         "events_on_path": len(per_event),
-        "edges_on_path": len(edges),
+        "edges_on_path": len(nodes) - 1,
         "warnings": [] if "cuda_sync" in t.symbol_table.get_sym_id_map() else [_NO_SYNC_WARNING],
     }
 
@@ -313,10 +325,6 @@ _NO_SYNC_WARNING = (
     "the trace has no cuda_sync events, so host-device synchronization is missing from the path "
     "(record with a PyTorch >= 2.1 profiler)"
 )
-
-
-def _isnan(x: Any) -> bool:
-    return x is None or (isinstance(x, float) and math.isnan(x))
 
 
 def _loader_windows(full: Any, sym: list[str]) -> list[tuple[int, int, int, int]]:
@@ -328,11 +336,12 @@ def _loader_windows(full: Any, sym: list[str]) -> list[tuple[int, int, int, int]
     return [(int(r.pid), int(r.tid), int(r.ts), int(r.ts + r.dur)) for r in rows.itertuples(index=False)]
 
 
-def _inside(full: Any, ev: int, windows: list[tuple[int, int, int, int]]) -> bool:
+def _inside(full: Any, ev: int, start: int, end: int, windows: list[tuple[int, int, int, int]]) -> bool:
+    """Whether the span [start, end] of a host event lies inside a DataLoader fetch on its thread."""
     if not windows:
         return False
-    pid, tid, ts = int(full.at[ev, "pid"]), int(full.at[ev, "tid"]), int(full.at[ev, "ts"])
-    return any(p == pid and t == tid and s <= ts < e for p, t, s, e in windows)
+    pid, tid = int(full.at[ev, "pid"]), int(full.at[ev, "tid"])
+    return any(p == pid and t == tid and s <= start and end <= e for p, t, s, e in windows)
 
 
 def _top_ops(
@@ -431,22 +440,11 @@ def _diff_rows(comp: Any, device: str) -> list[dict[str, Any]]:
             continue  # the step marker itself: its duration is the step time, not an op
         bc, oc = int(r["base_counts"]), int(r["other_counts"])
         bu, ou = float(r["base_total_duration"]), float(r["other_total_duration"])
-        change = (
-            "added"
-            if not bc
-            else "removed"
-            if not oc
-            else "more"
-            if oc > bc
-            else "fewer"
-            if oc < bc
-            else "same"
-        )
         out.append(
             {
                 "name": str(name),
                 "device": device,
-                "change": change,
+                "change": _change(bc, oc),
                 "base_count": bc,
                 "other_count": oc,
                 "delta_count": oc - bc,
@@ -456,6 +454,16 @@ def _diff_rows(comp: Any, device: str) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def _change(base_count: int, other_count: int) -> str:
+    if not base_count:
+        return "added"
+    if not other_count:
+        return "removed"
+    if other_count != base_count:
+        return "more" if other_count > base_count else "fewer"
+    return "same"
 
 
 def _diff_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,12 +1,12 @@
 """Kineto Chrome trace -> columnar ``RankTrace``, in bounded memory.
 
 Traces of 1-2 GB are normal, so the file is never held as Python dicts: it is decompressed as a
-stream, the ``traceEvents`` array is cut into chunks of a few MB at event boundaries, each chunk is
-decoded by msgspec into small typed Structs (only the fields we use), folded into numpy columns,
-and dropped. Event boundaries are found where a line ends with ``},`` and the next starts with
-``{``: raw newlines never occur inside JSON strings, and a wrong cut (inside a nested array) makes
-the chunk fail to decode, in which case the chunk simply grows. Traces written on one line fall
-back to decoding the whole remainder at once (correct, just more memory).
+stream (in a thread, overlapping with decoding), the ``traceEvents`` array is cut into chunks of a
+few MB at event boundaries, each chunk is decoded in place by msgspec into small tagged Structs
+(only the fields we use; metadata and other phases decode to empty Structs), folded into numpy
+columns, and dropped. A boundary is a ``}`` followed by ``,`` and ``{``; a wrong cut (inside a
+string or a nested value) leaves the chunk unbalanced, so it fails to decode and an earlier
+candidate is tried. Peak memory is the columns plus a few chunks, whatever the file size.
 
 Every format generation of anchors §1 is accepted: fractional-µs Kineto, float ns-resolution, 2021
 ``Operator/Runtime/Kernel/Memcpy/Memset`` categories, ``ac2g``/``async_cpu_to_gpu``/``async``/
@@ -20,10 +20,10 @@ import queue
 import re
 import threading
 import zlib
-from collections.abc import Callable, Iterator, Sequence
-from operator import add, attrgetter, itemgetter
+from collections.abc import Callable, Generator, Iterator, Sequence
+from operator import attrgetter, itemgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 import numpy as np
@@ -44,16 +44,12 @@ from .model import (
 
 DEFAULT_MAX_BYTES = 4 << 30
 _READ_BLOCK = 4 << 20  # compressed bytes read at a time
-_OUT_BLOCK = 16 << 20  # decompressed bytes produced at a time
-_CHUNK = 8 << 20  # event text decoded at a time
+_OUT_BLOCK = 2 << 20  # decompressed bytes produced at a time
+_CHUNK = 2 << 20  # event text decoded at a time (at least)
 _GIVE_UP_SPLIT = 128 << 20  # beyond this much undecodable text, stop cutting and decode at the end
 
-# Category -> kind. Host kinds are 0..9, GPU kinds are offset by _GPU; other codes route events.
+# Category -> kind. Host kinds are 0..9, GPU kinds are offset by _GPU.
 _GPU = 100
-_MEMORY = 200
-_FLOW = 201
-_INSTANT = 202
-_IGNORED = -1
 _CATEGORIES: dict[str, int] = {
     "cpu_op": HostKind.CPU_OP,
     "operator": HostKind.CPU_OP,
@@ -77,7 +73,6 @@ _FLOW_CATEGORIES = frozenset({"ac2g", "async_cpu_to_gpu", "async", "launch", "as
 _LEGACY_CATEGORIES = frozenset({"Operator", "Runtime", "Kernel", "Memcpy", "Memset"})
 
 _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
-_SPLIT_LINE = re.compile(rb"\}[ \t\r]*,[ \t\r]*\n[ \t\r\n]*\{")
 _SPLIT_ANY = re.compile(rb"\}\s*,\s*\{")
 
 
@@ -104,16 +99,66 @@ class _Args(msgspec.Struct, gc=False):
     total_reserved: int = msgspec.field(default=NONE, name="Total Reserved")
 
 
-class _Event(msgspec.Struct, gc=False):
-    ph: str = ""
+class _Complete(msgspec.Struct, tag_field="ph", tag="X", gc=False):
+    """A duration event (``ph: X``): every host op, launch call and GPU op."""
+
     cat: str = ""
     name: str | None = None
     ts: float = NAN
     dur: float = NAN
     pid: int | str = NONE
     tid: int | str = NONE
-    id: int | str | None = None
     args: _Args = msgspec.field(default_factory=_Args)
+
+
+class _Instant(msgspec.Struct, tag_field="ph", tag="i", gc=False):
+    """An instant event: ``[memory]`` and ``[OutOfMemory]`` are the ones we keep."""
+
+    name: str | None = None
+    ts: float = NAN
+    args: _Args = msgspec.field(default_factory=_Args)
+
+
+class _InstantLegacy(_Instant, tag="I"):
+    pass
+
+
+class _FlowStart(msgspec.Struct, tag_field="ph", tag="s", gc=False):
+    """Flow endpoints: only needed to recover correlation ids in traces that lack them."""
+
+    cat: str = ""
+    id: int | str | None = None
+    ts: float = NAN
+    pid: int | str = NONE
+    tid: int | str = NONE
+
+
+class _FlowEnd(_FlowStart, tag="f"):
+    pass
+
+
+class _FlowStep(_FlowStart, tag="t"):
+    pass
+
+
+# Every other Chrome trace phase decodes into an empty Struct: parsed, never materialised.
+_SKIPPED = tuple(
+    msgspec.defstruct(f"_Skip{i}", [], tag_field="ph", tag=ph, gc=False)
+    for i, ph in enumerate(
+        ("M", "B", "E", "C", "b", "n", "e", "P", "N", "O", "D", "V", "v", "R", "c", "(", ")")
+    )
+)
+_Event = Any  # one of the tagged Structs above
+_TYPE_CODES: dict[type, int] = {
+    _Complete: 0,
+    _Instant: 1,
+    _InstantLegacy: 1,
+    _FlowStart: 2,
+    _FlowEnd: 3,
+    _FlowStep: 4,
+}
+_TYPE_CODES.update(dict.fromkeys(_SKIPPED, 5))
+_EventUnion = Union[(_Complete, _Instant, _InstantLegacy, _FlowStart, _FlowEnd, _FlowStep, *_SKIPPED)]  # type: ignore[valid-type]
 
 
 class _LaxArgs(msgspec.Struct, gc=False):
@@ -147,7 +192,7 @@ class _LaxEvent(msgspec.Struct, gc=False):
     args: Any = None
 
 
-_EVENTS_DECODER = msgspec.json.Decoder(list[_Event])
+_EVENTS_DECODER = msgspec.json.Decoder(list[_EventUnion])
 _LAX_DECODER = msgspec.json.Decoder(list[_LaxEvent], strict=False)
 _INT_ARGS = (
     "correlation",
@@ -167,8 +212,9 @@ _INT_ARGS = (
 
 def _tighten(events: list[_LaxEvent]) -> list[_Event]:
     """Coerce untyped events into the typed form, value by value (slow path, rare)."""
-    out = []
+    out: list[_Event] = []
     for e in events:
+        ph = e.ph if isinstance(e.ph, str) else ""
         a = e.args
         args = _Args()
         if isinstance(a, dict):
@@ -178,19 +224,22 @@ def _tighten(events: list[_LaxEvent]) -> list[_Event]:
                 setattr(args, f, _ABSENT if v is None and f in ("device", "stream") else _int(v))
             args.blocks_per_sm = _float(lax.blocks_per_sm)
             args.occupancy = _float(lax.occupancy)
-        out.append(
-            _Event(
-                ph=e.ph if isinstance(e.ph, str) else "",
-                cat=e.cat if isinstance(e.cat, str) else "",
-                name=None if e.name is None else str(e.name),
-                ts=_float(e.ts) if e.ts is not None else NAN,
-                dur=_float(e.dur) if e.dur is not None else NAN,
-                pid=e.pid if isinstance(e.pid, (int, str)) and not isinstance(e.pid, bool) else NONE,
-                tid=e.tid if isinstance(e.tid, (int, str)) and not isinstance(e.tid, bool) else NONE,
-                id=e.id if isinstance(e.id, (int, str)) and not isinstance(e.id, bool) else None,
-                args=args,
-            )
-        )
+        name = None if e.name is None else str(e.name)
+        ts = _float(e.ts) if e.ts is not None else NAN
+        pid = e.pid if isinstance(e.pid, (int, str)) and not isinstance(e.pid, bool) else NONE
+        tid = e.tid if isinstance(e.tid, (int, str)) and not isinstance(e.tid, bool) else NONE
+        cat = e.cat if isinstance(e.cat, str) else ""
+        if ph == "X":
+            dur = _float(e.dur) if e.dur is not None else NAN
+            out.append(_Complete(cat=cat, name=name, ts=ts, dur=dur, pid=pid, tid=tid, args=args))
+        elif ph in ("i", "I"):
+            out.append(_Instant(name=name, ts=ts, args=args))
+        elif ph in ("s", "f", "t"):
+            flow_id = e.id if isinstance(e.id, (int, str)) and not isinstance(e.id, bool) else None
+            cls = {"s": _FlowStart, "f": _FlowEnd, "t": _FlowStep}[ph]
+            out.append(cls(cat=cat, id=flow_id, ts=ts, pid=pid, tid=tid))
+        else:
+            out.append(_SKIPPED[0]())
     return out
 
 
@@ -201,7 +250,11 @@ def load_trace(path: str | Path, *, max_bytes: int | None = None) -> RankTrace:
     if not p.is_file():
         raise TraceError(f"{p.name}: no such trace file")
     builder = _Builder(str(p))
-    _StreamParser(builder, p.name).run(_prefetched(_decompressed_blocks(p, cap)))
+    blocks = _prefetched(_decompressed_blocks(p, cap))
+    try:
+        _StreamParser(builder, p.name).run(blocks)
+    finally:
+        blocks.close()  # stops the decompressing thread at once, also when parsing failed
     return builder.finish()
 
 
@@ -272,7 +325,7 @@ def _inflate(d: Any, data: bytes, name: str) -> bytes:
         raise TraceError(f"{name}: corrupt gzip data ({exc})") from None
 
 
-def _prefetched(blocks: Iterator[bytes], depth: int = 3) -> Iterator[bytes]:
+def _prefetched(blocks: Iterator[bytes], depth: int = 2) -> Generator[bytes, None, None]:
     """Run the decompressor in a thread (zlib releases the GIL) so it overlaps with decoding.
 
     At most ``depth`` blocks wait in the queue, so memory stays bounded; errors are re-raised here.
@@ -280,20 +333,24 @@ def _prefetched(blocks: Iterator[bytes], depth: int = 3) -> Iterator[bytes]:
     q: queue.Queue[tuple[bytes | None, BaseException | None]] = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
+    def put(item: tuple[bytes | None, BaseException | None]) -> bool:
+        # Never block forever: the consumer may have stopped early (an error, a bad trace).
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             for block in blocks:
-                while not stop.is_set():
-                    try:
-                        q.put((block, None), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not put((block, None)):
                     return
-            q.put((None, None))
+            put((None, None))
         except BaseException as exc:  # handed to the consumer, which re-raises it
-            q.put((None, exc))
+            put((None, exc))
 
     worker = threading.Thread(target=produce, name="stepdoctor-gunzip", daemon=True)
     worker.start()
@@ -336,7 +393,7 @@ class _StreamParser:
             self.buf += block
             if self.header is None and not self.whole:
                 self._find_header()
-            if self.header is not None and not self.whole and len(self.buf) >= 2 * _CHUNK:
+            if self.header is not None and not self.whole and len(self.buf) >= _CHUNK:
                 self._cut_chunks()
         self._finish()
 
@@ -351,47 +408,53 @@ class _StreamParser:
             self.whole = True  # the key sat somewhere odd; let the full decoder judge
             return
         self.header = header
-        del self.buf[: m.end()]
+        # Keep the array's '[': the buffer always starts with '[' so chunks decode in place.
+        del self.buf[: m.end() - 1]
 
     def _cut_chunks(self) -> None:
-        while len(self.buf) >= 2 * _CHUNK and len(self.buf) > self.failed_at:
-            events, cut = None, -1
-            for cut in self._split_candidates(len(self.buf) - _CHUNK // 2):
-                events = self._decode_events(bytes(self.buf[: cut + 1]))
-                if events is not None:
-                    break
+        """Decode all whole events buffered so far, in place (no copy of the text)."""
+        if len(self.buf) <= self.failed_at:
+            return
+        for cut in self._split_candidates(len(self.buf)):
+            comma = self.buf.index(b",", cut + 1)
+            saved = self.buf[cut + 1]
+            self.buf[cut + 1] = 0x5D  # ']' closes the chunk; the bytes up to the comma are dropped after
+            with memoryview(self.buf) as view:
+                events = self._decode_events(view[: cut + 2])
             if events is None:
-                self._note_failure()
-                return
+                self.buf[cut + 1] = saved
+                continue
             self.b.absorb(events)
             del events
-            # Drop the chunk and the separating comma.
-            comma = self.buf.index(b",", cut + 1)
-            del self.buf[: comma + 1]
+            del self.buf[:comma]
+            self.buf[0] = 0x5B  # '['
             self.failed_at = 0
+            return
+        self._note_failure()
 
     def _note_failure(self) -> None:
-        """No cut worked (one-line trace, or a giant event): wait for more text, or stop cutting."""
+        """No cut worked (a giant event, or odd nesting): wait for more text, or stop cutting."""
         self.failed_at = len(self.buf) + _CHUNK
         if len(self.buf) > _GIVE_UP_SPLIT:
             self.whole = True
 
-    def _split_candidates(self, before: int, tries: int = 3) -> list[int]:
+    def _split_candidates(self, before: int, tries: int = 3) -> Iterator[int]:
         """Up to ``tries`` positions of a ``}`` followed by ``,`` and ``{``, latest first.
 
-        Cuts on a line break (Kineto writes one event per block of lines) are preferred; a cut inside
-        a string or a nested value makes the chunk fail to decode and the next candidate is tried.
+        A cut inside a string or a nested value makes the chunk fail to decode (unbalanced or
+        unterminated), so the caller then tries the next candidate.
         """
-        lo = max(0, before - _CHUNK)
-        for pattern in (_SPLIT_LINE, _SPLIT_ANY):
-            found = [m.start() for m in pattern.finditer(self.buf, lo, before)]
-            if found:
-                return found[::-1][:tries]
-        return []
+        pos, found, lo = before, 0, max(1, before - _CHUNK)
+        while found < tries:
+            pos = self.buf.rfind(b"}", lo, pos)
+            if pos < 0:
+                return
+            if _SPLIT_ANY.match(self.buf, pos):
+                found += 1
+                yield pos
 
-    def _decode_events(self, text: bytes) -> list[_Event] | None:
-        """Decode one chunk; None when the text is not a whole number of events."""
-        data = b"[" + text + b"]"
+    def _decode_events(self, data: bytes | memoryview) -> list[_Event] | None:
+        """Decode ``[ ... ]`` holding whole events; None when the text is not a whole number of events."""
         try:
             return _EVENTS_DECODER.decode(data)
         except msgspec.DecodeError as exc:
@@ -410,7 +473,7 @@ class _StreamParser:
             return
         rest = bytes(self.buf)
         self.buf = bytearray()
-        # The events array ends at one of the last ']' ; the tail after it must close the object.
+        # The events array ends at one of the last ']'; the tail after it must close the object.
         pos = len(rest)
         for _ in range(64):
             pos = rest.rfind(b"]", 0, pos)
@@ -421,15 +484,15 @@ class _StreamParser:
                 top = msgspec.json.decode(self.header + (tail if tail != b"}" else b'"_": 0}'))
             except msgspec.DecodeError:
                 continue
-            body = rest[:pos].strip()
-            events = self._decode_events(body) if body else []
+            with memoryview(rest) as view:
+                events = self._decode_events(view[: pos + 1])
             if events is None:
                 continue
             self.b.absorb(events)
             self.b.set_top(top if isinstance(top, dict) else {})
             return
-        # No clean end: rebuild the text we still hold to get the decoder's own message.
-        raise TraceError(f"{self.name}: not valid JSON ({_json_error(self.header + b'[' + rest)})")
+        # No clean end: let the decoder name the problem.
+        raise TraceError(f"{self.name}: not valid JSON ({_json_error(self.header + rest)})")
 
     def _decode_whole(self, text: bytes) -> None:
         try:
@@ -501,53 +564,45 @@ class _Interner(dict[str, int]):
 
 
 class _Codes(dict[str, int]):
-    """``ph + cat`` -> routing code, computed once per distinct pair."""
+    """Category of a complete event -> host kind or ``_GPU`` + GPU kind, once per distinct category."""
 
-    def __missing__(self, key: str) -> int:
-        v = self[key] = _route(key[:1], key[1:])
+    def __missing__(self, cat: str) -> int:
+        code = _CATEGORIES.get(cat)
+        v = self[cat] = int(code if code is not None else _CATEGORIES.get(cat.lower(), HostKind.OTHER))
         return v
 
 
-def _route(ph: str, cat: str) -> int:
-    if ph == "X":
-        code = _CATEGORIES.get(cat)
-        return int(code if code is not None else _CATEGORIES.get(cat.lower(), HostKind.OTHER))
-    if ph in ("i", "I"):
-        return _INSTANT
-    if ph in ("s", "f", "t") and cat in _FLOW_CATEGORIES:
-        return _FLOW
-    return _IGNORED
-
-
-def _pick(events: list[_Event], idx: np.ndarray) -> Sequence[_Event]:
+def _pick(events: Sequence[_Event], idx: np.ndarray) -> Sequence[_Event]:
     """The events at ``idx``, gathered in C."""
     if idx.size == 1:
         return [events[int(idx[0])]]
     return itemgetter(*idx.tolist())(events)
 
 
-_PH = attrgetter("ph")
 _CAT = attrgetter("cat")
 _NAME = attrgetter("name")
 _TS = attrgetter("ts")
+_ID = attrgetter("id")
 _DUR = attrgetter("dur")
 _PID = attrgetter("pid")
 _TID = attrgetter("tid")
-_HOST_FIELDS = attrgetter("ts", "dur", "args.correlation", "args.external_id", "args.external_id_legacy")
-_HOST_RECORD = np.dtype(
-    [("ts", "f8"), ("dur", "f8"), ("correlation", "i8"), ("external_id", "i8"), ("external_id_legacy", "i8")]
+_HOST_NAMES = ("ts", "dur", "args.correlation", "args.external_id", "args.external_id_legacy", "pid", "tid")
+_HOST_RECORD_IDS = np.dtype(
+    [
+        ("ts", "f8"),
+        ("dur", "f8"),
+        ("correlation", "i8"),
+        ("external_id", "i8"),
+        ("external_id_legacy", "i8"),
+        ("pid", "i8"),
+        ("tid", "i8"),
+    ]
 )
-_GPU_FIELDS = attrgetter(
-    "ts",
-    "dur",
-    "args.device",
-    "args.stream",
-    "args.correlation",
-    "args.nbytes",
-    "args.blocks_per_sm",
-    "args.occupancy",
-)
-_GPU_RECORD = np.dtype(
+_GPU_NAMES = (
+    "ts", "dur", "args.device", "args.stream", "args.correlation", "args.nbytes", "args.blocks_per_sm",
+    "args.occupancy", "pid", "tid",
+)  # fmt: skip
+_GPU_RECORD_IDS = np.dtype(
     [
         ("ts", "f8"),
         ("dur", "f8"),
@@ -557,8 +612,12 @@ _GPU_RECORD = np.dtype(
         ("bytes", "i8"),
         ("blocks_per_sm", "f4"),
         ("occupancy", "f4"),
+        ("pid", "i8"),
+        ("tid", "i8"),
     ]
 )
+
+
 _MEM_FIELDS = attrgetter(
     "ts",
     "args.device_type",
@@ -591,7 +650,7 @@ class _Builder:
         self.host: list[dict[str, np.ndarray]] = []
         self.gpu: list[dict[str, np.ndarray]] = []
         self.mem: list[dict[str, np.ndarray]] = []
-        self.flows: list[tuple[Any, str, Any, Any, float]] = []  # (id, ph, pid, tid, ts) for repair
+        self.flows: list[dict[str, np.ndarray]] = []  # flow endpoints, to repair missing correlations
         self.oom = 0
         self.n_events = 0
         self.top: dict[str, Any] = {}
@@ -613,54 +672,77 @@ class _Builder:
             return
         first = self.n_events
         self.n_events += n
-        codes = np.fromiter(
-            map(self.codes.__getitem__, map(add, map(_PH, events), map(_CAT, events))), np.int16, n
-        )
-        host = np.flatnonzero((codes >= 0) & (codes < _GPU))
-        gpu = np.flatnonzero((codes >= _GPU) & (codes < _MEMORY))
-        mem = np.flatnonzero(codes == _MEMORY)
-        flows = np.flatnonzero(codes == _FLOW)
-        instants = np.flatnonzero(codes == _INSTANT)
+        types = np.fromiter(map(_TYPE_CODES.__getitem__, map(type, events)), np.int8, n)
+        host_before, gpu_before = len(self.host), len(self.gpu)
+        complete = np.flatnonzero(types == 0)
+        if complete.size:
+            evs = _pick(events, complete)
+            codes = np.fromiter(map(self.codes.__getitem__, map(_CAT, evs)), np.int16, len(evs))
+            on_gpu = codes >= _GPU
+            for mask, add_to, offset, build in (
+                (~on_gpu, self.host, 0, self._host_columns),
+                (on_gpu, self.gpu, _GPU, self._gpu_columns),
+            ):
+                idx = np.flatnonzero(mask)
+                if idx.size:
+                    cols = build(_pick(evs, idx), codes[idx] - offset)
+                    self._check(cols, first + complete[idx])
+                    add_to.append(cols)
+        instants = np.flatnonzero(types == 1)
         if instants.size:
-            self._instants(_pick(events, instants), mem_codes=codes, idx=instants)
-            mem = np.flatnonzero(codes == _MEMORY)
-        if host.size:
-            evs = _pick(events, host)
-            self._check(evs, first + host)
-            self.host.append(self._host_columns(evs, codes[host]))
-        if gpu.size:
-            evs = _pick(events, gpu)
-            self._check(evs, first + gpu)
-            self.gpu.append(self._gpu_columns(evs, codes[gpu] - _GPU))
-        if mem.size:
-            evs = _pick(events, mem)
-            self.mem.append(self._mem_columns(evs))
-        if flows.size:
-            for e in _pick(events, flows):
-                if e.ts == e.ts:
-                    self.flows.append((e.id, e.ph, e.pid, e.tid, e.ts))
+            self._instants(_pick(events, instants))
+        flows = np.flatnonzero((types >= 2) & (types <= 4))
+        if flows.size and self._needs_flows(len(self.host) - host_before, len(self.gpu) - gpu_before):
+            self._flows(_pick(events, flows), types[flows])
 
-    def _instants(self, evs: Sequence[_Event], *, mem_codes: np.ndarray, idx: np.ndarray) -> None:
-        """Instant events: ``[memory]`` rows and ``[OutOfMemory]`` counts; others are ignored."""
-        for j, e in zip(idx.tolist(), evs, strict=True):
-            if e.name == "[memory]":
-                if e.ts != e.ts:
-                    raise TraceError(f"{Path(self.source).name}: a [memory] event lacks 'ts'")
-                mem_codes[j] = _MEMORY
-            elif e.name == "[OutOfMemory]":
-                self.oom += 1
+    def _needs_flows(self, new_host: int, new_gpu: int) -> bool:
+        """Flows only matter where launch calls or GPU ops of this chunk lack a correlation id."""
+        for cols in self.host[len(self.host) - new_host :]:
+            launch = (cols["kind"] == HostKind.RUNTIME) | (cols["kind"] == HostKind.DRIVER)
+            if (cols["correlation"][launch] == NONE).any():
+                return True
+        for cols in self.gpu[len(self.gpu) - new_gpu :]:
+            ops = cols["kind"] <= GpuKind.MEMSET
+            if (cols["correlation"][ops] == NONE).any():
+                return True
+        return False
 
-    def _check(self, evs: Sequence[_Event], positions: np.ndarray) -> None:
+    def _instants(self, evs: Sequence[_Event]) -> None:
+        """``[memory]`` instants become rows; ``[OutOfMemory]`` ones are counted; others ignored."""
+        names = list(map(_NAME, evs))
+        self.oom += names.count("[OutOfMemory]")
+        is_mem = np.fromiter(map("[memory]".__eq__, names), np.bool_, len(names))
+        if is_mem.any():
+            cols = self._mem_columns(_pick(evs, np.flatnonzero(is_mem)))
+            if np.isnan(cols["ts"]).any():
+                raise TraceError(f"{Path(self.source).name}: a [memory] event lacks 'ts'")
+            self.mem.append(cols)
+
+    def _flows(self, evs: Sequence[_Event], types: np.ndarray) -> None:
+        keep = np.flatnonzero(
+            np.fromiter(map(_FLOW_CATEGORIES.__contains__, map(_CAT, evs)), np.bool_, len(evs))
+        )
+        if keep.size == 0:
+            return
+        kept = _pick(evs, keep)
+        self.flows.append(
+            {
+                "id": self._ids(kept, _ID),
+                "start": types[keep] == 2,
+                "pid": self._ids(kept, _PID),
+                "tid": self._ids(kept, _TID),
+                "ts": np.fromiter(map(_TS, kept), np.float64, len(kept)),
+            }
+        )
+
+    def _check(self, cols: dict[str, np.ndarray], positions: np.ndarray) -> None:
         """Complete events need name, ts and dur; say which event lacks what."""
-        n = len(evs)
-        ts = np.fromiter(map(_TS, evs), np.float64, n)
-        dur = np.fromiter(map(_DUR, evs), np.float64, n)
-        bad = np.isnan(ts) | np.isnan(dur)
-        names_missing = None in map(_NAME, evs)
-        if bad.any() or names_missing:
-            i = int(np.flatnonzero(bad)[0]) if bad.any() else [e.name for e in evs].index(None)
-            e = evs[i]
-            missing = "ts" if e.ts != e.ts else "dur" if e.dur != e.dur else "name"
+        bad_ts, bad_dur = np.isnan(cols["ts"]), np.isnan(cols["dur"])
+        bad_name = cols["name"] == self.ids.get(None, -1)  # type: ignore[call-overload]
+        bad = bad_ts | bad_dur | bad_name
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            missing = "ts" if bad_ts[i] else "dur" if bad_dur[i] else "name"
             raise TraceError(
                 f"{Path(self.source).name}: a complete ('X') event lacks '{missing}' (event #{int(positions[i])})"
             )
@@ -671,18 +753,33 @@ class _Builder:
     def _ids(self, evs: Sequence[_Event], getter: Callable[[_Event], Any]) -> np.ndarray:
         """pid/tid column; string labels (``"Spans"``) get stable negative ids."""
         n = len(evs)
-        vals = list(map(getter, evs))
         try:
-            return np.fromiter(vals, np.int64, n)
+            return np.fromiter(map(getter, evs), np.int64, n)
         except (TypeError, ValueError):
+            vals = list(map(getter, evs))
             for v in {v for v in vals if v.__class__ is not int}:
                 self._label(v)
-            labels = self.labels
-            return np.fromiter(map(labels.get, vals, vals), np.int64, n)
+            return np.fromiter(map(self.labels.get, vals, vals), np.int64, n)
+
+    def _records(
+        self, evs: Sequence[_Event], fields: tuple[str, ...], record: np.dtype[Any]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """All numeric columns in one pass (a structured ``fromiter`` is ~2x faster than one per field).
+
+        ``fields``/``record`` end with pid and tid; a chunk holding a string label (``"Spans"``)
+        redoes those two columns with label ids.
+        """
+        n = len(evs)
+        try:
+            cols = np.fromiter(map(attrgetter(*fields), evs), record, n)
+            return cols, cols["pid"], cols["tid"]
+        except (TypeError, ValueError):
+            plain = np.dtype([f for f in record.descr if f[0] not in ("pid", "tid")])
+            cols = np.fromiter(map(attrgetter(*fields[:-2]), evs), plain, n)
+            return cols, self._ids(evs, _PID), self._ids(evs, _TID)
 
     def _host_columns(self, evs: Sequence[_Event], kinds: np.ndarray) -> dict[str, np.ndarray]:
-        # One pass builds all numeric columns: a structured fromiter is ~2x faster than one per field.
-        cols = np.fromiter(map(_HOST_FIELDS, evs), _HOST_RECORD, len(evs))
+        cols, pid, tid = self._records(evs, _HOST_NAMES, _HOST_RECORD_IDS)
         ext = cols["external_id"]
         if (ext == NONE).any():
             ext = np.where(ext == NONE, cols["external_id_legacy"], ext)
@@ -691,16 +788,14 @@ class _Builder:
             "kind": kinds.astype(np.int8),
             "ts": cols["ts"],
             "dur": cols["dur"],
-            "pid": self._ids(evs, _PID),
-            "tid": self._ids(evs, _TID),
+            "pid": pid,
+            "tid": tid,
             "correlation": cols["correlation"],
             "external_id": ext,
         }
 
     def _gpu_columns(self, evs: Sequence[_Event], kinds: np.ndarray) -> dict[str, np.ndarray]:
-        cols = np.fromiter(map(_GPU_FIELDS, evs), _GPU_RECORD, len(evs))
-        pid = self._ids(evs, _PID)
-        tid = self._ids(evs, _TID)
+        cols, pid, tid = self._records(evs, _GPU_NAMES, _GPU_RECORD_IDS)
         device = cols["device"]
         device = np.where(device == _ABSENT, np.where(pid >= 0, pid, NONE), device)
         stream = np.where(cols["stream"] == _ABSENT, tid, cols["stream"])
@@ -798,7 +893,7 @@ class _Builder:
             rank=rank if rank != NONE else None,
             world_size=world if world != NONE else None,
             out_of_memory=self.oom,
-            format="legacy-2021" if any(("X" + c) in self.codes for c in _LEGACY_CATEGORIES) else "kineto",
+            format="legacy-2021" if any(c in self.codes for c in _LEGACY_CATEGORIES) else "kineto",
             metadata={
                 k: v for k, v in top.items() if k not in ("deviceProperties", "distributedInfo") and _small(v)
             },
@@ -824,13 +919,23 @@ class _Builder:
         need_g = np.flatnonzero(gpu["correlation"] == NONE)
         if need_h.size == 0 and need_g.size == 0:
             return
-        fid: dict[Any, int] = {}
+        f = _concat(
+            self.flows,
+            {"id": np.int64, "start": np.bool_, "pid": np.int64, "tid": np.int64, "ts": np.float64},
+        )
+        f_ts = _to_ns(f["ts"], origin)
+        keys = zip(
+            f["pid"].tolist(),
+            f["tid"].tolist(),
+            f_ts.tolist(),
+            f["id"].tolist(),
+            f["start"].tolist(),
+            strict=True,
+        )
         starts: dict[tuple[int, int, int], int] = {}
         ends: dict[tuple[int, int, int], int] = {}
-        for flow_id, ph, pid, tid, ts in self.flows:
-            cid = flow_id if type(flow_id) is int else fid.setdefault(flow_id, -(10**12) - len(fid))
-            key = (self._label(pid), self._label(tid), int(_to_ns(np.array([ts]), origin)[0]))
-            (starts if ph == "s" else ends)[key] = cid
+        for pid, tid, ts, cid, is_start in keys:
+            (starts if is_start else ends)[(pid, tid, ts)] = cid
         for i in need_h:
             c = starts.get((int(host["pid"][i]), int(host["tid"][i]), int(host_ts[i])))
             if c is not None:

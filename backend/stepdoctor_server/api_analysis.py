@@ -1,4 +1,5 @@
-"""Analysis endpoints: re-analysis, fresh reports, run comparison and the TensorBoard export.
+"""Analysis endpoints: re-analysis, fresh reports, run comparison, the TensorBoard export and the
+optional deep (HTA) analyses.
 
 Nothing here analyses anything: the endpoints only move jobs back to ``pending`` for the worker
 processes, read stored reports and stream stored files.
@@ -6,9 +7,10 @@ processes, read stored reports and stream stored files.
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import datetime
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 from sqlalchemy import func, select
@@ -18,11 +20,11 @@ from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
 from stepdoctor_server import aggregate, compare, tensorboard_export
 from stepdoctor_server.api_catalog import load_run
 from stepdoctor_server.api_traces import load_trace
-from stepdoctor_server.auth import ReadTeam, UploadTeam
+from stepdoctor_server.auth import Principal, ReadTeam, UploadTeam
 from stepdoctor_server.db import SessionDep
 from stepdoctor_server.errors import ApiError
-from stepdoctor_server.models import Analysis, Run, Trace
-from stepdoctor_server.queue import requeue_if_stale, reset_to_pending
+from stepdoctor_server.models import Analysis, DeepAnalysis, Run, Trace
+from stepdoctor_server.queue import request_deep_analysis, requeue_if_stale, reset_to_pending
 from stepdoctor_server.schemas import ErrorResponse
 from stepdoctor_server.storage import TraceStore
 
@@ -216,3 +218,98 @@ def tensorboard_zip(run_id: int, request: Request, principal: ReadTeam, session:
 def _host(meta: dict[str, Any] | None) -> str | None:
     host = (meta or {}).get("host") or (meta or {}).get("hostname")
     return str(host) if host else None
+
+
+# -- deep analyses (Holistic Trace Analysis, optional extra) -------------------------------------
+
+
+class DeepAnalysisOut(BaseModel):
+    id: int
+    trace_id: int
+    kind: str
+    params: dict[str, Any]
+    status: str = Field(description="pending | running | done | failed")
+    status_reason: str | None
+    attempts: int
+    result: dict[str, Any] | None = Field(description="e.g. critical path: length_us, breakdown, top, ...")
+    created_at: datetime
+    updated_at: datetime
+
+
+def deep_out(job: DeepAnalysis) -> DeepAnalysisOut:
+    return DeepAnalysisOut(
+        id=job.id,
+        trace_id=job.trace_id,
+        kind=job.kind,
+        params=dict(job.params or {}),
+        status=job.status,
+        status_reason=job.status_reason,
+        attempts=job.attempts,
+        result=job.result,
+        created_at=job.created_at,
+        updated_at=job.updated_at,
+    )
+
+
+def request_critical_path(
+    session: Session, principal: Principal, trace_id: int, *, step: int | None, force: bool
+) -> tuple[DeepAnalysis, bool]:
+    """The service behind the API and the dashboard button: 404 others' traces, 501 without HTA."""
+    from stepdoctor_analysis import deep
+
+    trace, _, _ = load_trace(session, principal, trace_id)
+    if not deep.available():
+        raise ApiError(
+            501,
+            "hta_not_installed",
+            f"deep analyses need Holistic Trace Analysis on the server: {deep.INSTALL_HINT}",
+        )
+    params: dict[str, Any] = {} if step is None else {"step": step}
+    return request_deep_analysis(session, trace.id, "critical_path", params, force=force)
+
+
+@router.post(
+    "/traces/{trace_id}/deep/critical-path",
+    status_code=202,
+    response_model=DeepAnalysisOut,
+    responses={
+        200: {"model": DeepAnalysisOut, "description": "the same request is already queued or done"},
+        501: {"model": ErrorResponse, "description": "HTA (stepdoctor[hta]) is not installed"},
+        **_ERRORS,
+    },
+    summary="Queue HTA's critical-path analysis of one step of the trace (idempotent; force=true redoes it)",
+)
+def post_critical_path(
+    trace_id: int,
+    principal: UploadTeam,
+    session: SessionDep,
+    response: Response,
+    step: Annotated[int | None, Query(ge=0, lt=2**31, description="ProfilerStep number")] = None,
+    force: Annotated[bool, Query(description="redo even if already done")] = False,
+) -> DeepAnalysisOut:
+    job, queued = request_critical_path(session, principal, trace_id, step=step, force=force)
+    if not queued:
+        response.status_code = 200
+    return deep_out(job)
+
+
+@router.get(
+    "/traces/{trace_id}/deep",
+    response_model=list[DeepAnalysisOut],
+    responses=_ERRORS,
+    summary="The trace's deep (HTA) analyses with their status and results",
+)
+def list_deep(trace_id: int, principal: ReadTeam, session: SessionDep) -> list[DeepAnalysisOut]:
+    trace, _, _ = load_trace(session, principal, trace_id)
+    return [deep_out(job) for job in deep_analyses(session, trace.id)]
+
+
+def deep_analyses(session: Session, trace_id: int) -> list[DeepAnalysis]:
+    """A trace's deep analyses, newest first."""
+    return list(
+        session.scalars(
+            select(DeepAnalysis)
+            .where(DeepAnalysis.trace_id == trace_id)
+            .order_by(DeepAnalysis.created_at.desc(), DeepAnalysis.id.desc())
+        )
+    )

@@ -1,7 +1,8 @@
 """SQLAlchemy 2.0 models: the whole schema (it exists in the database only through migrations).
 
 Relationships are ``lazy="raise"`` so nothing loads by accident; queries say what they join.
-The ``traces`` table doubles as the analysis job queue (status pending -> running -> done|failed).
+The ``traces`` table doubles as the analysis job queue (status pending -> running -> done|failed);
+``deep_analyses`` is a second queue of the same shape for the optional HTA analyses.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ NAMING_CONVENTION = {
 
 SCOPES = ("upload", "read", "admin")
 TRACE_STATUSES = ("pending", "running", "done", "failed")
+DEEP_KINDS = ("critical_path",)
 
 
 def utcnow() -> datetime:
@@ -177,3 +179,34 @@ class Analysis(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
     trace: Mapped[Trace] = relationship(back_populates="analysis", lazy="raise")
+
+
+class DeepAnalysis(Base):
+    """An on-demand HTA analysis of one trace (``result`` is e.g. ``deep.critical_path(...)``).
+
+    A job row like ``traces`` (same status/claim columns, claimed by the same queue code), kept
+    apart because it is optional, slower and requested per parameters. ``params_key`` is the
+    canonical JSON of ``params``, so one request per (trace, kind, parameters) exists.
+    """
+
+    __tablename__ = "deep_analyses"
+    __table_args__ = (
+        UniqueConstraint("trace_id", "kind", "params_key"),
+        CheckConstraint(_in("kind", DEEP_KINDS), name="kind"),
+        CheckConstraint(_in("status", TRACE_STATUSES), name="status"),
+        Index("ix_deep_analyses_status_created_at", "status", "created_at"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    trace_id: Mapped[int] = mapped_column(ForeignKey("traces.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(32))
+    params: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    params_key: Mapped[str] = mapped_column(String(255))
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    status_reason: Mapped[str | None] = mapped_column(Text)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    claimed_by: Mapped[str | None] = mapped_column(String(255))
+    claimed_at: Mapped[datetime | None]
+    result: Mapped[dict[str, Any] | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)

@@ -1,5 +1,7 @@
 """The analysis job queue: ``JobQueue`` interface and ``SqlJobQueue`` over the ``traces`` table.
 
+``SqlDeepQueue`` runs the optional HTA analyses (``deep_analyses``) with the same claim code.
+
 A job is a trace row: ``pending -> running -> done | failed``. Keeping the queue in the table the
 upload already writes means an accepted upload *is* an enqueued job (one commit, nothing to lose
 between two systems) and a restart resumes from the database alone. ``JobQueue`` is the seam for
@@ -14,6 +16,7 @@ Claiming is atomic on both databases:
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from collections.abc import Sequence
@@ -21,12 +24,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, null, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from stepdoctor_server.aggregate import TraceReport, aggregate_run
 from stepdoctor_server.db import Database
-from stepdoctor_server.models import Analysis, Run, Trace
+from stepdoctor_server.models import Analysis, DeepAnalysis, Run, Trace
 
 # A job claimed more often than this (its worker died each time) is failed, not retried forever.
 MAX_ATTEMPTS = 3
@@ -90,6 +94,45 @@ def _one_line(reason: str) -> str:
     return line[: REASON_MAX_CHARS - 3] + "..." if len(line) > REASON_MAX_CHARS else line
 
 
+JobTable = type[Trace] | type[DeepAnalysis]
+# Every table with the job columns (status, attempts, claimed_by, claimed_at): requeues cover all.
+JOB_TABLES: tuple[JobTable, ...] = (Trace, DeepAnalysis)
+
+
+def claim_row(session: Session, table: JobTable, worker_id: str, *, postgres: bool) -> int | None:
+    """Atomically move the oldest pending row of ``table`` to running; its id, or None."""
+    now = _now()
+    values: dict[str, Any] = {
+        "status": "running",
+        "claimed_by": worker_id,
+        "claimed_at": now,
+        "updated_at": now,
+        "attempts": table.attempts + 1,
+    }
+    oldest = select(table.id).where(table.status == "pending").order_by(table.created_at, table.id).limit(1)
+    if postgres:
+        stmt = (
+            update(table)
+            .where(table.id == oldest.with_for_update(skip_locked=True).scalar_subquery())
+            .values(**values)
+            .returning(table.id)
+        )
+        return session.execute(stmt).scalar_one_or_none()
+    for _ in range(8):
+        candidate = session.scalar(oldest)
+        if candidate is None:
+            return None
+        claimed = session.execute(
+            update(table)
+            .where(table.id == candidate, table.status == "pending")
+            .values(**values)
+            .execution_options(synchronize_session=False)
+        )
+        if claimed.rowcount == 1:  # type: ignore[attr-defined]
+            return int(candidate)
+    return None
+
+
 class SqlJobQueue:
     """``JobQueue`` over the ``traces`` table (PostgreSQL or SQLite)."""
 
@@ -103,58 +146,7 @@ class SqlJobQueue:
 
     def claim(self, worker_id: str) -> int | None:
         with self.db.session() as session:
-            return (
-                self._claim_postgres(session, worker_id)
-                if self._postgres
-                else self._claim_sqlite(session, worker_id)
-            )
-
-    def _claim_values(self, worker_id: str) -> dict[str, Any]:
-        now = _now()
-        return {
-            "status": "running",
-            "claimed_by": worker_id,
-            "claimed_at": now,
-            "updated_at": now,
-            "attempts": Trace.attempts + 1,
-        }
-
-    def _claim_postgres(self, session: Session, worker_id: str) -> int | None:
-        oldest = (
-            select(Trace.id)
-            .where(Trace.status == "pending")
-            .order_by(Trace.created_at, Trace.id)
-            .limit(1)
-            .with_for_update(skip_locked=True)
-            .scalar_subquery()
-        )
-        stmt = (
-            update(Trace)
-            .where(Trace.id == oldest)
-            .values(**self._claim_values(worker_id))
-            .returning(Trace.id)
-        )
-        return session.execute(stmt).scalar_one_or_none()
-
-    def _claim_sqlite(self, session: Session, worker_id: str) -> int | None:
-        for _ in range(8):
-            candidate = session.scalar(
-                select(Trace.id)
-                .where(Trace.status == "pending")
-                .order_by(Trace.created_at, Trace.id)
-                .limit(1)
-            )
-            if candidate is None:
-                return None
-            stmt = (
-                update(Trace)
-                .where(Trace.id == candidate, Trace.status == "pending")
-                .values(**self._claim_values(worker_id))
-                .execution_options(synchronize_session=False)
-            )
-            if session.execute(stmt).rowcount == 1:  # type: ignore[attr-defined]
-                return int(candidate)
-        return None
+            return claim_row(session, Trace, worker_id, postgres=self._postgres)
 
     def complete(self, trace_id: int, analysis: AnalysisResult) -> None:
         with self.db.session() as session:
@@ -190,12 +182,18 @@ class SqlJobQueue:
 
     def requeue_stale(self, older_than: timedelta) -> int:
         """Requeue running jobs claimed longer ago than ``older_than`` (their worker is presumed dead)."""
+        cutoff = _now() - older_than
         with self.db.session() as session:
-            cutoff = _now() - older_than
-            ids = session.scalars(
-                select(Trace.id).where(Trace.status == "running", Trace.claimed_at < cutoff)
-            ).all()
-            return _requeue_or_give_up(session, list(ids))
+            return sum(
+                _requeue_or_give_up(
+                    session,
+                    table,
+                    session.scalars(
+                        select(table.id).where(table.status == "running", table.claimed_at < cutoff)
+                    ).all(),
+                )
+                for table in JOB_TABLES
+            )
 
     def requeue_dead_local(self) -> int:
         """Requeue jobs claimed by worker processes of this host that no longer exist.
@@ -204,18 +202,112 @@ class SqlJobQueue:
         host (``stepdoctor worker`` elsewhere) keeps its claims.
         """
         host = socket.gethostname()
+        total = 0
         with self.db.session() as session:
-            rows = session.execute(select(Trace.id, Trace.claimed_by).where(Trace.status == "running")).all()
-            dead = [tid for tid, owner in rows if _is_dead_local(owner, host)]
-            return _requeue_or_give_up(session, dead)
+            for table in JOB_TABLES:
+                rows = session.execute(
+                    select(table.id, table.claimed_by).where(table.status == "running")
+                ).all()
+                total += _requeue_or_give_up(
+                    session, table, [jid for jid, owner in rows if _is_dead_local(owner, host)]
+                )
+        return total
 
     def requeue_worker(self, worker_id: str) -> int:
         """Requeue the jobs held by one worker (its process just died)."""
         with self.db.session() as session:
-            ids = session.scalars(
-                select(Trace.id).where(Trace.status == "running", Trace.claimed_by == worker_id)
-            ).all()
-            return _requeue_or_give_up(session, list(ids))
+            return sum(
+                _requeue_or_give_up(
+                    session,
+                    table,
+                    session.scalars(
+                        select(table.id).where(table.status == "running", table.claimed_by == worker_id)
+                    ).all(),
+                )
+                for table in JOB_TABLES
+            )
+
+
+class SqlDeepQueue:
+    """Deep-analysis jobs (``deep_analyses``): claimed, requeued and failed like traces.
+
+    Workers turn to this queue only when the trace queue is empty: deep analyses are optional
+    extras someone asked for, and must not delay the diagnoses every upload waits on.
+    """
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._postgres = db.engine.dialect.name == "postgresql"
+
+    def claim(self, worker_id: str) -> int | None:
+        with self.db.session() as session:
+            return claim_row(session, DeepAnalysis, worker_id, postgres=self._postgres)
+
+    def complete(self, job_id: int, result: dict[str, Any]) -> None:
+        """Store the result; a job reset meanwhile (``force``) stays pending and runs again."""
+        with self.db.session() as session:
+            session.execute(
+                update(DeepAnalysis)
+                .where(DeepAnalysis.id == job_id, DeepAnalysis.status == "running")
+                .values(status="done", status_reason=None, result=result, updated_at=_now())
+                .execution_options(synchronize_session=False)
+            )
+
+    def fail(self, job_id: int, reason: str) -> None:
+        with self.db.session() as session:
+            session.execute(
+                update(DeepAnalysis)
+                .where(DeepAnalysis.id == job_id, DeepAnalysis.status == "running")
+                .values(status="failed", status_reason=_one_line(reason), result=null(), updated_at=_now())
+                .execution_options(synchronize_session=False)
+            )
+
+
+def deep_params_key(params: dict[str, Any]) -> str:
+    """Canonical JSON of a deep job's parameters: equal requests share one row."""
+    return json.dumps(params, sort_keys=True, separators=(",", ":"))
+
+
+def request_deep_analysis(
+    session: Session, trace_id: int, kind: str, params: dict[str, Any], *, force: bool = False
+) -> tuple[DeepAnalysis, bool]:
+    """Find or queue the (trace, kind, params) job; returns it and whether this call queued it.
+
+    A pending, running or done job is returned as is (repeating a request is free); a failed one,
+    or any with ``force``, goes back to pending with fresh attempts.
+    """
+    key = deep_params_key(params)
+    query = select(DeepAnalysis).where(
+        DeepAnalysis.trace_id == trace_id, DeepAnalysis.kind == kind, DeepAnalysis.params_key == key
+    )
+    job = session.scalar(query)
+    if job is None:
+        try:
+            with session.begin_nested():
+                job = DeepAnalysis(trace_id=trace_id, kind=kind, params=params, params_key=key, attempts=0)
+                session.add(job)
+                session.flush()
+            return job, True
+        except IntegrityError:  # the same request, concurrently
+            job = session.scalars(query).one()
+    if job.status != "failed" and not force:
+        return job, False
+    session.execute(
+        update(DeepAnalysis)
+        .where(DeepAnalysis.id == job.id)
+        .values(
+            status="pending",
+            status_reason=None,
+            result=null(),
+            claimed_by=None,
+            claimed_at=None,
+            attempts=0,
+            updated_at=_now(),
+        )
+        .execution_options(synchronize_session=False)
+    )
+    session.refresh(job)
+    return job, True
 
 
 def _is_dead_local(owner: str | None, host: str) -> bool:
@@ -239,24 +331,24 @@ def _is_dead_local(owner: str | None, host: str) -> bool:
     return False
 
 
-def _requeue_or_give_up(session: Session, trace_ids: list[int]) -> int:
+def _requeue_or_give_up(session: Session, table: JobTable, ids: Sequence[int]) -> int:
     """Back to pending, unless the job already killed MAX_ATTEMPTS workers: then it fails."""
-    if not trace_ids:
+    if not ids:
         return 0
     now = _now()
     session.execute(
-        update(Trace)
-        .where(Trace.id.in_(trace_ids), Trace.status == "running", Trace.attempts >= MAX_ATTEMPTS)
+        update(table)
+        .where(table.id.in_(list(ids)), table.status == "running", table.attempts >= MAX_ATTEMPTS)
         .values(
             status="failed",
-            status_reason=f"internal error: the analysis worker died {MAX_ATTEMPTS} times on this trace",
+            status_reason=f"internal error: the analysis worker died {MAX_ATTEMPTS} times on this job",
             updated_at=now,
         )
         .execution_options(synchronize_session=False)
     )
     result = session.execute(
-        update(Trace)
-        .where(Trace.id.in_(trace_ids), Trace.status == "running")
+        update(table)
+        .where(table.id.in_(list(ids)), table.status == "running")
         .values(status="pending", claimed_by=None, claimed_at=None, updated_at=now)
         .execution_options(synchronize_session=False)
     )

@@ -31,10 +31,11 @@ from typing import Any
 from sqlalchemy import select
 
 from stepdoctor_server.db import Database
-from stepdoctor_server.models import Trace
+from stepdoctor_server.models import DeepAnalysis, Trace
 from stepdoctor_server.queue import (
     AnalysisResult,
     JobQueue,
+    SqlDeepQueue,
     diagnosis_due,
     make_queue,
     refresh_run_diagnosis,
@@ -96,11 +97,11 @@ def process_one(db: Database, queue: JobQueue, store: TraceStore, settings: Sett
     """Claim and handle one job; returns False when the queue was empty.
 
     Whatever goes wrong after the claim ends the job (done or failed): a claimed job is never
-    left ``running`` by a worker that is still alive.
+    left ``running`` by a worker that is still alive. Deep (HTA) jobs run only when no trace waits.
     """
     trace_id = queue.claim(worker_id)
     if trace_id is None:
-        return False
+        return process_one_deep(db, SqlDeepQueue(db), store, worker_id)
     run_id: int | None = None
     path: Path | None = None
     filename = ""
@@ -113,9 +114,7 @@ def process_one(db: Database, queue: JobQueue, store: TraceStore, settings: Sett
         queue.complete(trace_id, result)
         log.info("trace %s: %s in %d ms", trace_id, result.primary_kind, result.duration_ms)
     except Exception as exc:  # one bad trace fails its own job, never the worker
-        reason = failure_reason(exc)
-        if path is not None:  # users know the file by its download name, not by our storage key
-            reason = reason.replace(str(path), filename).replace(path.name, filename)
+        reason = _user_reason(exc, path, filename)
         if reason.startswith("internal error"):
             log.exception("trace %s: analysis failed", trace_id)
         else:
@@ -123,6 +122,55 @@ def process_one(db: Database, queue: JobQueue, store: TraceStore, settings: Sett
         queue.fail(trace_id, reason)
     if run_id is not None:
         _refresh_run(db, run_id)
+    return True
+
+
+def _user_reason(exc: BaseException, path: Path | None, filename: str) -> str:
+    reason = failure_reason(exc)
+    if path is not None:  # users know the file by its download name, not by our storage key
+        reason = reason.replace(str(path), filename).replace(path.name, filename)
+    return reason
+
+
+def run_deep(kind: str, params: dict[str, Any], path: Path, rank: int | None) -> dict[str, Any]:
+    """Run one deep analysis on a stored trace file (HTA missing: a one-line TraceError)."""
+    from stepdoctor_analysis import deep
+
+    if kind == "critical_path":
+        step = params.get("step")
+        return deep.critical_path(path, rank=rank, step=step if isinstance(step, int) else None)
+    raise ValueError(f"unknown deep analysis kind {kind!r}")
+
+
+def process_one_deep(db: Database, queue: SqlDeepQueue, store: TraceStore, worker_id: str) -> bool:
+    """Claim and handle one deep-analysis job; False when there was none. Never raises past the claim."""
+    job_id = queue.claim(worker_id)
+    if job_id is None:
+        return False
+    path: Path | None = None
+    filename = ""
+    try:
+        with db.session() as session:
+            job, trace = session.execute(
+                select(DeepAnalysis, Trace)
+                .join(Trace, Trace.id == DeepAnalysis.trace_id)
+                .where(DeepAnalysis.id == job_id)
+            ).one()
+            kind, params, rank = job.kind, dict(job.params or {}), trace.rank
+            path, filename = store.path(trace.storage_key), trace.filename
+        start = time.perf_counter()
+        result = run_deep(kind, params, path, rank)
+        if result.get("source") == path.name:
+            result["source"] = filename
+        queue.complete(job_id, result)
+        log.info("deep %s %s: done in %.1f s", kind, job_id, time.perf_counter() - start)
+    except Exception as exc:  # one bad job fails itself, never the worker
+        reason = _user_reason(exc, path, filename)
+        if reason.startswith("internal error"):
+            log.exception("deep job %s failed", job_id)
+        else:
+            log.info("deep job %s: %s", job_id, reason)
+        queue.fail(job_id, reason)
     return True
 
 

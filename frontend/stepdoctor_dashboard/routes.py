@@ -16,6 +16,7 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from stepdoctor_dashboard import figures
 from stepdoctor_server import api_analysis, api_traces, compare
@@ -204,13 +205,17 @@ async def request_critical_path(trace_id: int, request: Request, viewer: Viewer,
     form = parse_qs((await request.body()).decode("utf-8", "replace"))
     step_text = (form.get("step") or [""])[0].strip()
     force = (form.get("force") or [""])[0] in ("1", "true", "on")
-    if step_text and not (step_text.isdigit() and int(step_text) < 2**31):
-        raise ApiError(422, "invalid_step", f"step must be a non-negative integer, got {step_text[:40]!r}")
     if not viewer.allows("upload"):
         raise ApiError(403, "forbidden", "requesting an analysis needs an upload or admin token")
+    if step_text and not (step_text.isdigit() and int(step_text) < 2**31):
+        raise ApiError(422, "invalid_step", f"step must be a non-negative integer, got {step_text[:40]!r}")
     step = int(step_text) if step_text else None
-    with db.session() as session:
-        api_analysis.request_critical_path(session, viewer, trace_id, step=step, force=force)
+
+    def queue_it() -> None:  # blocking database work: off the event loop
+        with db.session() as session:
+            api_analysis.request_critical_path(session, viewer, trace_id, step=step, force=force)
+
+    await run_in_threadpool(queue_it)
     return RedirectResponse(f"/traces/{trace_id}#critical-path", status_code=303)
 
 

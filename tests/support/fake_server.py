@@ -69,8 +69,11 @@ def free_port() -> int:
 class FakeServer:
     """``with FakeServer() as srv:`` serves on ``srv.url``; ``FakeServer(start=False)`` is down until ``up()``."""
 
-    def __init__(self, *, token: str = TOKEN, port: int | None = None, start: bool = True) -> None:
+    def __init__(
+        self, *, token: str = TOKEN, port: int | None = None, start: bool = True, parse: bool = True
+    ) -> None:
         self.token = token
+        self.parse = parse  # False: store bodies unparsed (the benchmark keeps the server's CPU use low)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.state = _State()
@@ -84,7 +87,8 @@ class FakeServer:
     def up(self) -> None:
         if self._httpd is not None:
             return
-        handler = type("Handler", (_Handler,), {"server_state": self.state, "token": self.token})
+        attrs = {"server_state": self.state, "token": self.token, "parse": self.parse}
+        handler = type("Handler", (_Handler,), attrs)
         ThreadingHTTPServer.allow_reuse_address = True
         self._httpd = ThreadingHTTPServer(("127.0.0.1", self.port), handler)
         self._httpd.daemon_threads = True
@@ -128,6 +132,7 @@ class FakeServer:
 class _Handler(BaseHTTPRequestHandler):
     server_state: _State
     token: str
+    parse: bool
     protocol_version = "HTTP/1.1"
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -172,7 +177,7 @@ class _Handler(BaseHTTPRequestHandler):
         raw_meta = self.headers.get("X-Stepdoctor-Metadata", "{}")
         try:
             metadata = json.loads(raw_meta)
-            trace = json.loads(gzip.decompress(body))
+            trace = json.loads(gzip.decompress(body)) if self.parse else {"traceEvents": [None]}
         except (OSError, ValueError) as exc:
             return 400, {"detail": f"bad body: {exc}"}
         if len(raw_meta) > 8192 or not isinstance(trace, dict) or "traceEvents" not in trace:
@@ -210,3 +215,20 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
         with contextlib.suppress(OSError):
             self.connection.shutdown(socket.SHUT_RDWR)
+
+
+def main() -> None:
+    """``python tests/support/fake_server.py PORT``: serve until killed (the benchmark runs it out of process)."""
+    import sys
+
+    server = FakeServer(port=int(sys.argv[1]), parse=False)
+    print(f"fake server on {server.url}", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.down()
+
+
+if __name__ == "__main__":
+    main()
