@@ -243,11 +243,19 @@ def test_odd_value_types_are_coerced_not_fatal(tmp_path: Path) -> None:
          "args": {"correlation": "5", "External id": None}},
         {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": "20.5", "dur": 3,
          "args": {"correlation": 5, "stream": 7, "device": 0, "blocks per SM": [1]}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "pid": 0, "tid": 7,
+         "ts": 30, "dur": 3, "args": {"correlation": 6, "stream": "0x1f", "device": "1"}},
     ]  # fmt: skip
     tr = load_trace(write_trace(tmp_path / "odd.json", events))
     assert tr.host.correlation.tolist() == [5] and tr.host.external_id.tolist() == [-1]
-    assert tr.gpu.ts.tolist() == [20_500] and np.isnan(tr.gpu.blocks_per_sm[0])
-    assert launching_call(tr).tolist() == [0]
+    assert tr.gpu.ts.tolist() == [20_500, 30_000] and np.isnan(tr.gpu.blocks_per_sm[0])
+    assert tr.gpu.stream.tolist() == [7, 31] and tr.gpu.device.tolist() == [0, 1]  # AMD writes hex streams
+    assert launching_call(tr).tolist() == [0, -1]
+    # Only the stream is odd: the typed fast path handles it without the untyped fallback.
+    kernel = {**events[1], "ts": 20, "args": {"correlation": 5, "stream": 7, "device": 0}}
+    amd_like = [{**events[2], "ts": 40}, kernel]
+    tr = load_trace(write_trace(tmp_path / "amd.json", amd_like))
+    assert tr.gpu.stream.tolist() == [7, 31] and tr.gpu.ts.tolist() == [20_000, 40_000]
 
 
 @pytest.mark.parametrize(

@@ -107,6 +107,22 @@ class LaunchStats:
 
 def hta_gpu_mask(trace: RankTrace) -> Mask:
     """GPU ops (kernel, memcpy, memset, sync) HTA keeps on load, before any per-analysis filter."""
+    cached = trace._mask_cache.get("hta.gpu_events")
+    if cached is None:
+        cached = trace._mask_cache["hta.gpu_events"] = _hta_gpu_mask(trace)
+    return cached
+
+
+def _member(values: I64, pool: I64) -> Mask:
+    """``np.isin`` by binary search: several times faster on millions of ids (no hashing)."""
+    if pool.size == 0:
+        return np.zeros(values.size, np.bool_)
+    pool = np.sort(pool)
+    idx = np.minimum(np.searchsorted(pool, values), pool.size - 1)
+    return pool[idx] == values
+
+
+def _hta_gpu_mask(trace: RankTrace) -> Mask:
     gpu = trace.gpu
     kind = gpu.kind
     is_op = (
@@ -125,7 +141,7 @@ def hta_gpu_mask(trace: RankTrace) -> Mask:
     last_start = host.ts[marks].max()
     corr = host.correlation[(host.ts < last_start) & (host.correlation >= 0)]
     linked = ((gpu.stream >= 0) & (gpu.correlation >= 0)) | device_sync
-    return is_op & linked & np.isin(gpu.correlation, corr)
+    return is_op & linked & _member(gpu.correlation, corr)
 
 
 def _fractional(trace: RankTrace) -> bool:

@@ -86,8 +86,8 @@ class _Args(msgspec.Struct, gc=False):
     correlation: int = NONE
     external_id: int = msgspec.field(default=NONE, name="External id")
     external_id_legacy: int = msgspec.field(default=NONE, name="external id")
-    device: int = _ABSENT
-    stream: int = _ABSENT
+    device: Any = _ABSENT  # AMD traces write some streams as hex strings ("0x0")
+    stream: Any = _ABSENT
     nbytes: int = msgspec.field(default=NONE, name="bytes")
     blocks_per_sm: float = msgspec.field(default=NAN, name="blocks per SM")
     occupancy: float = msgspec.field(default=NAN, name="est. achieved occupancy %")
@@ -538,7 +538,7 @@ def _int(v: Any) -> int:
         return int(v) if v == v else NONE
     if isinstance(v, str):
         try:
-            return int(float(v))
+            return int(v, 0) if v[:2].lower() == "0x" else int(float(v))
         except ValueError:
             return NONE
     return NONE
@@ -766,17 +766,25 @@ class _Builder:
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """All numeric columns in one pass (a structured ``fromiter`` is ~2x faster than one per field).
 
-        ``fields``/``record`` end with pid and tid; a chunk holding a string label (``"Spans"``)
-        redoes those two columns with label ids.
+        ``fields``/``record`` end with pid and tid. A chunk holding an odd value (a ``"Spans"`` pid,
+        a hex-string stream) is redone field by field, coercing what does not fit.
         """
         n = len(evs)
         try:
             cols = np.fromiter(map(attrgetter(*fields), evs), record, n)
             return cols, cols["pid"], cols["tid"]
-        except (TypeError, ValueError):
-            plain = np.dtype([f for f in record.descr if f[0] not in ("pid", "tid")])
-            cols = np.fromiter(map(attrgetter(*fields[:-2]), evs), plain, n)
-            return cols, self._ids(evs, _PID), self._ids(evs, _TID)
+        except (TypeError, ValueError, OverflowError):
+            pass
+        out: dict[str, np.ndarray] = {}
+        for field, col in zip(fields[:-2], (record.names or ())[:-2], strict=True):
+            get = attrgetter(field)
+            dtype = record.fields[col][0] if record.fields else np.dtype(np.int64)
+            try:
+                out[col] = np.fromiter(map(get, evs), dtype, n)
+            except (TypeError, ValueError, OverflowError):
+                conv = _float if dtype.kind == "f" else _int
+                out[col] = np.fromiter((conv(get(e)) for e in evs), dtype, n)
+        return out, self._ids(evs, _PID), self._ids(evs, _TID)  # type: ignore[return-value]
 
     def _host_columns(self, evs: Sequence[_Event], kinds: np.ndarray) -> dict[str, np.ndarray]:
         cols, pid, tid = self._records(evs, _HOST_NAMES, _HOST_RECORD_IDS)
