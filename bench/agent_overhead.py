@@ -223,9 +223,10 @@ def report(results: dict[str, list[Sample]], every: int) -> None:
     )
     print("prof.step() on the training thread: longest in window steps (torch's stop+export) and elsewhere;")
     print("  median outside windows; median of the step that saves a window; total per round")
+    print("other CPU: process CPU not spent on the training thread (gzip, upload, setup, exit), per window")
     print(
         f"{'mode':<6} {'outside/none':>17} {'all/plain':>17} {'loop/plain':>17} {'max window':>11} {'max other':>10}"
-        f" {'med other':>10} {'med save':>9} {'total':>8}"
+        f" {'med other':>10} {'med save':>9} {'total':>8} {'other CPU':>9}"
     )
     for mode in results:
         window_calls, other_calls, saves = [0.0], [0.0], []
@@ -235,6 +236,17 @@ def report(results: dict[str, list[Sample]], every: int) -> None:
                 if i >= SKIP and (i - SKIP) % every == every - 1:
                     saves.append(dt)
         total = statistics.median(sum(sample.call_s) for sample in results[mode])
+        windows = max(
+            1,
+            sum(
+                1
+                for i in range(len(results[mode][0].call_s))
+                if i >= SKIP and (i - SKIP) % every == every - 1
+            ),
+        )
+        background = statistics.median(
+            max(0.0, sample.loop_cpu_s - sum(sample.cpu_s)) / windows for sample in results[mode]
+        )
         cols = [
             f"{paired(mode, 'none', True):.4f} ({paired(mode, 'none', True, True):.4f})",
             f"{paired(mode, 'plain', None):.4f} ({paired(mode, 'plain', None, True):.4f})",
@@ -243,7 +255,7 @@ def report(results: dict[str, list[Sample]], every: int) -> None:
         print(
             f"{mode:<6} {cols[0]:>17} {cols[1]:>17} {cols[2]:>17} {max(window_calls) * 1e3:>8.1f} ms"
             f" {max(other_calls) * 1e3:>7.2f} ms {statistics.median(other_calls) * 1e6:>7.1f} us"
-            f" {statistics.median(saves or [0.0]) * 1e3:>6.1f} ms {total * 1e3:>5.1f} ms"
+            f" {statistics.median(saves or [0.0]) * 1e3:>6.1f} ms {total * 1e3:>5.1f} ms {background * 1e3:>6.1f} ms"
         )
 
 

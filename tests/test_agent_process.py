@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from stepdoctor import sync
 from stepdoctor.spool import EXPORT_SUFFIX, META_SUFFIX, PARTIAL, TRACE_SUFFIX
 from support.fake_server import TOKEN, FakeServer
@@ -30,6 +32,9 @@ spool.Spool.commit_capture = staticmethod(commit)
 sys.exit(main(sys.argv[1:]))
 """
 
+# An agent bug raised on the delivery thread (STEPDOCTOR_RAISE_ERRORS=1) must fail the test, not just warn.
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+
 
 def agent_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPDOCTOR_", "RANK", "WORLD_SIZE"))}
@@ -41,17 +46,8 @@ def agent_env(**extra: str) -> dict[str, str]:
 
 def demo_cmd(spool: Path, run: str, *args: str) -> list[str]:
     base = ["--run", run, "--spool", str(spool), "--skip-first", "1", "--warmup", "1", "--active", "2"]
-    return [
-        sys.executable,
-        "-m",
-        "stepdoctor.demo_train",
-        *base,
-        "--sample-ms",
-        "0.2",
-        "--batch-size",
-        "8",
-        *args,
-    ]
+    light = ["--sample-ms", "0.2", "--batch-size", "8", "--hidden", "64"]
+    return [sys.executable, "-m", "stepdoctor.demo_train", *base, *light, *args]
 
 
 def sidecar_keys(spool: Path) -> set[str]:
@@ -67,6 +63,7 @@ def test_sigterm_between_export_and_commit_never_uploads_the_half_capture(tmp_pa
     ]
     proc = subprocess.run(cmd, env=agent_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGTERM, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
     run_dir = tmp_path / "proc" / "killed"
     leftovers = {p.name.split(".", 2)[-1] for p in run_dir.iterdir()}
     assert f"{EXPORT_SUFFIX.lstrip('.')}{PARTIAL}" in leftovers  # the interrupted window's export
@@ -133,6 +130,7 @@ def test_two_ranks_as_separate_processes_land_in_one_run(tmp_path: Path) -> None
         ]
         outputs = [p.communicate(timeout=60)[0] for p in procs]
         assert [p.returncode for p in procs] == [0, 0], outputs
+        assert not any("Traceback" in out for out in outputs), outputs
         uploads = list(server.uploads.values())
     assert sorted(u.rank for u in uploads) == [0, 1]
     assert {(u.project, u.run) for u in uploads} == {("proc", "ddp")}
@@ -150,6 +148,7 @@ def test_server_down_for_the_whole_run_then_sync_cli_uploads_exactly_once(tmp_pa
         [*cmd, "--flush-timeout", "1"], env=agent_env(), capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]  # agent errors raise in tests
     assert "steps=9" in proc.stdout and time.monotonic() - started < 40
     assert "2 trace(s) captured, 0 uploaded" in proc.stderr and "left in spool" in proc.stderr
     keys = sidecar_keys(tmp_path)

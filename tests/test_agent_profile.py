@@ -31,6 +31,9 @@ SMALL: dict[str, Any] = {
     "backoff_base": 0.05,
 }
 
+# An agent bug raised on the delivery thread (STEPDOCTOR_RAISE_ERRORS=1) must fail the test, not just warn.
+pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+
 
 @pytest.fixture(autouse=True)
 def _agent_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -242,3 +245,39 @@ def test_a_custom_schedule_is_honoured(tmp_path: Path) -> None:
             prof.step()
     (trace_file,) = (tmp_path / "local" / "custom").glob(f"*{TRACE_SUFFIX}")
     assert step_names(json.loads(gzip.decompress(trace_file.read_bytes()))) == [6, 7]
+
+
+def test_secrets_on_the_command_line_are_not_sent() -> None:
+    from stepdoctor.metadata import redacted_argv
+
+    argv = [
+        "train.py",
+        "--token",
+        "sdt_abc",
+        "--api-key=xyz",
+        "--lr",
+        "0.1",
+        "--wandb_token=q",
+        "--tokens",
+        "5",
+    ]
+    assert redacted_argv(argv) == [
+        "train.py", "--token", "***", "--api-key=***", "--lr", "0.1", "--wandb_token=***", "--tokens", "***",
+    ]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_activity_and_devices_are_recorded(tmp_path: Path) -> None:
+    model = torch.nn.Linear(256, 256).cuda()
+    with stepdoctor.profile("local", "gpu", spool=tmp_path, **SMALL) as prof:
+        for _ in range(5):
+            model(torch.randn(64, 256, device="cuda")).sum().backward()
+            torch.cuda.synchronize()
+            prof.step()
+    sidecar = json.loads(next((tmp_path / "local" / "gpu").glob(f"*{META_SUFFIX}")).read_text())
+    meta = sidecar["metadata"]
+    assert meta["device_count"] == torch.cuda.device_count() and meta["devices"][0]["total_memory"] > 0
+    (trace_file,) = (tmp_path / "local" / "gpu").glob(f"*{TRACE_SUFFIX}")
+    trace = json.loads(gzip.decompress(trace_file.read_bytes()))
+    assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import socket
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 from stepdoctor import __version__
 from stepdoctor.config import job_id
 
+_SECRET_FLAG = re.compile(r"^-{1,2}[\w-]*(token|password|passwd|secret|api[-_]?key|credential)[\w-]*$", re.I)
 LOADER_FIELDS = ("batch_size", "num_workers", "pin_memory", "prefetch_factor", "persistent_workers")
 
 
@@ -111,6 +113,27 @@ def _resolve_head(gitdir: Path) -> str | None:
     return None
 
 
+def redacted_argv(argv: list[str]) -> list[str]:
+    """The command line with secret-looking option values masked: it travels to a shared server."""
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append("***")
+            hide_next = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        if _SECRET_FLAG.match(flag):
+            if eq:
+                out.append(f"{flag}=***")
+            else:
+                out.append(arg)
+                hide_next = True
+            continue
+        out.append(arg)
+    return out
+
+
 def loader_settings(loader: Any) -> dict[str, Any]:
     """The DataLoader knobs the input-bound diagnosis reasons about (None where absent)."""
     settings: dict[str, Any] = {}
@@ -131,7 +154,7 @@ def collect(tags: dict[str, str], loader: Any | None = None) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "cpu_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "job_id": job_id(),
-        "argv": list(sys.argv),
+        "argv": redacted_argv(list(sys.argv)),
         "cwd": os.getcwd(),
         "tags": dict(tags),
     }

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import uuid
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -150,6 +151,8 @@ class Profile:
         self._none = tp.ProfilerAction.NONE
         self._recording = frozenset({tp.ProfilerAction.RECORD, tp.ProfilerAction.RECORD_AND_SAVE})
         self._kwargs = self._torch_kwargs(tp)
+        # Each window is exported before the next starts, so torch's "clears events" notice is noise.
+        warnings.filterwarnings("ignore", message="Warning: Profiler clears events", category=UserWarning)
         self._schedule_fn = self._kwargs["schedule"]
         self._state = "running"
         _live.add(self)

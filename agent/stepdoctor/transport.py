@@ -112,6 +112,8 @@ def upload(
 
 
 def _early_response(conn: http.client.HTTPConnection) -> Result | None:
+    if conn.sock is None:  # never connected: nothing to read
+        return None
     try:
         response = conn.getresponse()
         text = response.read(4096).decode("utf-8", "replace")

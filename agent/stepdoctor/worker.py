@@ -73,10 +73,11 @@ class DeliveryWorker:
         self.delivery = delivery
         self.stats = Stats()
         self._backoff = Backoff(delivery.backoff_base, delivery.backoff_max, delivery.retry_after_max)
-        self._init_sync()
+        self._init_state()
 
-    def _init_sync(self) -> None:
-        """(Re)create thread state; called at construction and in a forked child."""
+    def _init_state(self) -> None:
+        """Thread state, bound to the creating process: in a forked child (a DataLoader worker)
+        ``notify``/``flush`` see another pid and do nothing, so a child never uploads or blocks."""
         self._pid = os.getpid()
         self._cond = threading.Condition()
         self._wake = threading.Event()
@@ -152,9 +153,9 @@ class DeliveryWorker:
         if self.cleanup:
             self._cleanup()
         while not self._stopping:
+            self._wake.clear()  # before reading the request count: a notify from now on wakes us again
             with self._cond:
                 wanted = self._requested
-            self._wake.clear()
             remaining = self._pass_safely()
             with self._cond:
                 self._covered = max(self._covered, wanted)
@@ -190,8 +191,13 @@ class DeliveryWorker:
             with self.spool.claim(sidecar) as entry:
                 if entry is None:
                     continue  # another process (rank, sync) is handling it
-                remaining += int(not self._handle(entry))
+                remaining += int(not self._handle_safely(entry))
         return remaining
+
+    @guarded(default=False)
+    def _handle_safely(self, entry: Entry) -> bool:
+        """One trace's trouble (unreadable file, full disk) must not hold up the others."""
+        return self._handle(entry)
 
     def _handle(self, entry: Entry) -> bool:
         """Advance one trace as far as possible; True when it needs nothing more from us."""

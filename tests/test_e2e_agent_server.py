@@ -1,0 +1,172 @@
+"""End to end with the real pieces: the agent in a CPU training process is the client of a real
+``stepdoctor serve``; traces are analysed by its worker and download byte-identical.
+
+Phase 1 trains while the server is unreachable (everything stays in the spool); the spooled bytes
+are copied aside, then ``stepdoctor sync`` delivers them. Phase 2 trains against the live server.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from support.server import serve_subprocess
+
+pytestmark = pytest.mark.slow
+
+
+def _dead_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"  # nothing listens there once the socket is closed
+
+
+def _train(env: dict[str, str], run: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "stepdoctor.demo_train", "--run", run, "--steps", "14", "--skip-first", "3"]
+    cmd += ["--warmup", "1", "--active", "2", "--repeat", "2", "--sample-ms", "2", *extra]
+    return subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+
+
+def _token(env: dict[str, str], scope: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "stepdoctor", "token", "create", "--team", "default", "--scope", scope],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
+def _wait_analysed(
+    api: httpx.Client, run_id: int, expected: int, timeout: float = 180.0
+) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        traces = api.get(f"/api/v1/runs/{run_id}/traces").json()["items"]
+        if len(traces) == expected and all(t["status"] in {"done", "failed"} for t in traces):
+            return list(traces)
+        assert time.monotonic() < deadline, f"analyses not finished: {traces}"
+        time.sleep(0.5)
+
+
+def _run_id(api: httpx.Client, project: str, run: str) -> int:
+    runs = api.get("/api/v1/runs", params={"project": project}).json()["items"]
+    return next(r["id"] for r in runs if r["name"] == run)
+
+
+def test_agent_uploads_are_analysed_and_download_byte_identical(tmp_path: Path) -> None:
+    server_env = {
+        "STEPDOCTOR_DATA_DIR": str(tmp_path / "server"),
+        "STEPDOCTOR_WORKERS": "1",
+        "STEPDOCTOR_DATABASE_URL": "",
+    }
+    spool = tmp_path / "spool"
+    agent_env = {
+        "STEPDOCTOR_SPOOL": str(spool),
+        "STEPDOCTOR_PROJECT": "e2e",
+        "STEPDOCTOR_FLUSH_TIMEOUT": "20",
+    }
+
+    # Phase 1: the server is down for the whole run; training finishes and the spool keeps both windows.
+    down = _train(
+        {**agent_env, "STEPDOCTOR_SERVER": _dead_url(), "STEPDOCTOR_TOKEN": "sdt_unused"},
+        "offline",
+        "--backoff-base",
+        "0.05",
+    )
+    assert down.returncode == 0, down.stderr[-2000:]
+    spooled = sorted(spool.rglob("*.pt.trace.json.gz"))
+    assert len(spooled) == 2, f"expected two capture windows in the spool, got {spooled}"
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    originals = {hashlib.sha256(p.read_bytes()).hexdigest(): shutil.copy(p, kept) for p in spooled}
+    for path in spooled:  # each is a complete, valid Chrome trace
+        assert "traceEvents" in json.loads(gzip.decompress(path.read_bytes()))
+
+    with serve_subprocess(server_env) as server:
+        upload_token, read_token = _token(server_env, "upload"), _token(server_env, "read")
+        sync = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "stepdoctor",
+                "sync",
+                "--spool",
+                str(spool),
+                "--server",
+                server.url,
+                "--token",
+                upload_token,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert sync.returncode == 0, sync.stderr
+        assert not list(spool.rglob("*.pt.trace.json.gz")), "acknowledged traces leave the spool"
+
+        with httpx.Client(
+            base_url=server.url, headers={"Authorization": f"Bearer {read_token}"}, timeout=30
+        ) as api:
+            offline = _wait_analysed(api, _run_id(api, "e2e", "offline"), expected=2)
+            downloaded = {}
+            for t in offline:
+                resp = api.get(f"/api/v1/traces/{t['id']}/download")
+                assert resp.status_code == 200
+                digest = hashlib.sha256(resp.content).hexdigest()
+                assert resp.headers["x-content-sha256"] == digest
+                downloaded[digest] = resp.content
+            assert set(downloaded) == set(originals), "downloads must be the spooled bytes, each exactly once"
+            for digest, data in downloaded.items():
+                assert Path(originals[digest]).read_bytes() == data
+
+            # Phase 2: live server; metadata and the loader settings travel with each trace.
+            live = _train(
+                {**agent_env, "STEPDOCTOR_SERVER": server.url, "STEPDOCTOR_TOKEN": upload_token},
+                "live",
+                "--workers",
+                "0",
+            )
+            assert live.returncode == 0, live.stderr[-2000:]
+            run_id = _run_id(api, "e2e", "live")
+            traces = _wait_analysed(api, run_id, expected=2)
+            assert {t["status"] for t in traces} == {"done"}
+            detail = api.get(f"/api/v1/traces/{traces[0]['id']}").json()
+            meta = detail["metadata"]
+            import torch
+
+            assert meta["torch"] == torch.__version__
+            assert meta["loader"]["num_workers"] == 0 and meta["loader"]["batch_size"] == 32
+            assert detail["rank"] == 0 or detail["rank"] is None
+            assert detail["analysis"]["report"]["breakdown"].keys() >= {
+                "kernel",
+                "dataloader",
+                "cpu_exec",
+                "other",
+            }
+            diagnosis = api.get(f"/api/v1/runs/{run_id}").json()["diagnosis"]
+            assert diagnosis["traces"] == 2 and diagnosis["primary"]["kind"] in {
+                "input",
+                "transfer",
+                "launch",
+                "memory",
+                "sync",
+                "communication",
+                "compute",
+            }
+            assert diagnosis["recommendations"], "a diagnosed run names a next optimization"
