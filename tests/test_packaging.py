@@ -46,7 +46,16 @@ def test_server_extra_has_the_backend_but_not_hta() -> None:
     for r in _requirements():
         by_extra.setdefault(_extra_of(r), set()).add(r.name.lower())
     server = by_extra["server"] | by_extra["analyze"]  # server pulls stepdoctor[analyze]
-    for needed in ("fastapi", "uvicorn", "sqlalchemy", "alembic", "plotly", "tensorboard", "numpy", "msgspec"):
+    for needed in (
+        "fastapi",
+        "uvicorn",
+        "sqlalchemy",
+        "alembic",
+        "plotly",
+        "tensorboard",
+        "numpy",
+        "msgspec",
+    ):
         assert needed in server, needed
     assert "holistictraceanalysis" not in server and "jupyterlab" not in server
     assert "holistictraceanalysis" in by_extra["hta"]
@@ -92,7 +101,18 @@ raise SystemExit(main(["serve"]))
 @pytest.mark.slow
 def test_wheel_ships_every_module(tmp_path: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
         check=True,
         timeout=300,
     )

@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import io
-import os
-import socket
-import subprocess
-import sys
-import time
 import zipfile
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from support.server import FIXTURE_TRACES, upload
+from support.tensorboard import plugin_get, tensorboard_plugin, wait_for_run
 
 TRACE_FILTER = FIXTURE_TRACES / "hta" / "trace_filter"
 RANKS = {0: TRACE_FILTER / "sampled_rank-0.json.gz", 1: TRACE_FILTER / "sampled_rank-1.json.gz"}
@@ -78,18 +73,6 @@ def test_zip_errors(client: TestClient, read_token: str) -> None:
     assert resp.status_code == 200
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _get(url: str, **params: Any) -> Any:
-    resp = httpx.get(url, params=params, timeout=10)
-    assert resp.status_code == 200, f"{url} {params}: {resp.status_code} {resp.text[:300]}"
-    return resp.json()
-
-
 @pytest.mark.slow
 def test_tensorboard_plugin_loads_the_export(
     client: TestClient, tmp_path: Path, server_settings: Any, db_url: str
@@ -102,45 +85,14 @@ def test_tensorboard_plugin_loads_the_export(
     with _zip(client, run_id) as zf:
         zf.extractall(logdir)
 
-    port = _free_port()
     log_path = tmp_path / "tensorboard.log"
-    tensorboard = Path(sys.executable).with_name("tensorboard")
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [str(tensorboard), "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-        )
-    base = f"http://127.0.0.1:{port}{PLUGIN}"
-    try:
-        deadline = time.monotonic() + 90
-        runs: Any = None
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log_path.read_text(errors="replace")
-            try:
-                runs = httpx.get(f"{base}/runs", timeout=2).json()
-                if "tb-run" in runs["runs"] and not runs["loading"]:
-                    break
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.3)
-        assert runs and "tb-run" in runs["runs"], (
-            f"plugin never listed the run: {runs}\n{log_path.read_text()}"
-        )
-
-        views = _get(f"{base}/views", run="tb-run")
+    with tensorboard_plugin(logdir, log_path) as base:
+        wait_for_run(base, "tb-run", log_path)
+        views = plugin_get(base, "/views", run="tb-run")
         assert "Overview" in views and "Distributed" in views
-        workers = _get(f"{base}/workers", run="tb-run", view="Overview")
+        workers = plugin_get(base, "/workers", run="tb-run", view="Overview")
         assert workers == ["gpu-node-example_0", "gpu-node-example_1"]
-        assert _get(f"{base}/spans", run="tb-run", worker="gpu-node-example_0") == ["1", "2"]
-        overview = _get(f"{base}/overview", run="tb-run", worker="gpu-node-example_0", span="2")
+        assert plugin_get(base, "/spans", run="tb-run", worker="gpu-node-example_0") == ["1", "2"]
+        overview = plugin_get(base, "/overview", run="tb-run", worker="gpu-node-example_0", span="2")
         assert overview["steps"]["rows"], overview.keys()
         assert {"title": "Number of Worker(s)", "value": "2"} in overview["environments"]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
