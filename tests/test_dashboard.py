@@ -15,9 +15,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from stepdoctor_dashboard import figures
-from stepdoctor_server.queue import SqlJobQueue
-from stepdoctor_server.worker import process_one
-from support.server import FIXTURE_TRACES, serve_subprocess, upload
+from support.server import FIXTURE_TRACES, drain, serve_subprocess, upload
 
 # A trace with a clear verdict (host synchronisation) and one with almost nothing in it.
 BASE = (
@@ -68,13 +66,6 @@ def test_memory_figure_only_when_the_trace_had_memory_events() -> None:
 # -- pages ---------------------------------------------------------------------------------------
 
 
-def _drain(app: FastAPI) -> None:
-    db = app.state.db
-    queue = SqlJobQueue(db)
-    while process_one(db, queue, app.state.store, app.state.settings, "dashboard-test"):
-        pass
-
-
 def _login(client: TestClient, token: str) -> httpx.Response:
     return client.post(
         "/login",
@@ -93,7 +84,7 @@ def analysed_runs(client: TestClient, app: FastAPI) -> dict[str, Any]:
         resp = upload(client, path.read_bytes(), project="vision", run=run, metadata={"tags": ["demo"]})
         assert resp.status_code == 201, resp.text
         ids[run] = resp.json()
-    _drain(app)
+    drain(app)
     return ids
 
 
@@ -257,7 +248,7 @@ def test_trace_page_draws_the_memory_curve(
 
     body = allocator_churn_trace(tmp_path / "churn.json.gz").read_bytes()
     trace_id = upload(client, body, project="mem", run="churn").json()["id"]
-    _drain(app)
+    drain(app)
     with TestClient(app) as browser:
         _login(browser, read_token)
         page = browser.get(f"/traces/{trace_id}")

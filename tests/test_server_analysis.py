@@ -27,8 +27,8 @@ from sqlalchemy import select, update
 from stepdoctor_server.models import Analysis, Trace
 from stepdoctor_server.queue import SqlJobQueue
 from stepdoctor_server.settings import Settings
-from stepdoctor_server.worker import process_one, start_pool
-from support.server import FIXTURE_TRACES, synthetic_trace, upload
+from stepdoctor_server.worker import start_pool
+from support.server import FIXTURE_TRACES, drain, synthetic_trace, upload
 
 HTA = FIXTURE_TRACES / "hta"
 RANK0 = HTA / "trace_filter" / "sampled_rank-0.json.gz"
@@ -56,16 +56,6 @@ def _upload_file(
     resp = upload(client, path.read_bytes(), run=run, rank=rank, metadata=_meta(window))
     assert resp.status_code == 201, resp.text
     return int(resp.json()["id"])
-
-
-def _drain(app: FastAPI) -> int:
-    """Run every pending job in this process, like one worker would; returns how many ran."""
-    db = app.state.db
-    queue = SqlJobQueue(db)
-    n = 0
-    while process_one(db, queue, app.state.store, app.state.settings, "test:1:0"):
-        n += 1
-    return n
 
 
 def _statuses(app: FastAPI, ids: Iterable[int]) -> dict[int, str]:
@@ -99,7 +89,7 @@ def _cli_report(path: Path) -> dict[str, Any]:
 def test_upload_is_analysed_like_the_cli(client: TestClient, app: FastAPI) -> None:
     trace_id = _upload_file(client, RANK0)
     assert client.get(f"/api/v1/traces/{trace_id}").json()["status"] == "pending"
-    assert _drain(app) == 1
+    assert drain(app) == 1
 
     body = client.get(f"/api/v1/traces/{trace_id}").json()
     assert body["status"] == "done" and body["status_reason"] is None
@@ -122,7 +112,7 @@ def test_run_diagnosis_covers_all_ranks_and_windows(client: TestClient, app: Fas
         _upload_file(client, RANK1, rank=1, window=0),
         _upload_file(client, RANK0, rank=0, window=1),
     ]
-    _drain(app)
+    drain(app)
     run_id = client.get(f"/api/v1/traces/{ids[0]}").json()["run_id"]
     run = client.get(f"/api/v1/runs/{run_id}").json()
     diag = run["diagnosis"]
@@ -174,7 +164,7 @@ def test_claims_are_exclusive_under_concurrency(client: TestClient, app: FastAPI
 
 def test_reanalyze_and_stale_reports(client: TestClient, app: FastAPI, read_token: str) -> None:
     trace_id = _upload_file(client, RANK1, rank=1)
-    _drain(app)
+    drain(app)
     resp = client.post(f"/api/v1/traces/{trace_id}/reanalyze")
     assert resp.status_code == 202 and resp.json()["ids"] == [trace_id]
     assert client.get(f"/api/v1/traces/{trace_id}").json()["status"] == "pending"
@@ -182,7 +172,7 @@ def test_reanalyze_and_stale_reports(client: TestClient, app: FastAPI, read_toke
         f"/api/v1/traces/{trace_id}/reanalyze", headers={"Authorization": f"Bearer {read_token}"}
     )
     assert denied.status_code == 403
-    assert _drain(app) == 1
+    assert drain(app) == 1
 
     # A report made by an older engine is redone when someone asks for it.
     with app.state.db.session() as session:
@@ -191,7 +181,7 @@ def test_reanalyze_and_stale_reports(client: TestClient, app: FastAPI, read_toke
         )
     report = client.get(f"/api/v1/traces/{trace_id}/report").json()
     assert report["stale"] is True and report["status"] == "pending" and report["report"] is not None
-    assert _drain(app) == 1
+    assert drain(app) == 1
     fresh = client.get(f"/api/v1/traces/{trace_id}/report").json()
     assert fresh["stale"] is False and fresh["status"] == "done"
 
@@ -202,7 +192,7 @@ def test_reanalyze_and_stale_reports(client: TestClient, app: FastAPI, read_toke
     run_diag = client.get(f"/api/v1/runs/{run_id}/diagnosis").json()
     assert run_diag["stale"] is True and run_diag["requeued"] == [trace_id]
     assert run_diag["trace_status"] == {"pending": 1} and run_diag["diagnosis"]["traces"] == 1
-    assert _drain(app) == 1
+    assert drain(app) == 1
     run_diag = client.get(f"/api/v1/runs/{run_id}/diagnosis").json()
     assert (
         run_diag["stale"] is False and run_diag["requeued"] == [] and run_diag["trace_status"] == {"done": 1}
@@ -216,7 +206,7 @@ def test_compare_runs(client: TestClient, app: FastAPI) -> None:
     base_run = client.get(f"/api/v1/traces/{base_id}").json()["run_id"]
     other_run = client.get(f"/api/v1/traces/{other_id}").json()["run_id"]
     assert client.get("/api/v1/compare", params={"base": base_run, "other": other_run}).status_code == 409
-    _drain(app)
+    drain(app)
 
     body = client.get("/api/v1/compare", params={"base": base_run, "other": other_run}).json()
     base_diag = client.get(f"/api/v1/runs/{base_run}").json()["diagnosis"]
@@ -349,7 +339,7 @@ def test_missing_file_fails_the_job_and_the_queue_moves_on(client: TestClient, a
     with app.state.db.session() as session:
         key = session.scalar(select(Trace.storage_key).where(Trace.id == lost))
     app.state.store.path(key).unlink()
-    assert _drain(app) == 2
+    assert drain(app) == 2
     assert _statuses(app, [lost, kept]) == {lost: "failed", kept: "done"}
     reason = client.get(f"/api/v1/traces/{lost}").json()["status_reason"]
     assert reason and key.rsplit("/", 1)[-1] not in reason  # no internal storage key in user text

@@ -21,8 +21,7 @@ from stepdoctor_analysis import deep
 from stepdoctor_dashboard import figures
 from stepdoctor_server.models import DeepAnalysis
 from stepdoctor_server.queue import SqlDeepQueue, SqlJobQueue
-from stepdoctor_server.worker import process_one
-from support.server import FIXTURE_TRACES, bearer, upload
+from support.server import FIXTURE_TRACES, bearer, drain, upload
 
 CP = FIXTURE_TRACES / "hta" / "critical_path"
 EVENT_SYNC = CP / "cuda_event_sync" / "event_sync_trace.json.gz"
@@ -61,15 +60,6 @@ def _request(client: TestClient, trace_id: int, query: str = "", **kw: Any) -> h
     return client.post(f"/api/v1/traces/{trace_id}/deep/critical-path{query}", **kw)
 
 
-def _drain(app: FastAPI) -> int:
-    db = app.state.db
-    queue = SqlJobQueue(db)
-    n = 0
-    while process_one(db, queue, app.state.store, app.state.settings, "test:1:0"):
-        n += 1
-    return n
-
-
 def _jobs(client: TestClient, trace_id: int) -> list[dict[str, Any]]:
     resp = client.get(f"/api/v1/traces/{trace_id}/deep")
     assert resp.status_code == 200, resp.text
@@ -93,7 +83,7 @@ def test_request_run_and_read_a_critical_path(
     )
     assert [j["id"] for j in _jobs(client, trace["id"])] == [job["id"]]
 
-    assert _drain(app) == 2  # the trace's own analysis first, then the deep job
+    assert drain(app) == 2  # the trace's own analysis first, then the deep job
     (done,) = _jobs(client, trace["id"])
     assert done["status"] == "done" and done["status_reason"] is None and done["attempts"] == 1
     want = expected["event_sync"]
@@ -106,12 +96,12 @@ def test_request_run_and_read_a_critical_path(
 
     again = _request(client, trace["id"])
     assert again.status_code == 200 and again.json()["id"] == job["id"] and again.json()["status"] == "done"
-    assert _drain(app) == 0  # nothing was queued by the repeat
+    assert drain(app) == 0  # nothing was queued by the repeat
 
     forced = _request(client, trace["id"], "?force=true")
     assert forced.status_code == 202 and forced.json()["id"] == job["id"]
     assert forced.json()["status"] == "pending" and forced.json()["result"] is None
-    assert _drain(app) == 1
+    assert drain(app) == 1
     assert _jobs(client, trace["id"])[0]["status"] == "done"
 
     # Another step is another job; an unknown step fails with the engine's one-line reason.
@@ -119,7 +109,7 @@ def test_request_run_and_read_a_critical_path(
     missing = _request(client, trace["id"], "?step=999999")
     assert other.status_code == missing.status_code == 202
     assert len({job["id"], other.json()["id"], missing.json()["id"]}) == 3
-    assert _drain(app) == 2
+    assert drain(app) == 2
     by_id = {j["id"]: j for j in _jobs(client, trace["id"])}
     assert by_id[other.json()["id"]]["result"]["length_us"] == pytest.approx(want["length_us"])
     failed = by_id[missing.json()["id"]]
@@ -135,7 +125,7 @@ def test_untraceable_trace_fails_alone_and_the_next_job_runs(
     first = _request(client, cpu["id"])
     second = _request(client, gpu["id"])
     assert first.status_code == second.status_code == 202
-    _drain(app)
+    drain(app)
     (failed,) = _jobs(client, cpu["id"])
     assert failed["status"] == "failed" and failed["result"] is None
     reason = failed["status_reason"]
@@ -182,7 +172,7 @@ def test_a_worker_without_hta_fails_the_job_with_the_install_hint(
         pytest.skip("HolisticTraceAnalysis missing")
     assert _request(client, trace["id"]).status_code == 202
     monkeypatch.setattr(deep, "available", lambda: False)  # e.g. a worker host without the extra
-    _drain(app)
+    drain(app)
     (job,) = _jobs(client, trace["id"])
     assert job["status"] == "failed" and "stepdoctor[hta]" in job["status_reason"]
 
@@ -241,7 +231,7 @@ def test_trace_page_button_runs_and_shows_the_critical_path(
         assert pressed.status_code == 303 and pressed.headers["location"].startswith(f"/traces/{trace['id']}")
         status = browser.get(f"/traces/{trace['id']}").text.split('id="critical-path-status">', 1)[1]
         assert status.split("</p>", 1)[0].endswith(": pending")
-        _drain(app)
+        drain(app)
         page = browser.get(f"/traces/{trace['id']}")
     (job,) = _jobs(client, trace["id"])
     plot = _plot(page.text, "plot-critical_path")

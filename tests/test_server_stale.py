@@ -8,24 +8,15 @@ from sqlalchemy import update
 
 from stepdoctor_analysis import ENGINE_VERSION
 from stepdoctor_server.models import Analysis
-from stepdoctor_server.queue import SqlJobQueue
-from stepdoctor_server.worker import process_one
-from support.server import small_trace_bytes, upload
-
-
-def _drain(app: FastAPI) -> int:
-    queue, n = SqlJobQueue(app.state.db), 0
-    while process_one(app.state.db, queue, app.state.store, app.state.settings, "stale-test"):
-        n += 1
-    return n
+from support.server import drain, small_trace_bytes, upload
 
 
 def test_get_trace_requeues_a_report_from_an_older_engine(client: TestClient, app: FastAPI) -> None:
     trace_id = upload(client, small_trace_bytes()).json()["id"]
-    assert _drain(app) == 1
+    assert drain(app) == 1
     current = client.get(f"/api/v1/traces/{trace_id}").json()
     assert current["status"] == "done" and current["stale"] is False
-    assert _drain(app) == 0, "a current report must not be redone"
+    assert drain(app) == 0, "a current report must not be redone"
 
     with app.state.db.session() as session:
         session.execute(
@@ -34,7 +25,7 @@ def test_get_trace_requeues_a_report_from_an_older_engine(client: TestClient, ap
     stale = client.get(f"/api/v1/traces/{trace_id}").json()
     assert stale["stale"] is True and stale["status"] == "pending"
     assert stale["analysis"] is not None, "the old report stays visible while it is redone"
-    assert _drain(app) == 1
+    assert drain(app) == 1
     fresh = client.get(f"/api/v1/traces/{trace_id}").json()
     assert fresh["stale"] is False and fresh["status"] == "done"
     assert fresh["analysis"]["engine_version"] == ENGINE_VERSION

@@ -251,11 +251,11 @@ def list_run_traces(
     )
     keyset = Keyset(sort="id", column=None, descending=False)
     rows, next_cursor = paginate(session, query, keyset, Trace.id, limit, cursor)
-    items = [_trace_summary(t, kind, share) for t, kind, share in rows]
+    items = [trace_summary(t, kind, share) for t, kind, share in rows]
     return Page[TraceSummary](items=items, next=next_cursor)
 
 
-def _trace_summary(trace: Trace, primary_kind: str | None, primary_share: float | None) -> TraceSummary:
+def trace_summary(trace: Trace, primary_kind: str | None, primary_share: float | None) -> TraceSummary:
     return TraceSummary(
         id=trace.id,
         run_id=trace.run_id,

@@ -18,6 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from stepdoctor_server.api_catalog import trace_summary
 from stepdoctor_server.auth import Principal, ReadTeam, UploadTeam
 from stepdoctor_server.db import Database, SessionDep, on_rollback
 from stepdoctor_server.errors import ApiError, not_found
@@ -256,26 +257,14 @@ def get_trace(trace_id: int, principal: ReadTeam, session: SessionDep) -> TraceO
     analysis = session.scalar(select(Analysis).where(Analysis.trace_id == trace.id))
     # A report from an older engine is still shown, flagged stale, while it is redone.
     stale = requeue_if_stale(session, trace, analysis)
+    summary = trace_summary(
+        trace, analysis.primary_kind if analysis else None, analysis.primary_share if analysis else None
+    )
     return TraceOut(
-        id=trace.id,
-        run_id=trace.run_id,
+        **summary.model_dump(),
         project=project.name,
         run=run.name,
-        rank=trace.rank,
-        window_index=trace.window_index,
-        first_step=trace.first_step,
-        last_step=trace.last_step,
-        size_bytes=trace.size_bytes,
-        sha256=trace.sha256,
-        filename=trace.filename,
-        status=trace.status,
-        status_reason=trace.status_reason,
-        attempts=trace.attempts,
-        primary_kind=analysis.primary_kind if analysis else None,
-        primary_share=analysis.primary_share if analysis else None,
         metadata=trace.meta,
-        created_at=trace.created_at,
-        updated_at=trace.updated_at,
         download_url=f"/api/v1/traces/{trace.id}/download",
         analysis=AnalysisOut.model_validate(analysis) if analysis is not None else None,
         stale=stale,

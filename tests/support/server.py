@@ -54,6 +54,7 @@ __all__ = [
     "bearer",
     "client",
     "db_url",
+    "drain",
     "make_token",
     "read_token",
     "row_counts",
@@ -256,6 +257,18 @@ def upload(
         sent["X-Stepdoctor-Metadata"] = json.dumps(dict(metadata), separators=(",", ":"))
     sent.update(headers or {})
     return client.post("/api/v1/traces", params=params, content=body, headers=sent)
+
+
+def drain(app: FastAPI, worker_id: str = "test:1:0") -> int:
+    """Run every queued job in this process, as one worker would; returns how many ran."""
+    from stepdoctor_server.queue import SqlJobQueue
+    from stepdoctor_server.worker import process_one
+
+    db, n = app.state.db, 0
+    queue = SqlJobQueue(db)
+    while process_one(db, queue, app.state.store, app.state.settings, worker_id):
+        n += 1
+    return n
 
 
 # -- state snapshots (for "nothing half-written" checks) -----------------------------------------
