@@ -159,3 +159,55 @@ def test_docker_compose_file_is_valid() -> None:
     else:
         assert "service_healthy" in text
     assert "healthcheck" in text and "pg_isready" in text
+
+
+def _closure(names: set[str]) -> set[str]:
+    """Distributions in ``names`` and everything they require (unconditionally), recursively."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import requires as dist_requires
+
+    seen: set[str] = set()
+    todo = [n.lower() for n in names]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            reqs = dist_requires(name) or []
+        except PackageNotFoundError:
+            continue
+        for raw in reqs:
+            req = Requirement(raw)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name.lower())
+    return {n.replace("_", "-") for n in seen}
+
+
+def test_server_modules_import_only_what_the_server_extra_installs() -> None:
+    import ast
+    from importlib.metadata import packages_distributions
+
+    extras = {"server", "analyze"}
+    declared = {r.name.lower() for r in _requirements() if _extra_of(r) in extras}
+    installed = _closure(declared)
+    providers = packages_distributions()
+    missing: dict[str, str] = {}
+    for root in ("backend", "frontend", "migrations"):
+        for py in (REPO / root).rglob("*.py"):
+            for node in ast.parse(py.read_text()).body:  # module level: what importing the module needs
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module]
+                    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                    else []
+                )
+                for name in names:
+                    top = name.split(".")[0]
+                    if top in sys.stdlib_module_names or top.startswith("stepdoctor") or top == "__future__":
+                        continue
+                    dists = {d.lower().replace("_", "-") for d in providers.get(top, [top])}
+                    if not dists & installed:
+                        missing[f"{py.relative_to(REPO)}: {name}"] = ", ".join(sorted(dists))
+    assert not missing, f"imported at module level but not installed by stepdoctor[server]: {missing}"
