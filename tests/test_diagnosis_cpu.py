@@ -68,6 +68,7 @@ def test_big_matmuls_in_memory_are_compute_bound(recorded: dict[str, Path]) -> N
     assert report.primary.kind == "compute"
     assert _first(report) == "compute.mixed_precision"
     assert 'device_type="cpu"' in report.recommendations[0].change
+    assert any("CPUs" in c for c in report.recommendations[0].caveats)
     assert report.device is None
 
 

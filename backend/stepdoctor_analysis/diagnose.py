@@ -256,6 +256,6 @@ def _render(rule: Rule, hit: Hit, ctx: Context) -> Recommendation:
         expected_speedup=round(speedup(ctx.step_ns, hit.removable_ns), 3),
         removable_us_per_step=round(hit.removable_ns / 1e3, 3),
         confidence=hit.confidence if hit.confidence is not None else 0.5,
-        caveats=list(rule.caveats),
+        caveats=[caveat.format(**params) for caveat in rule.caveats],
         evidence=hit.evidence,
     )

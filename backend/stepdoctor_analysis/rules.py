@@ -79,7 +79,7 @@ class Rule:
     query: Callable[[Context], Hit | None]
     change: str  # code change template ("" for a finding without a direct change)
     why: str  # evidence template
-    caveats: tuple[str, ...] = ()
+    caveats: tuple[str, ...] = ()  # templates, formatted like ``change`` and ``why``
 
     def evaluate(self, ctx: Context) -> Hit | None:
         hit = self.query(ctx)
@@ -302,7 +302,12 @@ def _compute(ctx: Context) -> Hit | None:
     removable = ctx.ns("compute") * (0.5 if ctx.has_gpu else 0.3)
     if fp32:
         evidence |= fp32.evidence
-    return Hit(ctx.share("compute"), removable, evidence, {"dev": ctx.device_type})
+    hardware = (
+        "bf16 needs compute capability >= 8.0; on older GPUs use dtype=torch.float16 with a GradScaler."
+        if ctx.has_gpu
+        else "On CPUs without bf16 units (AVX512-BF16/AMX) bf16 can be slower."
+    )
+    return Hit(ctx.share("compute"), removable, evidence, {"dev": ctx.device_type, "hardware": hardware})
 
 
 def _pattern(pid: str) -> Callable[[Context], Hit | None]:
@@ -470,7 +475,7 @@ RULES: list[Rule] = [
         "The device is busy with arithmetic {kind_pct:.0f}% of the step; lower precision shortens matmuls.",
         (
             "Check the loss curve after switching precision.",
-            "On CPUs without bf16 units (AVX512-BF16/AMX) bf16 can be slower.",
+            "{hardware}",
         ),
     ),
     Rule(
