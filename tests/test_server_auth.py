@@ -87,9 +87,12 @@ def test_idempotency_keys_are_per_team(client: TestClient, make_token: Callable[
     assert mine.json()["id"] != theirs.json()["id"]
 
 
-def test_ops_endpoints_need_no_token(app: FastAPI) -> None:
+def test_only_health_needs_no_token(app: FastAPI, read_token: str, admin_token: str) -> None:
     with TestClient(app) as anonymous:
         assert anonymous.get("/healthz").json() == {"status": "ok"}
         assert anonymous.get("/readyz").json() == {"status": "ok"}
-        assert anonymous.get("/metrics").status_code == 200
         assert anonymous.get("/api/v1/runs").status_code == 401
+        # Metrics count every team's traces: an admin token, as Prometheus' bearer_token sends it.
+        assert anonymous.get("/metrics").status_code == 401
+        assert anonymous.get("/metrics", headers=bearer(read_token)).status_code == 403
+        assert anonymous.get("/metrics", headers=bearer(admin_token)).status_code == 200

@@ -29,6 +29,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stepdoctor_server import api_catalog, api_traces
+from stepdoctor_server.auth import AdminTeam
 from stepdoctor_server.db import Database
 from stepdoctor_server.errors import ApiError
 from stepdoctor_server.models import TRACE_STATUSES, Trace
@@ -299,8 +300,14 @@ def _install_health(app: FastAPI) -> None:
             return error_response(503, "database_unavailable", "database is not reachable")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", tags=["ops"], summary="Prometheus metrics", response_class=Response)
-    async def metrics(request: Request) -> Response:
+    @app.get(
+        "/metrics",
+        tags=["ops"],
+        summary="Prometheus metrics (admin token: the counts span every team)",
+        response_class=Response,
+        responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}},
+    )
+    async def metrics(request: Request, _: AdminTeam) -> Response:
         registry = request.app.state.metrics.registry
         body = await anyio.to_thread.run_sync(generate_latest, registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
