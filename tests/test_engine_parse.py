@@ -15,8 +15,8 @@ import pytest
 
 from stepdoctor_analysis import parse
 from stepdoctor_analysis.errors import TraceError, TraceTooLarge
-from stepdoctor_analysis.model import CopyKind, GpuKind, HostKind, HostMem, RankTrace
-from stepdoctor_analysis.parse import load_job, load_trace
+from stepdoctor_analysis.model import NONE, CopyKind, GpuKind, HostKind, HostMem, RankTrace
+from stepdoctor_analysis.parse import _CHUNK, load_job, load_trace
 from stepdoctor_analysis.steps import launching_call
 from support.fixtures import (
     CPU_FIXTURES,
@@ -310,3 +310,90 @@ def test_gzip_bomb_stops_at_the_cap(tmp_path: Path) -> None:
     plain.write_bytes(b" " * (2 << 20))
     with pytest.raises(TraceTooLarge, match="1,048,576 byte limit"):
         load_trace(plain, max_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("keep", [20, 5000])
+def test_truncated_plain_json_says_truncated(tmp_path: Path, keep: int) -> None:
+    raw = gzip.decompress(fixture("trace_compare/base/base.json.gz").read_bytes())
+    assert len(raw) > keep
+    cut = tmp_path / "cut.json"
+    cut.write_bytes(raw[:keep])
+    with pytest.raises(TraceError, match=r"cut.json: not valid JSON \(Input data was truncated\)"):
+        load_trace(cut)
+
+
+def test_flow_links_needed_partway_through_a_multi_chunk_trace(tmp_path: Path) -> None:
+    """Correlation args on the first half only; the second half links launches to kernels by flows
+    alone, so flow events skipped while decoding early chunks must be recovered for later ones."""
+    events: list[dict[str, object]] = []
+    pairs = 6000
+    for i in range(pairs):
+        t = 100.0 + i * 10
+        legacy = i >= pairs // 2
+        if legacy:
+            events += [
+                {
+                    "ph": "X",
+                    "cat": "Runtime",
+                    "name": "cudaLaunchKernel",
+                    "pid": 1,
+                    "tid": 1,
+                    "ts": t,
+                    "dur": 3,
+                },
+                {
+                    "ph": "X",
+                    "cat": "Kernel",
+                    "name": "k_legacy",
+                    "pid": 0,
+                    "tid": 7,
+                    "ts": t + 5,
+                    "dur": 2,
+                    "args": {"device": 0, "stream": 7},
+                },
+                {"ph": "s", "cat": "async", "name": "launch", "id": 100_000 + i, "pid": 1, "tid": 1, "ts": t},
+                {
+                    "ph": "f",
+                    "cat": "async",
+                    "name": "launch",
+                    "id": 100_000 + i,
+                    "pid": 0,
+                    "tid": 7,
+                    "ts": t + 5,
+                    "bp": "e",
+                },
+            ]
+        else:
+            events += [
+                {
+                    "ph": "X",
+                    "cat": "cuda_runtime",
+                    "name": "cudaLaunchKernel",
+                    "pid": 1,
+                    "tid": 1,
+                    "ts": t,
+                    "dur": 3,
+                    "args": {"correlation": i + 1},
+                },
+                {
+                    "ph": "X",
+                    "cat": "kernel",
+                    "name": "k_modern",
+                    "pid": 0,
+                    "tid": 7,
+                    "ts": t + 5,
+                    "dur": 2,
+                    "args": {"correlation": i + 1, "device": 0, "stream": 7},
+                },
+            ]
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps({"schemaVersion": 1, "traceEvents": events}))
+    assert path.stat().st_size > 4 * _CHUNK  # several parser chunks
+
+    trace = load_trace(path)
+    gpu, host = trace.gpu, trace.host
+    assert len(gpu) == pairs
+    assert (gpu.correlation != NONE).all(), "every kernel must be linked to its launch"
+    launch_ts = {int(c): int(t) for c, t in zip(host.correlation, host.ts, strict=True) if c != NONE}
+    gaps = {int(t) - launch_ts[int(c)] for c, t in zip(gpu.correlation, gpu.ts, strict=True)}
+    assert gaps == {5_000}, "each kernel starts 5 µs after the launch it belongs to"

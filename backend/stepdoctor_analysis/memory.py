@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import timeline as tl
-from .model import NONE, RankTrace, Step
+from .model import NONE, MemoryEvents, RankTrace, Step
 from .steps import launch_mask
 
 _ALLOC_API_RE = re.compile(
@@ -63,8 +63,7 @@ def analyze_memory(trace: RankTrace, steps: list[Step], *, host_memory: int = 0)
     if len(m):
         caps = {d.id: d.total_memory for d in trace.devices}
         in_steps = tl.in_windows(m.ts, starts, ends) if steps else np.ones(len(m), dtype=np.bool_)
-        keys = np.unique(np.stack([m.device_type.astype(np.int64), m.device_id.astype(np.int64)]), axis=1)
-        for dtype, did in keys.T:
+        for dtype, did in _device_keys(m):
             sel = (m.device_type == dtype) & (m.device_id == did)
             is_cuda = int(dtype) == 1
             alloc = sel & in_steps & (m.bytes > 0)
@@ -101,6 +100,16 @@ def analyze_memory(trace: RankTrace, steps: list[Step], *, host_memory: int = 0)
     )
 
 
+def _device_keys(m: MemoryEvents) -> list[tuple[int, int]]:
+    """Distinct (device_type, device_id) pairs, sorted: a 1-D unique on one packed int64 key.
+
+    ``np.unique(axis=1)`` on the stacked pair sorts structured views and costs ~15 ms per 30k events.
+    The id is offset into [0, 2**32) so packing keeps the (type, id) lexicographic order for signed values.
+    """
+    packed = (m.device_type.astype(np.int64) << 32) | (m.device_id.astype(np.int64) + 2**31)
+    return [(k >> 32, (k & 0xFFFFFFFF) - 2**31) for k in np.unique(packed).tolist()]
+
+
 def _peak(totals: np.ndarray) -> int:
     valid = totals[totals != NONE]
     return int(valid.max()) if valid.size else 0
@@ -116,8 +125,7 @@ def memory_curves(trace: RankTrace, *, origin_ns: int, max_points: int = 400) ->
     curves: list[dict[str, object]] = []
     if not len(m):
         return curves
-    keys = np.unique(np.stack([m.device_type.astype(np.int64), m.device_id.astype(np.int64)]), axis=1)
-    for dtype, did in keys.T:
+    for dtype, did in _device_keys(m):
         sel = np.flatnonzero((m.device_type == dtype) & (m.device_id == did) & (m.total_allocated != NONE))
         if sel.size == 0:
             continue

@@ -163,7 +163,7 @@ class RankTrace:
         """
         if key is not None and key in self._mask_cache:
             return self._mask_cache[key]
-        mask = np.fromiter((predicate(s) for s in self.strings), dtype=np.bool_, count=len(self.strings))
+        mask = np.fromiter(map(predicate, self.strings), dtype=np.bool_, count=len(self.strings))
         if key is not None:
             self._mask_cache[key] = mask
         return mask

