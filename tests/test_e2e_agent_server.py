@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from stepdoctor_analysis import BOTTLENECK_KINDS
 from support.server import serve_subprocess
 
 pytestmark = pytest.mark.slow
@@ -160,13 +161,5 @@ def test_agent_uploads_are_analysed_and_download_byte_identical(tmp_path: Path) 
                 "other",
             }
             diagnosis = api.get(f"/api/v1/runs/{run_id}").json()["diagnosis"]
-            assert diagnosis["traces"] == 2 and diagnosis["primary"]["kind"] in {
-                "input",
-                "transfer",
-                "launch",
-                "memory",
-                "sync",
-                "communication",
-                "compute",
-            }
+            assert diagnosis["traces"] == 2 and diagnosis["primary"]["kind"] in BOTTLENECK_KINDS
             assert diagnosis["recommendations"], "a diagnosed run names a next optimization"

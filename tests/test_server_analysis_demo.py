@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-KINDS = "input|transfer|launch|memory|sync|communication|compute"
+from stepdoctor_analysis import BOTTLENECK_KINDS
+
+KINDS = "|".join(BOTTLENECK_KINDS)
 
 
 def _free_port() -> int:

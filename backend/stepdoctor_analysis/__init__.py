@@ -7,3 +7,25 @@ Entry point for other layers: ``stepdoctor_analysis.pipeline.analyze_path``.
 ENGINE_VERSION = "0.1.0"
 # Bump when the JSON report changes incompatibly; stored analyses with an older engine are redone.
 SCHEMA_VERSION = 1
+
+# The one vocabulary of the product: what bounds a step, and the TensorBoard plugin's step-time
+# breakdown categories in its priority order. The server and dashboard import these.
+BOTTLENECK_KINDS: tuple[str, ...] = (
+    "input",
+    "transfer",
+    "launch",
+    "memory",
+    "sync",
+    "communication",
+    "compute",
+)
+BREAKDOWN_CATEGORIES: tuple[str, ...] = (
+    "kernel",
+    "memcpy",
+    "memset",
+    "communication",
+    "runtime",
+    "dataloader",
+    "cpu_exec",
+    "other",
+)

@@ -23,20 +23,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import BREAKDOWN_CATEGORIES
 from . import intervals as iv
 from .model import GpuKind, HostKind, Mask, RankTrace, Step
 from .steps import STEP_PREFIX, launching_call
 
-CATEGORIES: tuple[str, ...] = (
-    "kernel",
-    "memcpy",
-    "memset",
-    "communication",
-    "runtime",
-    "dataloader",
-    "cpu_exec",
-    "other",
-)
+CATEGORIES = BREAKDOWN_CATEGORIES
 
 
 @dataclass(frozen=True)

@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from . import ENGINE_VERSION, SCHEMA_VERSION
+from . import BREAKDOWN_CATEGORIES, ENGINE_VERSION, SCHEMA_VERSION
 from .diagnose import Bottleneck, Recommendation
 
-BREAKDOWN_KEYS = ("kernel", "memcpy", "memset", "communication", "runtime", "dataloader", "cpu_exec", "other")
+BREAKDOWN_KEYS = BREAKDOWN_CATEGORIES
 
 KIND_WORDS = {
     "input": "the training loop waits for the next batch from the DataLoader",

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import BOTTLENECK_KINDS
 from .comm import CommStats
 from .hta_metrics import LaunchStats
 from .inputs import InputStats, LoaderSettings, suggested_workers
@@ -24,7 +25,7 @@ from .sync import SyncStats
 from .timeline import Accounting
 from .transfers import TransferStats
 
-KINDS: tuple[str, ...] = ("input", "transfer", "launch", "memory", "sync", "communication", "compute")
+KINDS = BOTTLENECK_KINDS
 
 
 @dataclass(frozen=True)

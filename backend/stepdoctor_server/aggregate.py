@@ -22,12 +22,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from stepdoctor_analysis import BOTTLENECK_KINDS, BREAKDOWN_CATEGORIES
+
 STRAGGLER_RATIO = 1.10
 # Breakdown categories in the TensorBoard plugin's priority order; unknown keys are kept after these.
-CATEGORIES = ("kernel", "memcpy", "memset", "communication", "runtime", "dataloader", "cpu_exec", "other")
+CATEGORIES = BREAKDOWN_CATEGORIES
 # The bottleneck vocabulary; a report's ``metrics.shares`` also carries unattributed time ("other"),
 # which is kept in the shares but can never be the primary kind.
-KINDS = ("input", "transfer", "launch", "memory", "sync", "communication", "compute")
+KINDS = BOTTLENECK_KINDS
 DIAGNOSIS_VERSION = 1
 
 

@@ -19,6 +19,7 @@ from sqlalchemy import ColumnElement, Select, and_, cast, exists, func, or_, sel
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
+from stepdoctor_analysis import BOTTLENECK_KINDS
 from stepdoctor_server.auth import Principal, ReadTeam
 from stepdoctor_server.db import SessionDep
 from stepdoctor_server.errors import ApiError, not_found
@@ -37,7 +38,6 @@ from stepdoctor_server.schemas import (
 router = APIRouter(prefix="/api/v1", tags=["catalog"])
 
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (401, 403, 404, 422)}
-BOTTLENECK_KINDS = ("input", "transfer", "launch", "memory", "sync", "communication", "compute")
 RunSort = Literal["created_at", "-created_at", "updated_at", "-updated_at", "name", "-name"]
 Limit = Annotated[int, Query(ge=1, le=200, description="page size (1-200)")]
 Cursor = Annotated[str | None, Query(max_length=512, description="the previous page's `next`")]
