@@ -89,6 +89,17 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def _finish_running(session: Session, table: Any, row_id: int, **values: Any) -> None:
+    """End a job, but only if it is still running: a reset to pending meanwhile (reanalyze, force)
+    wins, and the job runs again."""
+    session.execute(
+        update(table)
+        .where(table.id == row_id, table.status == "running")
+        .values(**values, updated_at=_now())
+        .execution_options(synchronize_session=False)
+    )
+
+
 def _one_line(reason: str) -> str:
     line = " ".join(reason.split())
     return line[: REASON_MAX_CHARS - 3] + "..." if len(line) > REASON_MAX_CHARS else line
@@ -162,23 +173,11 @@ class SqlJobQueue:
                     duration_ms=analysis.duration_ms,
                 )
             )
-            # Only a job still running becomes done: a reanalyze request that reset it to pending
-            # meanwhile wins, and the job runs again.
-            session.execute(
-                update(Trace)
-                .where(Trace.id == trace_id, Trace.status == "running")
-                .values(status="done", status_reason=None, updated_at=_now())
-                .execution_options(synchronize_session=False)
-            )
+            _finish_running(session, Trace, trace_id, status="done", status_reason=None)
 
     def fail(self, trace_id: int, reason: str) -> None:
         with self.db.session() as session:
-            session.execute(
-                update(Trace)
-                .where(Trace.id == trace_id, Trace.status == "running")
-                .values(status="failed", status_reason=_one_line(reason), updated_at=_now())
-                .execution_options(synchronize_session=False)
-            )
+            _finish_running(session, Trace, trace_id, status="failed", status_reason=_one_line(reason))
 
     def requeue_stale(self, older_than: timedelta) -> int:
         """Requeue running jobs claimed longer ago than ``older_than`` (their worker is presumed dead)."""
@@ -246,20 +245,12 @@ class SqlDeepQueue:
     def complete(self, job_id: int, result: dict[str, Any]) -> None:
         """Store the result; a job reset meanwhile (``force``) stays pending and runs again."""
         with self.db.session() as session:
-            session.execute(
-                update(DeepAnalysis)
-                .where(DeepAnalysis.id == job_id, DeepAnalysis.status == "running")
-                .values(status="done", status_reason=None, result=result, updated_at=_now())
-                .execution_options(synchronize_session=False)
-            )
+            _finish_running(session, DeepAnalysis, job_id, status="done", status_reason=None, result=result)
 
     def fail(self, job_id: int, reason: str) -> None:
         with self.db.session() as session:
-            session.execute(
-                update(DeepAnalysis)
-                .where(DeepAnalysis.id == job_id, DeepAnalysis.status == "running")
-                .values(status="failed", status_reason=_one_line(reason), result=null(), updated_at=_now())
-                .execution_options(synchronize_session=False)
+            _finish_running(
+                session, DeepAnalysis, job_id, status="failed", status_reason=_one_line(reason), result=null()
             )
 
 
