@@ -105,6 +105,11 @@ class Delivery:
     compresslevel: int = 1
 
 
+def default_flush_timeout() -> float:
+    """Seconds the agent may spend delivering at exit (``STEPDOCTOR_FLUSH_TIMEOUT``, default 10)."""
+    return float(os.environ.get("STEPDOCTOR_FLUSH_TIMEOUT") or Delivery.flush_timeout)
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     project: str

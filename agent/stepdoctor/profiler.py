@@ -405,7 +405,7 @@ def profile(
     """
     try:
         if flush_timeout is None:
-            flush_timeout = float(os.environ.get("STEPDOCTOR_FLUSH_TIMEOUT", "10"))
+            flush_timeout = _config.default_flush_timeout()
         cfg = _config.resolve(
             project=project,
             run=run,
