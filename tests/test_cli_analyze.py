@@ -108,3 +108,22 @@ def test_progress_shown_for_slow_runs() -> None:
     with cli._Progress(quiet, delay=5):
         pass
     assert quiet.getvalue() == ""
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("4000000000", 4 * 10**9), ("4e9", 4 * 10**9), ("500MB", 5 * 10**8), ("4GiB", 4 * 2**30)],
+)
+def test_max_bytes_accepts_sizes_as_people_write_them(text: str, expected: int) -> None:
+    assert cli.byte_size(text) == expected
+
+
+def test_max_bytes_in_human_units_caps_the_trace(trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert trace.stat().st_size > 2**10
+    assert cli.main([str(trace), "--max-bytes", "1KiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "1,024 byte limit" in err and len(err.splitlines()) == 1
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([str(trace), "--max-bytes", "lots"])
+    assert exit_info.value.code == 2
+    assert "not a size: 'lots'" in capsys.readouterr().err

@@ -66,6 +66,23 @@ class _Progress:
                 return
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def byte_size(text: str) -> int:
+    """A byte count as people write it: ``4000000000``, ``4e9``, ``500MB``, ``4GiB``."""
+    raw = text.strip().upper()
+    number = raw.rstrip("KMGIB")
+    unit = raw[len(number) :]
+    try:
+        value = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4e9, 500MB, 4GiB)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return int(value)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="stepdoctor analyze", description="Diagnose PyTorch profiler traces offline."
@@ -74,7 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--rank", type=int, default=None, help="analyze only this rank of a directory")
     p.add_argument(
-        "--max-bytes", type=int, default=None, help="refuse traces larger than this when decompressed"
+        "--max-bytes",
+        type=byte_size,
+        default=None,
+        help="refuse traces larger than this when decompressed (bytes; 4e9, 500MB and 4GiB work too)",
     )
     p.add_argument("--deep", choices=("critical-path",), default=None, help="add HTA's critical path")
     p.add_argument("--diff", metavar="OTHER", default=None, help="add HTA's kernel-level diff PATH → OTHER")
