@@ -257,3 +257,17 @@ def test_trace_page_draws_the_memory_curve(
     allocated = next(t for t in plots["plot-memory"]["data"] if t["name"].endswith("allocated"))
     # The builder's peak total is 90% of an A100's memory; the figure is in MiB.
     assert max(allocated["y"]) == pytest.approx(int(85_899_345_920 * 0.9) / 2**20)
+
+
+def test_compare_page_explains_a_run_not_analysed_yet(
+    client: TestClient, app: FastAPI, read_token: str
+) -> None:
+    done = upload(client, BASE.read_bytes(), project="vision", run="done").json()
+    drain(app)
+    waiting = upload(client, OTHER.read_bytes(), project="vision", run="waiting").json()  # left pending
+    with TestClient(app) as browser:
+        _login(browser, read_token)
+        page = browser.get(f"/compare?base={done['run_id']}&other={waiting['run_id']}")
+    assert page.status_code == 200
+    assert "has no analysed traces yet" in page.text
+    assert "plot-compare" not in page.text
