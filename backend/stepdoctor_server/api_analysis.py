@@ -16,15 +16,14 @@ from pydantic import BaseModel, Field
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
-from stepdoctor_server import aggregate, compare, tensorboard_export
+from stepdoctor_server import compare, tensorboard_export
 from stepdoctor_server.api_catalog import load_run
 from stepdoctor_server.api_traces import load_trace
 from stepdoctor_server.auth import Principal, ReadTeam, UploadTeam
 from stepdoctor_server.db import SessionDep
 from stepdoctor_server.errors import ApiError
 from stepdoctor_server.models import Analysis, DeepAnalysis, Run, Trace
-from stepdoctor_server.queue import request_deep_analysis, requeue_if_stale, reset_to_pending
+from stepdoctor_server.queue import is_outdated, request_deep_analysis, requeue_if_stale, reset_to_pending
 from stepdoctor_server.schemas import ErrorResponse
 from stepdoctor_server.storage import TraceStore
 
@@ -121,7 +120,7 @@ def get_run_diagnosis(run_id: int, principal: ReadTeam, session: SessionDep) -> 
         .join(Analysis, Analysis.trace_id == Trace.id)
         .where(Trace.run_id == run.id)
     ).all()
-    outdated = [r for r in rows if r.engine_version != ENGINE_VERSION or r.schema_version != SCHEMA_VERSION]
+    outdated = [r for r in rows if is_outdated(r.engine_version, r.schema_version)]
     requeue = [r.id for r in outdated if r.status in ("done", "failed")]
     reset_to_pending(session, requeue)
     counts = dict(
@@ -152,8 +151,8 @@ def compare_runs(
 ) -> CompareOut:
     base_run, base_project = load_run(session, principal, base)
     other_run, other_project = load_run(session, principal, other)
-    base_diag = run_diagnosis(session, base_run)
-    other_diag = run_diagnosis(session, other_run)
+    base_diag = run_diagnosis(base_run)
+    other_diag = run_diagnosis(other_run)
     return CompareOut(
         base={"id": base_run.id, "project": base_project.name, "name": base_run.name, "diagnosis": base_diag},
         other={
@@ -166,19 +165,15 @@ def compare_runs(
     )
 
 
-def run_diagnosis(session: Session, run: Run) -> dict[str, Any]:
-    """The run's diagnosis from its current analyses; 409 while it has none."""
-    rows = session.execute(
-        select(Trace.id, Trace.rank, Trace.window_index, Analysis.report)
-        .join(Analysis, Analysis.trace_id == Trace.id)
-        .where(Trace.run_id == run.id)
-        .order_by(Trace.id)
-    ).all()
-    if not rows:
+def run_diagnosis(run: Run) -> dict[str, Any]:
+    """The run's stored diagnosis, which the worker refreshes as its traces finish; 409 while it has none.
+
+    Reading it (rather than re-aggregating every report on the request path) keeps compare, the run
+    page and ``GET /runs/{id}`` on one source of truth.
+    """
+    if not run.diagnosis or not run.diagnosis.get("traces"):
         raise ApiError(409, "not_analyzed", f"run {run.id} has no analysed traces yet")
-    return aggregate.aggregate_run(
-        [aggregate.TraceReport(tid, rank, win, rep) for tid, rank, win, rep in rows]
-    )
+    return run.diagnosis
 
 
 @router.get(

@@ -366,9 +366,11 @@ def reset_to_pending(session: Session, trace_ids: Sequence[int]) -> int:
     return int(result.rowcount)  # type: ignore[attr-defined]
 
 
-def is_outdated(analysis: Analysis, engine_version: str, schema_version: int) -> bool:
-    """An analysis made by another engine or report schema is redone on demand."""
-    return analysis.engine_version != engine_version or analysis.schema_version != schema_version
+def is_outdated(engine_version: str, schema_version: int) -> bool:
+    """An analysis made by another engine or report schema than this one is redone on demand."""
+    from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
+
+    return engine_version != ENGINE_VERSION or schema_version != SCHEMA_VERSION
 
 
 def requeue_if_stale(session: Session, trace: Trace, analysis: Analysis | None) -> bool:
@@ -376,9 +378,8 @@ def requeue_if_stale(session: Session, trace: Trace, analysis: Analysis | None) 
 
     Returns True when the report shown is stale (outdated, re-analysis queued or under way).
     """
-    from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
 
-    if analysis is None or not is_outdated(analysis, ENGINE_VERSION, SCHEMA_VERSION):
+    if analysis is None or not is_outdated(analysis.engine_version, analysis.schema_version):
         return False
     if trace.status in ("done", "failed"):
         reset_to_pending(session, [trace.id])

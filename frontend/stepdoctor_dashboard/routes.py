@@ -231,7 +231,7 @@ def compare_page(
     other_run, _ = load_run(session, viewer, other)
     try:
         comparison = compare.compare_diagnoses(
-            api_analysis.run_diagnosis(session, base_run), api_analysis.run_diagnosis(session, other_run)
+            api_analysis.run_diagnosis(base_run), api_analysis.run_diagnosis(other_run)
         )
     except ApiError as exc:  # a run without analysed traces yet
         return _render(
