@@ -2,7 +2,8 @@
 
 For every GPU fixture and one large trace (≥ 800 MB decompressed, built in a temp dir by repeating
 ``df_index_resolver``'s events shifted in time), each contender runs in a fresh subprocess; we report
-its wall time (imports excluded) and peak RSS (``VmHWM`` of that process, imports included):
+its wall time (imports excluded), the whole process's wall time, its peak RSS (``VmHWM``,
+imports included) and how far that peak rose above what the imports alone reached:
 - ours: ``load_trace`` + steps + breakdown + GPU metrics + HTA-style temporal/idle/launch metrics;
 - pipeline: the full ``pipeline.analyze_path`` report, when that module exists;
 - hta: ``TraceAnalysis`` load + temporal breakdown + idle-time breakdown (the rank passed);
@@ -17,6 +18,7 @@ Run: ``.venv/bin/python bench/analysis_speed.py [--skip-large] [--only NAME]``.
 from __future__ import annotations
 
 import argparse
+import compileall
 import gzip
 import json
 import os
@@ -50,8 +52,12 @@ HTA_MAX_SECONDS = 180
 CHILD = r"""
 import json, sys, time
 mode, path, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def status_mb(key):
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(key + ":")) / 1024
 if mode == "ours":
     from stepdoctor_analysis import breakdown, gpu_metrics, hta_metrics, parse, steps
+    imported_mb = status_mb("VmHWM")
     t = time.perf_counter()
     tr = parse.load_trace(path)
     st = steps.find_steps(tr)
@@ -62,6 +68,7 @@ if mode == "ours":
     hta_metrics.kernel_launch_stats(tr)
 elif mode == "pipeline":
     from stepdoctor_analysis import pipeline
+    imported_mb = status_mb("VmHWM")
     t = time.perf_counter()
     pipeline.analyze_path(path).to_dict()
 elif mode == "floor":
@@ -69,6 +76,7 @@ elif mode == "floor":
     from stepdoctor_analysis.parse import _Event
     class Top(msgspec.Struct):
         traceEvents: list[_Event]
+    imported_mb = status_mb("VmHWM")
     t = time.perf_counter()
     with open(path, "rb") as fh:
         raw = fh.read()
@@ -78,6 +86,7 @@ elif mode == "floor":
 elif mode == "stream":
     from stepdoctor_analysis import parse
     parse._Builder.absorb = lambda self, events: None  # decode every chunk, build nothing
+    imported_mb = status_mb("VmHWM")
     t = time.perf_counter()
     try:
         parse.load_trace(path)
@@ -88,6 +97,7 @@ elif mode == "hta":
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     from hta.trace_analysis import TraceAnalysis
+    imported_mb = status_mb("VmHWM")
     t = time.perf_counter()
     ta = TraceAnalysis(trace_dir=path)
     r = next(iter(ta.t.traces))
@@ -95,14 +105,13 @@ elif mode == "hta":
     ta.get_idle_time_breakdown(ranks=[r], visualize=False)
 seconds = time.perf_counter() - t
 # VmHWM: this process's peak RSS (ru_maxrss would report the parent's, inherited across fork+exec).
-with open("/proc/self/status") as fh:
-    hwm_kb = next(int(line.split()[1]) for line in fh if line.startswith("VmHWM:"))
-print(json.dumps({"seconds": seconds, "rss_mb": hwm_kb / 1024}))
+print(json.dumps({"seconds": seconds, "rss_mb": status_mb("VmHWM"), "import_mb": imported_mb}))
 """
 
 
 def run_child(mode: str, path: Path, rank: int = 0, timeout: float = 900) -> dict[str, float] | None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    started = time.perf_counter()
     try:
         out = subprocess.run(
             [sys.executable, "-c", CHILD, mode, str(path), str(rank)],
@@ -119,6 +128,7 @@ def run_child(mode: str, path: Path, rank: int = 0, timeout: float = 900) -> dic
         print(f"  [{mode} failed on {path.name}: {out.stderr.strip().splitlines()[-1:]}]", file=sys.stderr)
         return None
     result: dict[str, float] = json.loads(lines[-1])
+    result["process_s"] = time.perf_counter() - started
     return result
 
 
@@ -128,7 +138,12 @@ def run_best(mode: str, path: Path, repeat: int, timeout: float = 900) -> dict[s
     results = [r for r in (run_child(mode, path, timeout=timeout) for _ in range(repeat)) if r is not None]
     if not results:
         return None
-    return {"seconds": min(r["seconds"] for r in results), "rss_mb": max(r["rss_mb"] for r in results)}
+    return {
+        "seconds": min(r["seconds"] for r in results),
+        "process_s": min(r["process_s"] for r in results),
+        "rss_mb": max(r["rss_mb"] for r in results),
+        "import_mb": max(r["import_mb"] for r in results),
+    }
 
 
 def decompressed_size(path: Path) -> int:
@@ -190,10 +205,6 @@ def build_large(dest: Path) -> Path:
     return out
 
 
-def fmt(x: float | None, unit: str = "") -> str:
-    return "-" if x is None else f"{x:.2f}{unit}"
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-large", action="store_true")
@@ -204,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     cases: list[tuple[str, Path, bool]] = [
         (rel.split("/")[-1], FIXTURES / rel, False) for rel in GPU_FIXTURES if (FIXTURES / rel).exists()
     ]
+    compile_bytecode()
     tmp = Path(tempfile.mkdtemp(prefix="stepdoctor-bench-"))
     try:
         if not args.skip_large:
@@ -249,7 +261,7 @@ def print_row(row: tuple[Any, ...]) -> None:
     label, mb, ours, pipe, hta, floor, stream, note = row
 
     def sec(r: dict[str, float] | None) -> str:
-        return "-" if r is None else f"{r['seconds']:.2f}s/{r['rss_mb']:.0f}MB"
+        return "-" if r is None else f"{r['seconds']:.3f}s/{r['rss_mb']:.0f}MB"
 
     print(
         f"  {label}: {mb:.0f} MB ours={sec(ours)} pipeline={sec(pipe)} hta={sec(hta)} floor={sec(floor)} "
@@ -258,30 +270,54 @@ def print_row(row: tuple[Any, ...]) -> None:
     )
 
 
+def _ratio(a: float | None, b: float | None, unit: str = "") -> str:
+    return "-" if a is None or b is None or b <= 0 else f"{a / b:.2f}{unit}"
+
+
 def print_table(rows: list[tuple[Any, ...]]) -> None:
+    """One line per trace. Speed: the analysis itself (imports excluded), then whole processes.
+
+    Memory: the peak RSS of each process (imports included), and the peak *above* what the
+    imports alone reached (``+MB``): on sub-MB traces both contenders sit at their import floor.
+    """
     head = (
-        f"{'trace':<40} {'MB':>6} | {'ours s':>7} {'RSS MB':>7} | {'pipe s':>7} {'RSS MB':>7} | "
-        f"{'HTA s':>7} {'RSS MB':>7} | {'floor s':>7} {'RSS MB':>7} | {'strm s':>7} {'RSS MB':>7} | "
-        f"{'HTA/ours':>8} {'HTA/pipe':>8} {'RSS ours/HTA':>12} {'ours/floor':>10} {'ours/strm':>9}"
+        f"{'trace':<34} {'MB':>5} | {'pipe s':>7} {'HTA s':>7} {'HTA/pipe':>8} | {'ours s':>7} {'HTA/ours':>8} | "
+        f"{'pipe MB':>7} {'HTA MB':>7} {'ratio':>5} | {'+pipe':>6} {'+HTA':>6} {'ratio':>5} | "
+        f"{'proc s':>6} {'HTA':>6} {'ratio':>6} | {'floor s':>7} {'MB':>5} | {'strm s':>6}"
     )
     print()
     print(head)
     print("-" * len(head))
     for label, mb, ours, pipe, hta, floor, stream, note in rows:
 
-        def cell(r: dict[str, float] | None) -> str:
-            return "      -       -" if r is None else f"{r['seconds']:>7.2f} {r['rss_mb']:>7.0f}"
+        def g(r: dict[str, float] | None, key: str) -> float | None:
+            return None if r is None else r[key]
 
-        speed = hta["seconds"] / ours["seconds"] if hta and ours else None
-        e2e = hta["seconds"] / pipe["seconds"] if hta and pipe else None
-        mem = ours["rss_mb"] / hta["rss_mb"] if hta and ours else None
-        vs_floor = ours["seconds"] / floor["seconds"] if floor and ours else None
-        vs_stream = ours["seconds"] / stream["seconds"] if stream and ours else None
+        def num(x: float | None, width: int, digits: int = 3) -> str:
+            return f"{'-':>{width}}" if x is None else f"{x:>{width}.{digits}f}"
+
+        extra = [None if r is None else r["rss_mb"] - r["import_mb"] for r in (pipe, hta)]
         print(
-            f"{label[:40]:<40} {mb:>6.0f} | {cell(ours)} | {cell(pipe)} | {cell(hta)} | {cell(floor)} | "
-            f"{cell(stream)} | {fmt(speed, 'x'):>8} {fmt(e2e, 'x'):>8} {fmt(mem):>12} {fmt(vs_floor, 'x'):>10} {fmt(vs_stream, 'x'):>9}"
+            f"{label[:34]:<34} {mb:>5.0f} | {num(g(pipe, 'seconds'), 7)} {num(g(hta, 'seconds'), 7)} "
+            f"{_ratio(g(hta, 'seconds'), g(pipe, 'seconds'), 'x'):>8} | {num(g(ours, 'seconds'), 7)} "
+            f"{_ratio(g(hta, 'seconds'), g(ours, 'seconds'), 'x'):>8} | "
+            f"{num(g(pipe, 'rss_mb'), 7, 0)} {num(g(hta, 'rss_mb'), 7, 0)} {_ratio(g(pipe, 'rss_mb'), g(hta, 'rss_mb')):>5} | "
+            f"{num(extra[0], 6, 0)} {num(extra[1], 6, 0)} {_ratio(extra[0], extra[1]):>5} | "
+            f"{num(g(pipe, 'process_s'), 6, 2)} {num(g(hta, 'process_s'), 6, 2)} "
+            f"{_ratio(g(hta, 'process_s'), g(pipe, 'process_s'), 'x'):>6} | "
+            f"{num(g(floor, 'seconds'), 7)} {num(g(floor, 'rss_mb'), 5, 0)} | {num(g(stream, 'seconds'), 6)}"
             + (f"  ({note})" if note else "")
         )
+
+
+def compile_bytecode() -> None:
+    """pip compiles an installed package's modules; this editable checkout may not have them.
+
+    Without .pyc files (e.g. ``PYTHONDONTWRITEBYTECODE=1``), every fresh process would compile our
+    sources on import, and pay for it in peak RSS, while HTA's installed modules are compiled.
+    """
+    for pkg in ("backend", "agent"):
+        compileall.compile_dir(str(REPO / pkg), quiet=1)
 
 
 if __name__ == "__main__":

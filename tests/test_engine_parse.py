@@ -6,6 +6,7 @@ import functools
 import gzip
 import json
 import re
+import zlib
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -195,8 +196,18 @@ def _same(a: RankTrace, b: RankTrace) -> None:
     np.testing.assert_array_equal(a.host.external_id, b.host.external_id)
 
 
+@pytest.fixture(params=["isal", "zlib"])
+def inflate_lib(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run with ISA-L (the [analyze] extra) and with the stdlib zlib it falls back to."""
+    if request.param == "zlib":
+        monkeypatch.setattr(parse, "_inflate_lib", zlib)
+    else:
+        assert parse._inflate_lib.__name__.startswith("isal"), "the [analyze] extra installs isal"
+    return str(request.param)
+
+
 def test_small_chunks_one_line_json_and_multi_member_gzip_give_the_same_trace(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inflate_lib: str
 ) -> None:
     rel = "trace_filter/sampled_rank-0.json.gz"
     ref = parsed(rel)
@@ -258,6 +269,26 @@ def test_odd_value_types_are_coerced_not_fatal(tmp_path: Path) -> None:
     assert tr.gpu.stream.tolist() == [7, 31] and tr.gpu.ts.tolist() == [20_000, 40_000]
 
 
+def test_label_pids_in_one_chunk_keep_later_chunks_numeric(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a "Spans"-style label is seen, pid/tid are read apart from the numeric record."""
+    events = [{"ph": "X", "cat": "user_annotation", "name": "span", "pid": "Spans", "tid": "PyTorch Profiler",
+               "ts": 1, "dur": 1}]  # fmt: skip
+    events += [
+        {"ph": "X", "cat": "cpu_op", "name": f"op{i % 7}", "pid": 10 + i % 3, "tid": 20 + i % 2, "ts": 10 + i,
+         "dur": 1, "args": {"External id": i}}
+        for i in range(3000)
+    ]  # fmt: skip
+    monkeypatch.setattr(parse, "_CHUNK", 4 << 10)
+    monkeypatch.setattr(parse, "_OUT_BLOCK", 4 << 10)
+    tr = load_trace(write_trace(tmp_path / "labels.json", events))
+    assert tr.host.pid[0] < -1 and tr.host.tid[0] < -1  # labels get negative ids
+    assert tr.host.pid[1:].tolist() == [10 + i % 3 for i in range(3000)]
+    assert tr.host.tid[1:].tolist() == [20 + i % 2 for i in range(3000)]
+    assert tr.host.external_id[1:].tolist() == list(range(3000))
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [
@@ -284,7 +315,7 @@ def test_bad_json_gives_one_line_naming_the_file(tmp_path: Path, content: bytes,
     assert text.startswith("upload.json: ") and "\n" not in text
 
 
-def test_truncated_and_corrupt_gzip(tmp_path: Path) -> None:
+def test_truncated_and_corrupt_gzip(tmp_path: Path, inflate_lib: str) -> None:
     data = fixture("critical_path/simple_add/benchmark_result_493459_1694039959_trace.json.gz").read_bytes()
     cut = tmp_path / "cut.json.gz"
     cut.write_bytes(data[: len(data) // 2])
