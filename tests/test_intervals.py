@@ -48,3 +48,50 @@ def test_empty_sets() -> None:
     assert iv.total(iv.intersect(a, iv.EMPTY)) == 0
     assert iv.total(iv.subtract(a, iv.EMPTY)) == 4
     assert iv.total(iv.subtract(iv.EMPTY, a)) == 0
+
+
+def _random_windows(rng: np.random.Generator, overlapping: bool) -> tuple[np.ndarray, np.ndarray]:
+    n = int(rng.integers(1, 6))
+    if overlapping:
+        s = np.sort(rng.integers(0, SPAN, n)).astype(np.int64)
+        return s, s + rng.integers(0, 50, n)
+    edges = np.sort(rng.choice(SPAN, 2 * n, replace=False)).astype(np.int64)
+    return edges[0::2], edges[1::2]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_claim_in_order_matches_claiming_one_layer_at_a_time(seed: int) -> None:
+    """Each layer gets, per window, what it covers there that no earlier layer covers."""
+    rng = np.random.default_rng(seed)
+    ws, we = _random_windows(rng, overlapping=seed % 2 == 1)
+    raw = [_random_set(rng) for _ in range(int(rng.integers(0, 5)))]
+    if seed % 5 == 0 and raw:
+        raw[0] = (np.empty(0, np.int64), np.empty(0, np.int64))  # an empty layer claims nothing
+    got = iv.claim_in_order(ws, we, [iv.union(s, e) for s, e in raw])
+    taken = np.zeros(SPAN + 40, dtype=bool)
+    for k, (s, e) in enumerate(raw):
+        mine = _cover(s, e) & ~taken
+        taken |= mine
+        assert got.per_layer[k].tolist() == [int(mine[a:b].sum()) for a, b in zip(ws, we, strict=True)]
+    assert got.unclaimed.tolist() == [int((~taken)[a:b].sum()) for a, b in zip(ws, we, strict=True)]
+    assert np.array_equal(_cover(*got.free), _cover(ws, we) & ~taken)
+
+
+def test_union_of_negative_times() -> None:
+    s, e = iv.union(np.array([-50, -40, -10]), np.array([-30, -35, -5]))
+    assert s.tolist() == [-50, -10] and e.tolist() == [-30, -5]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_median_and_percentiles_equal_numpys(seed: int) -> None:
+    """The engine's cheap stand-ins return exactly what numpy returns."""
+    from stepdoctor_analysis import timeline as tl
+
+    rng = np.random.default_rng(seed)
+    a = rng.integers(0, 10 ** int(rng.integers(1, 12)), int(rng.integers(1, 40))).astype(np.int64)
+    assert tl.median(a) == float(np.median(a))
+    assert tl.percentiles(a, (50, 90, 99)) == np.percentile(a, (50, 90, 99)).tolist()
+    assert tl.mean_or_zero(a) == float(a.mean())
+    f = a / 7.0
+    assert tl.median(f) == float(np.median(f))
+    assert tl.percentiles(f, (10, 50, 99)) == np.percentile(f, (10, 50, 99)).tolist()

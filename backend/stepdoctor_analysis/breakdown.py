@@ -73,31 +73,48 @@ def is_comm_kernel_name(s: str) -> bool:
 
 def communication_kernel_mask(trace: RankTrace) -> Mask:
     """GPU kernels that are collectives: by NCCL name, or launched under a collective op's external id."""
+    return trace.memo("comm_kernels", lambda: _communication_kernel_mask(trace))
+
+
+def _communication_kernel_mask(trace: RankTrace) -> Mask:
     gpu, host = trace.gpu, trace.host
-    by_name = trace.name_mask(is_comm_kernel_name, key="comm.kernel")[gpu.name]
-    mask = (gpu.kind == GpuKind.KERNEL) & by_name
+    kernels = trace.gpu_kind(GpuKind.KERNEL)
+    mask = kernels & trace.gpu_named(is_comm_kernel_name, "comm.kernel")
     comm_ops = collective_op_mask(trace)
     if comm_ops.any():
-        ext = np.unique(host.external_id[comm_ops])
+        ext = host.external_id[comm_ops]
         ext = ext[ext >= 0]
         call = launching_call(trace)
         has = call >= 0
         linked = np.zeros(len(gpu), np.bool_)
         linked[has] = np.isin(host.external_id[call[has]], ext)
-        mask |= (gpu.kind == GpuKind.KERNEL) & linked
+        mask |= kernels & linked
     return mask
 
 
+def computation_kernel_union(trace: RankTrace) -> iv.Intervals:
+    """When a kernel that is not a collective runs (the ``kernel`` category, before claiming)."""
+
+    def evaluate() -> iv.Intervals:
+        gpu = trace.gpu
+        mask = trace.gpu_kind(GpuKind.KERNEL) & ~communication_kernel_mask(trace)
+        return iv.union(gpu.ts[mask], gpu.ts[mask] + gpu.dur[mask])
+
+    return trace.memo("compute_union", evaluate)
+
+
 def collective_op_mask(trace: RankTrace) -> Mask:
-    host = trace.host
-    named = trace.name_mask(is_collective_op_name, key="comm.op")[host.name]
-    return named & ((host.kind == HostKind.CPU_OP) | (host.kind == HostKind.USER_ANNOTATION))
+    def evaluate() -> Mask:
+        return trace.host_named(is_collective_op_name, "comm.op", HostKind.CPU_OP, HostKind.USER_ANNOTATION)
+
+    return trace.memo("collective_ops", evaluate)
 
 
 def dataloader_mask(trace: RankTrace) -> Mask:
-    host = trace.host
-    named = trace.name_mask(is_dataloader_name, key="dataloader")[host.name]
-    return named & ((host.kind == HostKind.CPU_OP) | (host.kind == HostKind.USER_ANNOTATION))
+    def evaluate() -> Mask:
+        return trace.host_named(is_dataloader_name, "dataloader", HostKind.CPU_OP, HostKind.USER_ANNOTATION)
+
+    return trace.memo("dataloader_calls", evaluate)
 
 
 def category_intervals(trace: RankTrace) -> dict[str, iv.Intervals]:
@@ -106,27 +123,25 @@ def category_intervals(trace: RankTrace) -> dict[str, iv.Intervals]:
     comm_k = communication_kernel_mask(trace)
     comm_op = collective_op_mask(trace)
     dl = dataloader_mask(trace)
-    steps = trace.name_mask(lambda s: s.startswith(STEP_PREFIX), key="steps.prefix")[host.name]
-    cpu = (host.kind == HostKind.CPU_OP) & ~dl & ~comm_op & ~steps
-    runtime = (host.kind == HostKind.RUNTIME) | (host.kind == HostKind.DRIVER)
-    g_end = gpu.ts + gpu.dur
-    h_end = host.ts + host.dur
+    steps = trace.host_named(lambda s: s.startswith(STEP_PREFIX), "steps.prefix", HostKind.CPU_OP)
+    cpu = trace.host_kind(HostKind.CPU_OP) & ~dl & ~comm_op & ~steps
 
     def g(mask: Mask) -> iv.Intervals:
-        return iv.union(gpu.ts[mask], g_end[mask])
+        return iv.union(gpu.ts[mask], gpu.ts[mask] + gpu.dur[mask])
 
     def h(mask: Mask) -> iv.Intervals:
-        return iv.union(host.ts[mask], h_end[mask])
+        return iv.union(host.ts[mask], host.ts[mask] + host.dur[mask])
 
     comm = iv.union(
-        np.concatenate([gpu.ts[comm_k], host.ts[comm_op]]), np.concatenate([g_end[comm_k], h_end[comm_op]])
+        np.concatenate([gpu.ts[comm_k], host.ts[comm_op]]),
+        np.concatenate([gpu.ts[comm_k] + gpu.dur[comm_k], host.ts[comm_op] + host.dur[comm_op]]),
     )
     return {
-        "kernel": g((gpu.kind == GpuKind.KERNEL) & ~comm_k),
-        "memcpy": g(gpu.kind == GpuKind.MEMCPY),
-        "memset": g(gpu.kind == GpuKind.MEMSET),
+        "kernel": computation_kernel_union(trace),
+        "memcpy": g(trace.gpu_kind(GpuKind.MEMCPY)),
+        "memset": g(trace.gpu_kind(GpuKind.MEMSET)),
         "communication": comm,
-        "runtime": h(runtime),
+        "runtime": h(trace.host_kind(HostKind.RUNTIME, HostKind.DRIVER)),
         "dataloader": h(dl),
         "cpu_exec": h(cpu),
     }
@@ -138,12 +153,9 @@ def compute_breakdown(trace: RankTrace, steps: list[Step]) -> Breakdown:
         return Breakdown([], [])
     w_start = np.array([s.start for s in steps], np.int64)
     w_end = np.array([s.end for s in steps], np.int64)
-    free = iv.union(w_start, w_end)
-    cols: dict[str, np.ndarray] = {}
-    for name, busy in category_intervals(trace).items():
-        claimed = iv.intersect(free, busy)
-        cols[name] = iv.per_window_total(claimed, w_start, w_end)
-        free = iv.subtract(free, claimed)
-    cols["other"] = iv.per_window_total(free, w_start, w_end)
-    per_step = [{c: int(cols[c][i]) for c in CATEGORIES} for i in range(len(steps))]
+    busy = category_intervals(trace)
+    claimed = iv.claim_in_order(w_start, w_end, list(busy.values()))
+    cols = {name: per.tolist() for name, per in zip(busy, claimed.per_layer, strict=True)}
+    cols["other"] = claimed.unclaimed.tolist()
+    per_step = [{c: cols[c][i] for c in CATEGORIES} for i in range(len(steps))]
     return Breakdown(list(steps), per_step)

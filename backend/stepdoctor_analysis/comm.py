@@ -40,7 +40,7 @@ def analyze_comm(trace: RankTrace, steps: list[Step]) -> CommStats:
     starts, ends = tl.step_windows(steps)
     h = trace.host
     host_coll = 0.0
-    if len(h):
+    if len(h) and collective_op_mask(trace).any():
         host_coll = tl.mean_or_zero(
             tl.per_step(tl.host_union(trace, collective_op_mask(trace)), starts, ends)
         )
@@ -48,10 +48,10 @@ def analyze_comm(trace: RankTrace, steps: list[Step]) -> CommStats:
     if not len(g):
         return CommStats(host_collective_ns_per_step=host_coll)
     cmask = tl.comm_kernel_mask(trace)
-    comm = tl.gpu_union(trace, cmask)
-    compute = tl.gpu_union(trace, tl.compute_kernel_mask(trace))
-    exposed = tl.per_step(iv.subtract(comm, compute), starts, ends)
-    overlapped = tl.per_step(iv.intersect(comm, compute), starts, ends)
+    comm = tl.comm_union(trace)
+    total = tl.per_step(comm, starts, ends)
+    overlapped = tl.per_step(iv.intersect(comm, tl.compute_union(trace)), starts, ends)
+    exposed = total - overlapped  # the part no compute kernel hides
     top = []
     if cmask.any():
         ids, counts = np.unique(g.name[cmask], return_counts=True)
@@ -59,7 +59,7 @@ def analyze_comm(trace: RankTrace, steps: list[Step]) -> CommStats:
         for k in np.argsort(-sums)[:5]:
             top.append((trace.strings[int(ids[k])], int(counts[k]), int(sums[k])))
     return CommStats(
-        kernel_ns_per_step=tl.mean_or_zero(tl.per_step(comm, starts, ends)),
+        kernel_ns_per_step=tl.mean_or_zero(total),
         exposed_ns_per_step=tl.mean_or_zero(exposed),
         overlapped_ns_per_step=tl.mean_or_zero(overlapped),
         exposed_per_step=[int(x) for x in exposed],

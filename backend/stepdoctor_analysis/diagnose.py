@@ -63,31 +63,15 @@ def account(
 ) -> Accounting:
     starts, ends = tl.step_windows(steps)
     step_ns = (ends - starts).astype(np.int64)
-    gpu_active = device_op_mask(trace) & tl.in_windows(trace.gpu.ts, starts, ends) if trace.has_gpu else None
+    gpu_active = device_op_mask(trace) & tl.gpu_in_steps(trace, steps) if trace.has_gpu else None
     if gpu_active is not None and gpu_active.any():
         kinds = _account_gpu(trace, starts, ends, inputs, sync, memory)
     else:
         kinds = _account_cpu(trace, starts, ends, inputs, comm_host)
     for k in (*KINDS, "other"):
-        kinds.setdefault(k, np.zeros(len(steps), dtype=np.int64))
+        if k not in kinds:
+            kinds[k] = np.zeros(len(steps), dtype=np.int64)
     return Accounting(step_ns=step_ns, kinds=kinds)
-
-
-class _Claimer:
-    """Hands out each step's time to kinds in priority order; nothing is counted twice."""
-
-    def __init__(self, starts: np.ndarray, ends: np.ndarray) -> None:
-        self.starts, self.ends = starts, ends
-        self.free: iv.Intervals = iv.union(starts, ends)
-        self.out: dict[str, np.ndarray] = {}
-
-    def claim(self, kind: str, ivs: iv.Intervals) -> iv.Intervals:
-        got = iv.intersect(self.free, ivs)
-        self.free = iv.subtract(self.free, got)
-        prev = self.out.get(kind)
-        per = tl.per_step(got, self.starts, self.ends)
-        self.out[kind] = per if prev is None else prev + per
-        return got
 
 
 def _account_gpu(
@@ -98,17 +82,23 @@ def _account_gpu(
     sync: SyncStats,
     memory: MemoryStats,
 ) -> dict[str, np.ndarray]:
-    c = _Claimer(starts, ends)
-    c.claim("compute", tl.gpu_union(trace, tl.compute_kernel_mask(trace)))
-    c.claim("communication", tl.gpu_union(trace, tl.comm_kernel_mask(trace)))
-    c.claim("transfer", tl.gpu_union(trace, tl.copy_mask(trace)))
-    c.claim("input", inputs.intervals)
-    c.claim("memory", memory.alloc_call_intervals)
-    c.claim("sync", _sync_bubbles(c.free, sync))
-    host_wait, other = _split_idle(trace, c.free)
-    c.claim("launch", host_wait)
-    c.claim("other", other)
-    return c.out
+    busy = {
+        "compute": tl.compute_union(trace),
+        "communication": tl.comm_union(trace),
+        "transfer": tl.gpu_union(trace, tl.copy_mask(trace)),
+        "input": inputs.intervals,
+        "memory": memory.alloc_call_intervals,
+    }
+    claimed = iv.claim_in_order(starts, ends, list(busy.values()))
+    out = dict(zip(busy, claimed.per_layer, strict=True))
+    # The rest of the idle time is charged by what happened around it: it depends on what is left.
+    idle = claimed.free
+    stalled = iv.intersect(idle, _sync_bubbles(idle, sync))
+    out["sync"] = tl.per_step(stalled, starts, ends)
+    host_wait, other = _split_idle(trace, iv.subtract(idle, stalled))
+    out["launch"] = tl.per_step(host_wait, starts, ends)
+    out["other"] = tl.per_step(other, starts, ends)
+    return out
 
 
 def _sync_bubbles(idle: iv.Intervals, sync: SyncStats) -> iv.Intervals:
@@ -149,24 +139,41 @@ def _account_cpu(
     trace: RankTrace, starts: np.ndarray, ends: np.ndarray, inputs: InputStats, comm_host: bool
 ) -> dict[str, np.ndarray]:
     h = trace.host
-    c = _Claimer(starts, ends)
-    c.claim("input", inputs.intervals)
-    ops = h.kind == HostKind.CPU_OP
-    if comm_host:
-        c.claim("communication", tl.host_union(trace, collective_op_mask(trace)))
+    ops = trace.host_kind(HostKind.CPU_OP)
     typical = median_dur_by_name(trace, ops)[h.name]
     sized = ops & (typical >= SMALL_OP_NS)  # shorter ops are dispatch overhead whatever their name
-    c.claim("compute", tl.host_union(trace, sized & tl.host_name_mask(trace, COMPUTE_OP_RE, "cpu_compute")))
-    c.claim("memory", tl.host_union(trace, sized & tl.host_name_mask(trace, MEMORY_OP_RE, "cpu_memory")))
-    c.claim("compute", tl.host_union(trace, ops & (typical >= BIG_OP_NS)))
     all_ops = tl.host_union(trace, ops)
     # Short gaps between ops are dispatch and Python glue: overhead of issuing many small ops.
     gap_s, gap_e = all_ops[1][:-1], all_ops[0][1:]
     short = (gap_e - gap_s) < GLUE_NS
-    glue = (gap_s[short], gap_e[short])
-    c.claim("launch", iv.union(np.concatenate([all_ops[0], glue[0]]), np.concatenate([all_ops[1], glue[1]])))
-    c.claim("other", c.free)
-    return c.out
+    layers: list[tuple[str, iv.Intervals]] = [("input", inputs.intervals)]
+    if comm_host:
+        layers.append(("communication", tl.host_union(trace, collective_op_mask(trace))))
+    layers += [
+        (
+            "compute",
+            tl.host_union(
+                trace, sized & tl.host_name_mask(trace, COMPUTE_OP_RE, "cpu_compute", HostKind.CPU_OP)
+            ),
+        ),
+        (
+            "memory",
+            tl.host_union(
+                trace, sized & tl.host_name_mask(trace, MEMORY_OP_RE, "cpu_memory", HostKind.CPU_OP)
+            ),
+        ),
+        ("compute", tl.host_union(trace, ops & (typical >= BIG_OP_NS))),
+        (
+            "launch",
+            iv.union(np.concatenate([all_ops[0], gap_s[short]]), np.concatenate([all_ops[1], gap_e[short]])),
+        ),
+    ]
+    claimed = iv.claim_in_order(starts, ends, [ivs for _, ivs in layers])
+    out: dict[str, np.ndarray] = {}
+    for (kind, _), per in zip(layers, claimed.per_layer, strict=True):
+        out[kind] = out[kind] + per if kind in out else per
+    out["other"] = claimed.unclaimed
+    return out
 
 
 # --- classification and ranking ------------------------------------------------------------------

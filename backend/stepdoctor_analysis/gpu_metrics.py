@@ -71,7 +71,7 @@ def compute_gpu_metrics(trace: RankTrace, steps: list[Step]) -> GpuMetrics:
         return GpuMetrics((0, 0), [])
     lo, hi = steps[0].start, steps[-1].end
     gpu = trace.gpu
-    is_kernel = gpu.kind == GpuKind.KERNEL
+    is_kernel = trace.gpu_kind(GpuKind.KERNEL)
     devices = []
     for dev in np.unique(gpu.device[is_kernel]).tolist():
         if dev < 0:
@@ -81,7 +81,11 @@ def compute_gpu_metrics(trace: RankTrace, steps: list[Step]) -> GpuMetrics:
         bps, occ = gpu.blocks_per_sm[sel], gpu.occupancy[sel]
         busy = iv.union(ts, end)
         overall = _window(busy, ts, end, bps, occ, lo, hi)
-        per_step = [_window(busy, ts, end, bps, occ, s.start, s.end) for s in steps]
+        # A single step spans the overall window: its metrics are the overall ones.
+        per_step = [
+            overall if (s.start, s.end) == (lo, hi) else _window(busy, ts, end, bps, occ, s.start, s.end)
+            for s in steps
+        ]
         devices.append(DeviceMetrics(int(dev), overall, per_step))
     return GpuMetrics((lo, hi), devices)
 
@@ -93,8 +97,8 @@ def _window(busy: iv.Intervals, ts: I64, end: I64, bps: F32, occ: F32, lo: int, 
         return WindowMetrics(0.0, None, None, 0)
     # Only kernels overlapping the window matter; clipping them makes every sum window-local.
     inside = (ts < hi) & (end > lo)
-    s = np.clip(ts[inside], lo, hi)
-    e = np.clip(end[inside], lo, hi)
+    s = np.minimum(np.maximum(ts[inside], lo), hi)  # np.clip, without its wrapper's overhead
+    e = np.minimum(np.maximum(end[inside], lo), hi)
     return WindowMetrics(
         utilization=kernel_ns / span,
         sm_efficiency=_sm_efficiency(s, e, bps[inside], span),

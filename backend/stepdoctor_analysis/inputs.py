@@ -55,7 +55,7 @@ def analyze_inputs(trace: RankTrace, steps: list[Step]) -> InputStats:
     starts, ends = tl.step_windows(steps)
     ivs = tl.host_union(trace, mask)
     per = tl.per_step(ivs, starts, ends)
-    in_steps = mask & tl.in_windows(h.ts, starts, ends)
+    in_steps = mask & tl.host_in_steps(trace, steps)
     names = sorted({trace.strings[int(i)] for i in np.unique(h.name[mask])})
     return InputStats(
         loader_ns_per_step=tl.mean_or_zero(per),

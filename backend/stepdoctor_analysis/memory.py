@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import timeline as tl
-from .model import NONE, MemoryEvents, RankTrace, Step
-from .steps import launch_mask
+from .model import NONE, HostKind, MemoryEvents, RankTrace, Step
 
 _ALLOC_API_RE = re.compile(
     r"^(cuda|hip)(Malloc|Free|MallocAsync|FreeAsync|MallocHost|FreeHost)$|^cuMem(Alloc|Free)(_v2)?$"
@@ -63,7 +62,7 @@ def analyze_memory(trace: RankTrace, steps: list[Step], *, host_memory: int = 0)
     if len(m):
         caps = {d.id: d.total_memory for d in trace.devices}
         in_steps = tl.in_windows(m.ts, starts, ends) if steps else np.ones(len(m), dtype=np.bool_)
-        for dtype, did in _device_keys(m):
+        for dtype, did in _device_keys(trace):
             sel = (m.device_type == dtype) & (m.device_id == did)
             is_cuda = int(dtype) == 1
             alloc = sel & in_steps & (m.bytes > 0)
@@ -85,8 +84,8 @@ def analyze_memory(trace: RankTrace, steps: list[Step], *, host_memory: int = 0)
     h = trace.host
     steady = np.zeros(len(h), dtype=np.bool_)
     if len(h) and len(steps) > 1:
-        steady = tl.host_name_mask(trace, _ALLOC_API_RE, "alloc_api") & launch_mask(trace)
-        steady &= tl.in_windows(h.ts, starts[1:], ends[1:])
+        steady = tl.host_name_mask(trace, _ALLOC_API_RE, "alloc_api", HostKind.RUNTIME, HostKind.DRIVER)
+        steady = steady & tl.in_windows(h.ts, starts[1:], ends[1:])
     steady_steps = max(1, len(steps) - 1)
     return MemoryStats(
         devices=devices,
@@ -100,7 +99,11 @@ def analyze_memory(trace: RankTrace, steps: list[Step], *, host_memory: int = 0)
     )
 
 
-def _device_keys(m: MemoryEvents) -> list[tuple[int, int]]:
+def _device_keys(trace: RankTrace) -> list[tuple[int, int]]:
+    return trace.memo("memory.device_keys", lambda: _distinct_devices(trace.memory))
+
+
+def _distinct_devices(m: MemoryEvents) -> list[tuple[int, int]]:
     """Distinct (device_type, device_id) pairs, sorted: a 1-D unique on one packed int64 key.
 
     ``np.unique(axis=1)`` on the stacked pair sorts structured views and costs ~15 ms per 30k events.
@@ -125,7 +128,7 @@ def memory_curves(trace: RankTrace, *, origin_ns: int, max_points: int = 400) ->
     curves: list[dict[str, object]] = []
     if not len(m):
         return curves
-    for dtype, did in _device_keys(m):
+    for dtype, did in _device_keys(trace):
         sel = np.flatnonzero((m.device_type == dtype) & (m.device_id == did) & (m.total_allocated != NONE))
         if sel.size == 0:
             continue

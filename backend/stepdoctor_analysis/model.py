@@ -8,10 +8,10 @@ Names are interned: each table's ``name`` column indexes ``RankTrace.strings``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.ma  # np.unique imports it lazily (~25 ms): pay that at import, not per analysis
@@ -24,6 +24,9 @@ F32 = npt.NDArray[np.float32]
 Mask = npt.NDArray[np.bool_]
 
 NONE = -1  # missing integer field (correlation, external id, bytes, stream, ...)
+
+T = TypeVar("T")
+K = TypeVar("K", bound=IntEnum)
 
 
 class HostKind(IntEnum):
@@ -154,20 +157,90 @@ class RankTrace:
     format: str = "kineto"  # which generation the parser recognised, e.g. "kineto", "legacy-2021"
     metadata: dict[str, Any] = field(default_factory=dict)  # small top-level keys (schemaVersion, ...)
     distributed: dict[str, Any] = field(default_factory=dict)  # distributedInfo
-    _mask_cache: dict[Any, Mask] = field(default_factory=dict, repr=False, compare=False)
+    _cache: dict[Hashable, Any] = field(default_factory=dict, repr=False, compare=False)
 
-    def name_mask(self, predicate: Callable[[str], bool], key: Any = None) -> Mask:
-        """Boolean mask over ``strings``; index it with a table's ``name`` column.
+    def memo(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """``compute()``, evaluated once per trace and key.
 
-        Evaluates the predicate once per distinct name, not once per event.
+        Several analyzers ask the same questions of a trace (which events are kernels, which fall in
+        a step, when compute kernels run); answering each once saves repeated passes over the event
+        tables. Cached arrays are made read-only, so changing one in place fails loudly instead of
+        corrupting what the other analyzers see.
         """
-        if key is not None and key in self._mask_cache:
-            return self._mask_cache[key]
-        mask = np.fromiter(map(predicate, self.strings), dtype=np.bool_, count=len(self.strings))
-        if key is not None:
-            self._mask_cache[key] = mask
-        return mask
+        try:
+            return self._cache[key]
+        except KeyError:
+            pass
+        value = compute()
+        for arr in value if isinstance(value, tuple) else (value,):
+            if isinstance(arr, np.ndarray):
+                arr.flags.writeable = False
+        self._cache[key] = value
+        return value
+
+    def host_named(self, predicate: Callable[[str], object], key: Hashable, *kinds: HostKind) -> Mask:
+        """Host events (of ``kinds``, when given) whose name satisfies ``predicate``.
+
+        The predicate (any truthy result will do, so a compiled regex's ``search`` can be one) runs
+        once per distinct name among those events only: GPU kernel names are long C++ templates,
+        and most names belong to events of other kinds.
+        """
+        kinds = _in_order(kinds)
+
+        def evaluate() -> Mask:
+            among = self.host_kind(*kinds) if kinds else None
+            return self._named(("host", kinds), self.host.name, predicate, among)
+
+        return self.memo(("host_named", key, kinds), evaluate)
+
+    def gpu_named(self, predicate: Callable[[str], object], key: Hashable) -> Mask:
+        """GPU events whose name satisfies ``predicate``, evaluated once per distinct GPU name."""
+        return self.memo(("gpu_named", key), lambda: self._named(("gpu",), self.gpu.name, predicate, None))
+
+    def _named(
+        self, group: Hashable, names: I32, predicate: Callable[[str], object], among: Mask | None
+    ) -> Mask:
+        def distinct() -> list[int]:
+            present = names if among is None else names[among]
+            return np.flatnonzero(np.bincount(present, minlength=len(self.strings))).tolist()
+
+        strings = self.strings
+        hits = [i for i in self.memo(("names_used", group), distinct) if predicate(strings[i])]
+        if not hits:  # the usual answer: skip building a mask over every event
+            return np.zeros(names.shape[0], dtype=np.bool_)
+        if len(hits) <= 4:  # a few names: comparing is cheaper than a gather over every event
+            mask = names == hits[0]
+            for i in hits[1:]:
+                mask |= names == i
+        else:
+            by_name = np.zeros(len(strings), dtype=np.bool_)
+            by_name[hits] = True
+            mask = by_name[names]
+        return mask if among is None else mask & among
+
+    def host_kind(self, *kinds: HostKind) -> Mask:
+        """Host events of any of ``kinds`` (cached: most analyzers select by kind)."""
+        kinds = _in_order(kinds)
+        return self.memo(("host_kind", kinds), lambda: _kind_mask(self.host.kind, kinds))
+
+    def gpu_kind(self, *kinds: GpuKind) -> Mask:
+        """GPU events of any of ``kinds`` (cached: most analyzers select by kind)."""
+        kinds = _in_order(kinds)
+        return self.memo(("gpu_kind", kinds), lambda: _kind_mask(self.gpu.kind, kinds))
 
     @property
     def has_gpu(self) -> bool:
         return len(self.gpu) > 0
+
+
+def _in_order(kinds: tuple[K, ...]) -> tuple[K, ...]:
+    """One cache entry per set of kinds, however a caller orders them."""
+    return kinds if len(kinds) < 2 else tuple(sorted(set(kinds)))
+
+
+def _kind_mask(column: I8, kinds: tuple[IntEnum, ...]) -> Mask:
+    # Compare with plain ints: numpy converts an IntEnum member several times slower than an int.
+    mask = column == int(kinds[0])
+    for k in kinds[1:]:
+        mask |= column == int(k)
+    return mask

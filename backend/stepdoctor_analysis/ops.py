@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import timeline as tl
-from .model import CopyKind, GpuKind, HostKind, RankTrace, Step
+from .model import GpuKind, HostKind, RankTrace, Step
 from .steps import launching_call
+from .transfers import small_htod_copies
 
 # Host ops that do arithmetic heavy enough to be worth running (the "compute" of a CPU trace).
 COMPUTE_OP_RE = re.compile(
@@ -71,29 +72,29 @@ class OpStats:
 def analyze_ops(trace: RankTrace, steps: list[Step]) -> OpStats:
     if not steps:
         return OpStats()
-    starts, ends = tl.step_windows(steps)
     n = len(steps)
     h, g = trace.host, trace.gpu
-    ops = (h.kind == HostKind.CPU_OP) & tl.in_windows(h.ts, starts, ends)
+    in_steps = tl.host_in_steps(trace, steps)
+    ops = trace.host_kind(HostKind.CPU_OP) & in_steps
     kernels = (
-        (g.kind == GpuKind.KERNEL) & tl.in_windows(g.ts, starts, ends) if len(g) else np.zeros(0, np.bool_)
+        trace.gpu_kind(GpuKind.KERNEL) & tl.gpu_in_steps(trace, steps) if len(g) else np.zeros(0, np.bool_)
     )
     stats = {
         "top_kernels": _top(trace, g.name[kernels], g.dur[kernels]) if len(g) else [],
         "top_ops": _top(trace, h.name[ops], h.dur[ops]),
         "ops_per_step": int(ops.sum()) / n,
-        "median_op_ns": float(np.median(h.dur[ops])) if ops.any() else 0.0,
+        "median_op_ns": tl.median(h.dur[ops]) if ops.any() else 0.0,
         "kernels_per_step": int(kernels.sum()) / n,
-        "median_kernel_ns": float(np.median(g.dur[kernels])) if kernels.any() else 0.0,
+        "median_kernel_ns": tl.median(g.dur[kernels]) if kernels.any() else 0.0,
     }
     patterns = [
         p
         for p in (
-            _single_tensor_optimizer(trace, starts, ends),
-            _zero_grad_fill(trace, starts, ends),
+            _single_tensor_optimizer(trace, in_steps, n),
+            _zero_grad_fill(trace, in_steps, n),
             _fp32_gemm(trace, kernels, n),
             _select_loop(trace, ops, n),
-            _small_htod(trace, starts, ends),
+            _small_htod(trace, steps),
         )
         if p is not None
     ]
@@ -136,28 +137,31 @@ def _top(trace: RankTrace, names: np.ndarray, durs: np.ndarray, k: int = 10) -> 
 
 def _inside(trace: RankTrace, outer: np.ndarray, inner: np.ndarray) -> np.ndarray:
     """Which ``inner`` host events lie inside some ``outer`` host event (by time)."""
-    h = trace.host
     o = tl.host_union(trace, outer)
-    return tl.in_windows(h.ts, o[0], o[1]) & inner
+    idx = np.flatnonzero(inner)
+    out = np.zeros(inner.shape[0], dtype=np.bool_)
+    out[idx] = tl.in_windows(trace.host.ts[idx], o[0], o[1])
+    return out
 
 
 def _span_mask(trace: RankTrace, prefix: re.Pattern[str], key: str) -> np.ndarray:
-    return tl.host_name_mask(trace, prefix, key) & (trace.host.kind != HostKind.RUNTIME)
+    return tl.host_name_mask(trace, prefix, key) & ~trace.host_kind(HostKind.RUNTIME)
 
 
-def _single_tensor_optimizer(trace: RankTrace, starts: np.ndarray, ends: np.ndarray) -> AntiPattern | None:
+def _single_tensor_optimizer(trace: RankTrace, in_steps: np.ndarray, n: int) -> AntiPattern | None:
     h = trace.host
-    steps_mask = _span_mask(trace, _OPT_STEP_RE, "opt_step") & tl.in_windows(h.ts, starts, ends)
+    steps_mask = _span_mask(trace, _OPT_STEP_RE, "opt_step") & in_steps
     if not steps_mask.any():
         return None
-    cpu = h.kind == HostKind.CPU_OP
-    single = _inside(trace, steps_mask, tl.host_name_mask(trace, _SINGLE_UPDATE_RE, "single_upd") & cpu)
-    foreach = _inside(trace, steps_mask, tl.host_name_mask(trace, _FOREACH_RE, "foreach") & cpu)
+    single = _inside(
+        trace, steps_mask, tl.host_name_mask(trace, _SINGLE_UPDATE_RE, "single_upd", HostKind.CPU_OP)
+    )
+    foreach = _inside(trace, steps_mask, tl.host_name_mask(trace, _FOREACH_RE, "foreach", HostKind.CPU_OP))
     calls = int(steps_mask.sum())
     per_call = int(single.sum()) / calls
     if foreach.any() or per_call < 20:
         return None
-    opt_ns = int(h.dur[steps_mask].sum()) / len(starts)
+    opt_ns = int(h.dur[steps_mask].sum()) / n
     # Upper bound: the foreach path keeps roughly one launch per op kind instead of one per tensor.
     return AntiPattern(
         "single_tensor_optimizer",
@@ -169,30 +173,27 @@ def _single_tensor_optimizer(trace: RankTrace, starts: np.ndarray, ends: np.ndar
     )
 
 
-def _zero_grad_fill(trace: RankTrace, starts: np.ndarray, ends: np.ndarray) -> AntiPattern | None:
+def _zero_grad_fill(trace: RankTrace, in_steps: np.ndarray, n: int) -> AntiPattern | None:
     h = trace.host
-    spans = _span_mask(trace, _OPT_ZERO_RE, "opt_zero") & tl.in_windows(h.ts, starts, ends)
+    spans = _span_mask(trace, _OPT_ZERO_RE, "opt_zero") & in_steps
     if not spans.any():
         return None
     zero = _inside(
         trace,
         spans,
-        tl.host_name_mask(trace, _ZERO_RE, "zero_") & (h.kind == HostKind.CPU_OP),
+        tl.host_name_mask(trace, _ZERO_RE, "zero_", HostKind.CPU_OP),
     )
     if not zero.any():
         return None
-    ns = int(h.dur[zero].sum()) / len(starts)
-    return AntiPattern("zero_grad_fill", ns, {"zero_calls_per_step": int(zero.sum()) / len(starts)})
+    ns = int(h.dur[zero].sum()) / n
+    return AntiPattern("zero_grad_fill", ns, {"zero_calls_per_step": int(zero.sum()) / n})
 
 
 def _fp32_gemm(trace: RankTrace, kernels: np.ndarray, n: int) -> AntiPattern | None:
     if not trace.devices or max(d.compute_major for d in trace.devices) < 8 or not kernels.any():
         return None
     g = trace.gpu
-    fp32 = trace.name_mask(
-        lambda s: bool(_FP32_GEMM_RE.search(s)) and not _TENSOR_CORE_RE.search(s), ("diag", "fp32")
-    )
-    m = kernels & fp32[g.name]
+    m = kernels & trace.gpu_named(_is_fp32_gemm, "fp32_gemm")
     if not m.any():
         return None
     ns = int(g.dur[m].sum())
@@ -208,25 +209,32 @@ def _fp32_gemm(trace: RankTrace, kernels: np.ndarray, n: int) -> AntiPattern | N
     )
 
 
+def _is_fp32_gemm(name: str) -> bool:
+    # Every alternative of the pattern contains "gemm": the substring test rejects the other (long,
+    # templated) kernel names far faster than the case-insensitive regex scan does.
+    # Most GEMM kernels are tensor-core ones, and that pattern is the cheaper to rule them out.
+    if "gemm" not in name.lower() or _TENSOR_CORE_RE.search(name):
+        return False
+    return _FP32_GEMM_RE.search(name) is not None
+
+
 def _select_loop(trace: RankTrace, ops: np.ndarray, n: int) -> AntiPattern | None:
     h = trace.host
-    sel = ops & tl.host_name_mask(trace, _SELECT_RE, "select")
+    sel = ops & tl.host_name_mask(trace, _SELECT_RE, "select", HostKind.CPU_OP)
     per = int(sel.sum()) / n
     if per < 1000:
         return None
     return AntiPattern("select_loop", int(h.dur[sel].sum()) / n, {"select_calls_per_step": per})
 
 
-def _small_htod(trace: RankTrace, starts: np.ndarray, ends: np.ndarray) -> AntiPattern | None:
-    g = trace.gpu
-    if not len(g):
+def _small_htod(trace: RankTrace, steps: list[Step]) -> AntiPattern | None:
+    if not len(trace.gpu):
         return None
-    m = (g.kind == GpuKind.MEMCPY) & (g.copy_kind == CopyKind.HTOD) & (g.bytes >= 0) & (g.bytes <= 65536)
-    m &= tl.in_windows(g.ts, starts, ends)
-    per = int(m.sum()) / len(starts)
+    m = small_htod_copies(trace, steps)
+    per = int(m.sum()) / len(steps)
     if per < 50:
         return None
     launcher = launching_call(trace)
     li = launcher[m & (launcher >= 0)]
-    host_ns = int(trace.host.dur[li].sum()) / len(starts)
+    host_ns = int(trace.host.dur[li].sum()) / len(steps)
     return AntiPattern("small_htod_copies", host_ns, {"small_htod_per_step": per})

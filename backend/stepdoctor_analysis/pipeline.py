@@ -12,11 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from . import breakdown as bd
 from . import diagnose, gpu_metrics, parse, steps
 from . import hta_metrics as hta
+from . import timeline as tl
 from .comm import analyze_comm, rank_spread
 from .errors import TraceError
 from .inputs import analyze_inputs, loader_settings
@@ -78,7 +77,7 @@ def analyze_trace(
         device=trace.devices[0] if trace.devices else None,
         n_steps=len(step_list),
         has_step_markers=bool(steps.step_marker_mask(trace).any()),
-        step_ns=float(acc.step_ns.mean()),
+        step_ns=tl.mean_or_zero(acc.step_ns),
         accounting=acc,
         transfers=analyze_transfers(trace, step_list),
         sync=sync,
@@ -129,8 +128,8 @@ def _metrics(trace: RankTrace, ctx: Context, step_list: list[Any]) -> dict[str, 
     durs = acc.step_ns / 1e3
     out: dict[str, Any] = {
         "step_time_us": {
-            "mean": float(durs.mean()),
-            "p50": float(np.median(durs)),
+            "mean": tl.mean_or_zero(durs),
+            "p50": tl.median(durs),
             "max": float(durs.max()),
             "min": float(durs.min()),
         },

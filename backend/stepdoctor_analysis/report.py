@@ -107,6 +107,7 @@ class Report:
 
 
 _LEAVES = frozenset({int, str, bool, type(None)})
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}  # dataclass -> its field names (``fields()`` is slow)
 
 
 def plain(obj: Any) -> Any:
@@ -116,8 +117,17 @@ def plain(obj: Any) -> Any:
         return obj if math.isfinite(obj) else None
     if t in _LEAVES:
         return obj
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    # Containers take int/str/bool/None items (and a list's finite floats: memory curves) as they
+    # are: most items are, and a call for each adds up.
+    if t is list:
+        return [v if type(v) in _LEAVES or (type(v) is float and math.isfinite(v)) else plain(v) for v in obj]
+    if t is dict:
+        return {str(k): v if type(v) in _LEAVES else plain(v) for k, v in obj.items()}
+    if hasattr(t, "__dataclass_fields__"):  # an instance: a dataclass type's own type has no fields
+        names = _FIELD_NAMES.get(t)
+        if names is None:
+            names = _FIELD_NAMES[t] = tuple(f.name for f in dataclasses.fields(obj))
+        return {name: v if type(v := getattr(obj, name)) in _LEAVES else plain(v) for name in names}
     if isinstance(obj, dict):
         return {str(k): plain(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

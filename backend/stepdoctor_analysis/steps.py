@@ -22,13 +22,16 @@ from .model import I64, GpuKind, HostKind, Mask, RankTrace, Step
 
 STEP_PREFIX = "ProfilerStep#"
 _TAIL_RATIO = 0.8
+_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 
 
 def step_marker_mask(trace: RankTrace) -> Mask:
     """Host events that are ``ProfilerStep#N`` markers."""
-    is_step = trace.name_mask(_is_step_name, key="steps.marker")
-    kind = trace.host.kind
-    return is_step[trace.host.name] & ((kind == HostKind.USER_ANNOTATION) | (kind == HostKind.CPU_OP))
+
+    def evaluate() -> Mask:
+        return trace.host_named(_is_step_name, "steps.marker", HostKind.USER_ANNOTATION, HostKind.CPU_OP)
+
+    return trace.memo("step_markers", evaluate)
 
 
 def _is_step_name(s: str) -> bool:
@@ -37,14 +40,12 @@ def _is_step_name(s: str) -> bool:
 
 def launch_mask(trace: RankTrace) -> Mask:
     """Host events that launch GPU work: runtime and driver API calls."""
-    kind = trace.host.kind
-    return (kind == HostKind.RUNTIME) | (kind == HostKind.DRIVER)
+    return trace.host_kind(HostKind.RUNTIME, HostKind.DRIVER)
 
 
 def device_op_mask(trace: RankTrace) -> Mask:
     """GPU events that count as device work for step windows (tb-profiler's device nodes)."""
-    kind = trace.gpu.kind
-    return (kind == GpuKind.KERNEL) | (kind == GpuKind.MEMCPY) | (kind == GpuKind.MEMSET)
+    return trace.gpu_kind(GpuKind.KERNEL, GpuKind.MEMCPY, GpuKind.MEMSET)
 
 
 def launching_call(trace: RankTrace) -> I64:
@@ -52,13 +53,7 @@ def launching_call(trace: RankTrace) -> I64:
 
     Six analyzers ask for it: computed once per trace, cached read-only on it.
     """
-    key = "steps.launching_call"
-    cached: I64 | None = trace._mask_cache.get(key)  # type: ignore[assignment]
-    if cached is None:
-        cached = _launching_call(trace)
-        cached.flags.writeable = False
-        trace._mask_cache[key] = cached  # type: ignore[assignment]
-    return cached
+    return trace.memo("steps.launching_call", lambda: _launching_call(trace))
 
 
 def _launching_call(trace: RankTrace) -> I64:
@@ -104,14 +99,13 @@ def find_steps(trace: RankTrace) -> list[Step]:
     s_idx = idx[inside]
     gpu = trace.gpu
     g_start, g_end = gpu.ts[g_idx], gpu.ts[g_idx] + gpu.dur[g_idx]
+    if g_idx.size == 0:
+        return [Step(num, s, e) for num, s, e in zip(numbers, starts.tolist(), ends.tolist(), strict=True)]
     matched = np.bincount(s_idx, minlength=n)
-    dev_min = np.full(n, np.iinfo(np.int64).max, np.int64)
-    dev_max = np.full(n, np.iinfo(np.int64).min, np.int64)
+    dev_min = np.full(n, _INT64_MAX, np.int64)
+    dev_max = np.full(n, _INT64_MIN, np.int64)
     np.minimum.at(dev_min, s_idx, g_start)
     np.maximum.at(dev_max, s_idx, g_end)
-
-    if g_idx.size == 0:
-        return [Step(num, int(s), int(e)) for num, s, e in zip(numbers, starts, ends, strict=True)]
 
     prev_end = int(starts[0])
     if matched[0] > 0:
@@ -123,11 +117,12 @@ def find_steps(trace: RankTrace) -> list[Step]:
         if before.size:
             prev_end = max(prev_end, int(before.max()))
     steps: list[Step] = []
-    for i in range(n):
-        start = max(prev_end, int(starts[i]))
-        end = int(ends[i])
-        end = max(end, start) if matched[i] == 0 else max(end, int(dev_max[i]), start)
-        steps.append(Step(numbers[i], start, end))
+    for number, start, end, n_matched, last_dev in zip(
+        numbers, starts.tolist(), ends.tolist(), matched.tolist(), dev_max.tolist(), strict=True
+    ):
+        start = max(prev_end, start)
+        end = max(end, start) if n_matched == 0 else max(end, last_dev, start)
+        steps.append(Step(number, start, end))
         prev_end = end
     return _drop_incomplete_tail(steps, matched)
 
@@ -148,8 +143,7 @@ def _drop_incomplete_tail(steps: list[Step], matched: np.ndarray) -> list[Step]:
 def _whole_trace_step(trace: RankTrace) -> list[Step]:
     """No markers: one step from the first to the last host op, launch call or GPU op."""
     host, gpu = trace.host, trace.gpu
-    kind = host.kind
-    real = (kind != HostKind.OTHER) & (kind != HostKind.OVERHEAD)
+    real = ~trace.host_kind(HostKind.OTHER, HostKind.OVERHEAD)
     lo: list[int] = []
     hi: list[int] = []
     if real.any():

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import timeline as tl
-from .model import GpuKind, HostKind, HostMem, RankTrace, Step
-from .steps import launch_mask, launching_call
+from .model import HostKind, RankTrace, Step
+from .steps import launching_call
 from .transfers import sync_copy_call_mask
 
 _SYNC_API_RE = re.compile(r"^(cuda|hip)(Stream|Device|Event)Synchronize$|^cu(Stream|Ctx|Event)Synchronize$")
@@ -66,12 +66,12 @@ def blocking_call_mask(trace: RankTrace) -> np.ndarray:
     h = trace.host
     if not len(h):
         return np.zeros(0, dtype=np.bool_)
-    rt = launch_mask(trace)
-    mask = (tl.host_name_mask(trace, _SYNC_API_RE, "sync_api") & rt) | sync_copy_call_mask(trace)
+    explicit = tl.host_name_mask(trace, _SYNC_API_RE, "sync_api", HostKind.RUNTIME, HostKind.DRIVER)
+    mask = explicit | sync_copy_call_mask(trace)
     g = trace.gpu
     if len(g):
         launcher = launching_call(trace)
-        pageable = (g.kind == GpuKind.MEMCPY) & (g.host_mem == HostMem.PAGEABLE) & (launcher >= 0)
+        pageable = tl.pageable_copy_mask(trace) & (launcher >= 0)
         mask[launcher[pageable]] = True
     return mask
 
@@ -80,8 +80,7 @@ def analyze_sync(trace: RankTrace, steps: list[Step]) -> SyncStats:
     h = trace.host
     if not len(h) or not steps:
         return SyncStats()
-    starts, ends = tl.step_windows(steps)
-    calls = np.flatnonzero(blocking_call_mask(trace) & tl.in_windows(h.ts, starts, ends))
+    calls = np.flatnonzero(blocking_call_mask(trace) & tl.host_in_steps(trace, steps))
     if calls.size == 0:
         return SyncStats()
     n = len(steps)
@@ -105,8 +104,8 @@ def _triggers(trace: RankTrace, calls: np.ndarray) -> list[Trigger]:
     h = trace.host
     if calls.size > _MAX_TRIGGER_CALLS:
         calls = calls[np.linspace(0, calls.size - 1, _MAX_TRIGGER_CALLS).astype(np.int64)]
-    ops = np.flatnonzero(h.kind == HostKind.CPU_OP)
-    trigger_names = trace.name_mask(lambda n: n in _TRIGGERS, key=("diag", "sync_triggers"))
+    ops = np.flatnonzero(trace.host_kind(HostKind.CPU_OP))
+    is_trigger = trace.host_named(lambda n: n in _TRIGGERS, "sync_triggers", HostKind.CPU_OP)
     picked = np.full(calls.size, -1, dtype=np.int64)
     for tid in np.unique(h.tid[calls]):
         sel = ops[h.tid[ops] == tid]
@@ -115,19 +114,22 @@ def _triggers(trace: RankTrace, calls: np.ndarray) -> list[Trigger]:
         if sel.size == 0:
             continue
         c = calls[mine]
-        hi = np.searchsorted(h.ts[sel], h.ts[c], side="right")
-        # A window of the ops that started just before each call, oldest first.
-        win = hi[:, None] - _LOOKBACK + np.arange(_LOOKBACK)[None, :]
-        valid = win >= 0
-        cand = sel[np.clip(win, 0, sel.size - 1)]
-        enclosing = valid & (h.ts[cand] + h.dur[cand] >= (h.ts[c] + h.dur[c])[:, None])
-        known = enclosing & trigger_names[h.name[cand]]
+        sel_start = h.ts[sel]
+        sel_end, sel_trigger = sel_start + h.dur[sel], is_trigger[sel]
+        hi = np.searchsorted(sel_start, h.ts[c], side="right")
+        # A window of the ops that started just before each call, oldest first (no wider than
+        # the thread's ops: positions before the first op could never be picked).
+        lookback = min(_LOOKBACK, sel.size)
+        win = hi[:, None] - lookback + np.arange(lookback)[None, :]
+        pos = np.clip(win, 0, sel.size - 1)
+        enclosing = (win >= 0) & (sel_end[pos] >= (h.ts[c] + h.dur[c])[:, None])
+        known = enclosing & sel_trigger[pos]
         # The outermost known trigger is what the user wrote (aten::item, not its helper);
         # with none known, the innermost enclosing op.
         first_known = np.argmax(known, axis=1)
-        last_enclosing = _LOOKBACK - 1 - np.argmax(enclosing[:, ::-1], axis=1)
+        last_enclosing = lookback - 1 - np.argmax(enclosing[:, ::-1], axis=1)
         rows = np.arange(c.size)
-        pick = np.where(known.any(axis=1), cand[rows, first_known], cand[rows, last_enclosing])
+        pick = sel[np.where(known.any(axis=1), pos[rows, first_known], pos[rows, last_enclosing])]
         picked[mine] = np.where(enclosing.any(axis=1), pick, -1)
     count: dict[str, int] = defaultdict(int)
     blocked: dict[str, int] = defaultdict(int)

@@ -15,8 +15,7 @@ import numpy as np
 
 from . import intervals as iv
 from . import timeline as tl
-from .model import CopyKind, GpuKind, HostMem, RankTrace, Step
-from .steps import launch_mask
+from .model import CopyKind, GpuKind, HostKind, HostMem, RankTrace, Step
 
 # Non-async memcpy APIs block the calling host thread until the copy is done.
 _SYNC_COPY_RE = re.compile(
@@ -62,7 +61,18 @@ class TransferStats:
 
 
 def sync_copy_call_mask(trace: RankTrace) -> np.ndarray:
-    return tl.host_name_mask(trace, _SYNC_COPY_RE, "sync_copy") & launch_mask(trace)
+    return tl.host_name_mask(trace, _SYNC_COPY_RE, "sync_copy", HostKind.RUNTIME, HostKind.DRIVER)
+
+
+def small_htod_copies(trace: RankTrace, steps: list[Step]) -> np.ndarray:
+    """HtoD memcpys of at most 64 KiB inside the steps (Nsight's threshold for "ignore")."""
+
+    def evaluate() -> np.ndarray:
+        g = trace.gpu
+        htod = trace.gpu_kind(GpuKind.MEMCPY) & (g.copy_kind == int(CopyKind.HTOD))
+        return htod & (g.bytes >= 0) & (g.bytes <= 65536) & tl.gpu_in_steps(trace, steps)
+
+    return trace.memo(("small_htod", tuple(steps)), evaluate)
 
 
 def analyze_transfers(trace: RankTrace, steps: list[Step]) -> TransferStats:
@@ -71,15 +81,16 @@ def analyze_transfers(trace: RankTrace, steps: list[Step]) -> TransferStats:
         return TransferStats()
     starts, ends = tl.step_windows(steps)
     n = len(steps)
-    memcpy = (g.kind == GpuKind.MEMCPY) & tl.in_windows(g.ts, starts, ends)
+    memcpy = trace.gpu_kind(GpuKind.MEMCPY) & tl.gpu_in_steps(trace, steps)
     copies = tl.gpu_union(trace, memcpy)
-    compute = tl.gpu_union(trace, tl.compute_kernel_mask(trace))
-    exposed = tl.per_step(iv.subtract(copies, compute), starts, ends)
-    pageable = memcpy & (g.host_mem == HostMem.PAGEABLE)
+    copy_per_step = tl.per_step(copies, starts, ends)
+    # The part no compute kernel hides.
+    exposed = copy_per_step - tl.per_step(iv.intersect(copies, tl.compute_union(trace)), starts, ends)
+    pageable = memcpy & tl.pageable_copy_mask(trace)
 
     directions = []
-    for kind, label in DIRECTIONS.items():
-        m = memcpy & (g.copy_kind == kind)
+    for kind, label in DIRECTIONS.items() if memcpy.any() else ():
+        m = memcpy & (g.copy_kind == int(kind))
         if not m.any():
             continue
         b = np.maximum(g.bytes[m], 0)
@@ -92,17 +103,16 @@ def analyze_transfers(trace: RankTrace, steps: list[Step]) -> TransferStats:
                 device_ns_per_step=dur / n,
                 bandwidth_gbps=float(b.sum()) / dur if dur > 0 else 0.0,  # bytes/ns == GB/s
                 pageable_count_per_step=int((m & pageable).sum()) / n,
-                pinned_count_per_step=int((m & (g.host_mem == HostMem.PINNED)).sum()) / n,
-                median_bytes=float(np.median(b)) if b.size else 0.0,
+                pinned_count_per_step=int((m & (g.host_mem == int(HostMem.PINNED))).sum()) / n,
+                median_bytes=tl.median(b) if b.size else 0.0,
             )
         )
 
     h = trace.host
-    sync_calls = sync_copy_call_mask(trace) & tl.in_windows(h.ts, starts, ends)
-    htod = memcpy & (g.copy_kind == CopyKind.HTOD)
+    sync_calls = sync_copy_call_mask(trace) & tl.host_in_steps(trace, steps)
     return TransferStats(
         directions=directions,
-        copy_ns_per_step=tl.mean_or_zero(tl.per_step(copies, starts, ends)),
+        copy_ns_per_step=tl.mean_or_zero(copy_per_step),
         exposed_ns_per_step=tl.mean_or_zero(exposed),
         exposed_per_step=[int(x) for x in exposed],
         pageable_ns_per_step=int(g.dur[pageable].sum()) / n,
@@ -110,5 +120,5 @@ def analyze_transfers(trace: RankTrace, steps: list[Step]) -> TransferStats:
         pageable_count_per_step=int(pageable.sum()) / n,
         sync_copy_calls_per_step=int(sync_calls.sum()) / n,
         sync_copy_host_ns_per_step=int(h.dur[sync_calls].sum()) / n,
-        small_htod_per_step=int((htod & (g.bytes >= 0) & (g.bytes <= 65536)).sum()) / n,
+        small_htod_per_step=int(small_htod_copies(trace, steps).sum()) / n,
     )
