@@ -428,3 +428,18 @@ def test_flow_links_needed_partway_through_a_multi_chunk_trace(tmp_path: Path) -
     launch_ts = {int(c): int(t) for c, t in zip(host.correlation, host.ts, strict=True) if c != NONE}
     gaps = {int(t) - launch_ts[int(c)] for c, t in zip(gpu.correlation, gpu.ts, strict=True)}
     assert gaps == {5_000}, "each kernel starts 5 µs after the launch it belongs to"
+
+
+def test_a_long_logs_array_after_the_events_is_not_mistaken_for_their_end(tmp_path: Path) -> None:
+    """Kineto may write a "logs" array of CUPTI lines after the events, each with a ']' in it."""
+    events = [{"ph": "X", "cat": "cpu_op", "name": "a", "pid": 1, "tid": 1, "ts": 1, "dur": 2}]
+    top = {
+        "schemaVersion": 1,
+        "traceEvents": events,
+        "logs": [f"INFO CuptiActivityProfiler.cpp:{i}] [Profiler = x] ok], [y]" for i in range(200)],
+        "traceName": "t.json",
+    }
+    path = tmp_path / "logs.json"
+    path.write_text(json.dumps(top, indent=1))
+    tr = load_trace(path)
+    assert len(tr.host) == 1 and tr.metadata.get("traceName", "t.json") == "t.json"

@@ -87,7 +87,7 @@ def _communication_kernel_mask(trace: RankTrace) -> Mask:
         call = launching_call(trace)
         has = call >= 0
         linked = np.zeros(len(gpu), np.bool_)
-        linked[has] = np.isin(host.external_id[call[has]], ext)
+        linked[has] = iv.member(host.external_id[call[has]], ext)
         mask |= kernels & linked
     return mask
 
@@ -98,7 +98,7 @@ def computation_kernel_union(trace: RankTrace) -> iv.Intervals:
     def evaluate() -> iv.Intervals:
         gpu = trace.gpu
         mask = trace.gpu_kind(GpuKind.KERNEL) & ~communication_kernel_mask(trace)
-        return iv.union(gpu.ts[mask], gpu.ts[mask] + gpu.dur[mask])
+        return iv.union(gpu.ts[mask], gpu.end[mask])
 
     return trace.memo("compute_union", evaluate)
 
@@ -127,14 +127,14 @@ def category_intervals(trace: RankTrace) -> dict[str, iv.Intervals]:
     cpu = trace.host_kind(HostKind.CPU_OP) & ~dl & ~comm_op & ~steps
 
     def g(mask: Mask) -> iv.Intervals:
-        return iv.union(gpu.ts[mask], gpu.ts[mask] + gpu.dur[mask])
+        return iv.union(gpu.ts[mask], gpu.end[mask])
 
     def h(mask: Mask) -> iv.Intervals:
-        return iv.union(host.ts[mask], host.ts[mask] + host.dur[mask])
+        return iv.union(host.ts[mask], host.end[mask])
 
     comm = iv.union(
         np.concatenate([gpu.ts[comm_k], host.ts[comm_op]]),
-        np.concatenate([gpu.ts[comm_k] + gpu.dur[comm_k], host.ts[comm_op] + host.dur[comm_op]]),
+        np.concatenate([gpu.end[comm_k], host.end[comm_op]]),
     )
     return {
         "kernel": computation_kernel_union(trace),

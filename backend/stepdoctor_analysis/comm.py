@@ -48,16 +48,19 @@ def analyze_comm(trace: RankTrace, steps: list[Step]) -> CommStats:
     if not len(g):
         return CommStats(host_collective_ns_per_step=host_coll)
     cmask = tl.comm_kernel_mask(trace)
+    if not cmask.any():  # no collective kernels: nothing to time
+        return CommStats(exposed_per_step=[0] * len(steps), host_collective_ns_per_step=host_coll)
     comm = tl.comm_union(trace)
     total = tl.per_step(comm, starts, ends)
     overlapped = tl.per_step(iv.intersect(comm, tl.compute_union(trace)), starts, ends)
     exposed = total - overlapped  # the part no compute kernel hides
-    top = []
-    if cmask.any():
-        ids, counts = np.unique(g.name[cmask], return_counts=True)
-        sums = np.array([int(g.dur[cmask & (g.name == i)].sum()) for i in ids])
-        for k in np.argsort(-sums)[:5]:
-            top.append((trace.strings[int(ids[k])], int(counts[k]), int(sums[k])))
+    # Per kernel name (ids are dense: counted in place, in id order); float sums of ns are exact.
+    names = g.name[cmask]
+    all_counts = np.bincount(names)
+    ids = all_counts.nonzero()[0]
+    counts = all_counts[ids]
+    sums = np.bincount(names, weights=g.dur[cmask])[ids].astype(np.int64)
+    top = [(trace.strings[int(ids[k])], int(counts[k]), int(sums[k])) for k in (-sums).argsort()[:5]]
     return CommStats(
         kernel_ns_per_step=tl.mean_or_zero(total),
         exposed_ns_per_step=tl.mean_or_zero(exposed),

@@ -40,7 +40,7 @@ from . import timeline as tl
 from .breakdown import collective_op_mask
 from .inputs import InputStats
 from .memory import MemoryStats
-from .model import HostKind, RankTrace, Step
+from .model import INT64_MIN, HostKind, RankTrace, Step
 from .ops import COMPUTE_OP_RE, MEMORY_OP_RE, median_dur_by_name
 from .rules import KINDS, RULES, Context, Hit, Rule, speedup
 from .steps import device_op_mask, launching_call
@@ -107,7 +107,7 @@ def _sync_bubbles(idle: iv.Intervals, sync: SyncStats) -> iv.Intervals:
         return iv.EMPTY
     gs, ge = idle
     # The first blocking-call end at or after (gap start - tolerance) must fall before the gap's end.
-    j = np.searchsorted(sync.call_ends, gs - SYNC_TOLERANCE_NS, side="left")
+    j = sync.call_ends.searchsorted(gs - SYNC_TOLERANCE_NS, side="left")
     ok = j < sync.call_ends.size
     hit = np.zeros(gs.size, dtype=np.bool_)
     hit[ok] = sync.call_ends[j[ok]] < ge[ok]
@@ -122,15 +122,15 @@ def _split_idle(trace: RankTrace, idle: iv.Intervals) -> tuple[iv.Intervals, iv.
     if gs.size == 0 or not len(trace.host):
         return idle, iv.EMPTY
     g = trace.gpu
-    act = np.flatnonzero(device_op_mask(trace))
-    order = act[np.argsort(g.ts[act], kind="stable")]
+    act = device_op_mask(trace).nonzero()[0]
+    order = act[g.ts[act].argsort(kind="stable")]
     launcher = launching_call(trace)
-    k = np.searchsorted(g.ts[order], ge, side="left")  # the first GPU op starting at/after the gap's end
+    k = g.ts[order].searchsorted(ge, side="left")  # the first GPU op starting at/after the gap's end
     host_wait = np.ones(gs.size, dtype=np.bool_)
     has_next = k < order.size
     nxt = order[k[has_next]]
     li = launcher[nxt]
-    issued = np.where(li >= 0, trace.host.ts[np.maximum(li, 0)], np.iinfo(np.int64).min)
+    issued = np.where(li >= 0, trace.host.ts[np.maximum(li, 0)], INT64_MIN)
     host_wait[has_next] = issued >= gs[has_next]
     return (gs[host_wait], ge[host_wait]), (gs[~host_wait], ge[~host_wait])
 
@@ -213,20 +213,22 @@ class Diagnosis:
 def classify(ctx: Context) -> Diagnosis:
     shares = {k: ctx.accounting.share(k) for k in KINDS}
     ranked = sorted(KINDS, key=lambda k: -shares[k])
-    hits = [(rule, hit) for rule in RULES if (hit := _evaluate(rule, ctx)) is not None]
+    hits = [(rule, hit) for rule in RULES if (hit := rule.evaluate(ctx)) is not None]
     recs = sorted(
         (_render(rule, hit, ctx) for rule, hit in hits), key=lambda r: (-r.expected_speedup, -r.confidence)
     )
     evidence = {rule.kind: hit.evidence for rule, hit in sorted(hits, key=lambda p: p[1].removable_ns)}
+    # Each kind's margin is over the largest of the others: the runner-up's share for the leader.
+    top, runner_up = shares[ranked[0]], shares[ranked[1]] if len(ranked) > 1 else 0.0
     bottlenecks = [
         Bottleneck(
             kind=k,
             share=round(shares[k], 4),
             us_per_step=round(ctx.accounting.mean_ns(k) / 1e3, 3),
-            confidence=_confidence(k, shares, ranked, ctx),
+            confidence=_confidence(shares[k], runner_up if i == 0 else top, ctx),
             evidence=evidence.get(k, {}),
         )
-        for k in ranked
+        for i, k in enumerate(ranked)
     ]
     primary = bottlenecks[0]
     secondary = [b for b in bottlenecks[1:] if b.share >= 0.05]
@@ -234,15 +236,9 @@ def classify(ctx: Context) -> Diagnosis:
     return Diagnosis(primary=primary, secondary=secondary, recommendations=with_change, findings=recs)
 
 
-def _evaluate(rule: Rule, ctx: Context) -> Hit | None:
-    return rule.evaluate(ctx)
-
-
-def _confidence(kind: str, shares: dict[str, float], ranked: list[str], ctx: Context) -> float:
+def _confidence(share: float, best_other: float, ctx: Context) -> float:
     """Higher when the kind dominates clearly and the trace has several steps to average over."""
-    share = shares[kind]
-    others = [shares[k] for k in ranked if k != kind]
-    margin = share - (max(others) if others else 0.0)
+    margin = share - best_other
     conf = 0.35 + 0.5 * share + 0.4 * max(-0.5, min(0.5, margin))
     if ctx.n_steps < 2:
         conf -= 0.15

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import intervals as iv
 from .model import F32, I64, GpuKind, RankTrace, Step
+from .timeline import distinct
 
 
 @dataclass(frozen=True)
@@ -42,14 +43,11 @@ class GpuMetrics:
     @property
     def utilization(self) -> float | None:
         """Mean over devices (each device is a separate resource the job paid for)."""
-        if not self.devices:
-            return None
-        return float(np.mean([d.overall.utilization for d in self.devices]))
+        return _mean([d.overall.utilization for d in self.devices])
 
     @property
     def sm_efficiency(self) -> float | None:
-        vals = [d.overall.sm_efficiency for d in self.devices if d.overall.sm_efficiency is not None]
-        return float(np.mean(vals)) if vals else None
+        return _mean([d.overall.sm_efficiency for d in self.devices if d.overall.sm_efficiency is not None])
 
     @property
     def occupancy(self) -> float | None:
@@ -65,6 +63,13 @@ class GpuMetrics:
         return float(sum(v * w for v, w in pairs if v is not None) / tot)
 
 
+def _mean(vals: list[float]) -> float | None:
+    """``np.mean``, and a single device's own value as it is (most traces have one)."""
+    if len(vals) < 2:
+        return float(vals[0]) if vals else None
+    return float(np.mean(vals))
+
+
 def compute_gpu_metrics(trace: RankTrace, steps: list[Step]) -> GpuMetrics:
     """Per-device metrics over all steps and per step; no devices when the trace has no kernels."""
     if not steps:
@@ -73,11 +78,11 @@ def compute_gpu_metrics(trace: RankTrace, steps: list[Step]) -> GpuMetrics:
     gpu = trace.gpu
     is_kernel = trace.gpu_kind(GpuKind.KERNEL)
     devices = []
-    for dev in np.unique(gpu.device[is_kernel]).tolist():
+    for dev in distinct(gpu.device[is_kernel]):
         if dev < 0:
             continue
-        sel = np.flatnonzero(is_kernel & (gpu.device == dev))
-        ts, end = gpu.ts[sel], gpu.ts[sel] + gpu.dur[sel]
+        sel = (is_kernel & (gpu.device == dev)).nonzero()[0]
+        ts, end = gpu.ts[sel], gpu.end[sel]
         bps, occ = gpu.blocks_per_sm[sel], gpu.occupancy[sel]
         busy = iv.union(ts, end)
         overall = _window(busy, ts, end, bps, occ, lo, hi)
@@ -115,10 +120,10 @@ def _sm_efficiency(s: I64, e: I64, bps: F32, span: int) -> float | None:
     # Sweep: the level between consecutive boundaries is the sum of running kernels' blocks per SM.
     t = np.concatenate([s, e])
     dv = np.concatenate([v, -v])
-    order = np.argsort(t, kind="stable")
+    order = t.argsort(kind="stable")
     t, dv = t[order], dv[order]
-    level = np.clip(np.cumsum(dv)[:-1], 0.0, 1.0)
-    seg = np.diff(t).astype(np.float64)
+    level = np.minimum(np.maximum(dv.cumsum()[:-1], 0.0), 1.0)  # np.clip, without its wrapper
+    seg = (t[1:] - t[:-1]).astype(np.float64)
     return float((level * seg).sum() / span)
 
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import intervals as iv
-from .model import I64, GpuKind, Mask, RankTrace
-from .steps import device_op_mask, launch_mask, launching_call
-from .timeline import mean_or_zero, percentiles
+from .model import I64, INT64_MIN, GpuKind, Mask, RankTrace
+from .steps import launch_mask, launched_ops, launching_call
+from .timeline import distinct, mean_or_zero, percentiles
 
 KERNEL_WAIT_THRESHOLD_NS = 30_000  # HTA's consecutive_kernel_delay (30 µs)
 SHORT_KERNEL_RUNTIME_NS = 50_000  # HTA runtime_cutoff
@@ -115,28 +115,19 @@ def hta_gpu_mask(trace: RankTrace) -> Mask:
     return trace.memo("hta.gpu_events", lambda: _hta_gpu_mask(trace))
 
 
-def _member(values: I64, pool: I64) -> Mask:
-    """``np.isin`` by binary search: several times faster on millions of ids (no hashing)."""
-    if pool.size == 0:
-        return np.zeros(values.size, np.bool_)
-    pool = np.sort(pool, kind="stable")  # ids mostly arrive in order: a run-aware sort is ~50x faster
-    idx = np.minimum(np.searchsorted(pool, values), pool.size - 1)
-    return pool[idx] == values
-
-
 def _hta_gpu_mask(trace: RankTrace) -> Mask:
     gpu = trace.gpu
     is_op = trace.gpu_kind(GpuKind.KERNEL, GpuKind.MEMCPY, GpuKind.MEMSET, GpuKind.SYNC)
     host = trace.host
     marks = trace.host_named(lambda s: "ProfilerStep" in s, "hta.steps")
     # HTA counts distinct ProfilerStep symbols, and with two or more drops the last step's work.
-    if np.unique(host.name[marks]).size < 2:
+    if len(distinct(host.name[marks])) < 2:
         return is_op
     device_sync = trace.gpu_named(lambda s: s in _DEVICE_SYNCS, "hta.devsync")
     last_start = host.ts[marks].max()
     corr = host.correlation[(host.ts < last_start) & (host.correlation >= 0)]
     linked = ((gpu.stream >= 0) & (gpu.correlation >= 0)) | device_sync
-    return is_op & linked & _member(gpu.correlation, corr)
+    return is_op & linked & iv.member(gpu.correlation, corr)
 
 
 def _fractional(trace: RankTrace) -> bool:
@@ -149,7 +140,12 @@ def _hta_span(ts: I64, end: I64, fractional: bool) -> tuple[I64, I64]:
     """HTA's rounding for ns-resolution traces: start up and end down to whole µs."""
     if not fractional:
         return ts, end
-    return -(-ts // 1000) * 1000, (end // 1000) * 1000
+    return _hta_start(ts, fractional), (end // 1000) * 1000
+
+
+def _hta_start(ts: I64, fractional: bool) -> I64:
+    """HTA's rounding of a start time: up to the whole µs in ns-resolution traces."""
+    return -(-ts // 1000) * 1000 if fractional else ts
 
 
 def temporal_breakdown(trace: RankTrace) -> TemporalBreakdown:
@@ -158,7 +154,7 @@ def temporal_breakdown(trace: RankTrace) -> TemporalBreakdown:
     sel = hta_gpu_mask(trace) & (gpu.stream != -1)
     if not sel.any():
         return TemporalBreakdown(trace.rank, 0, 0, 0, 0)
-    ts, end = _hta_span(gpu.ts[sel], gpu.ts[sel] + gpu.dur[sel], _fractional(trace))
+    ts, end = _hta_span(gpu.ts[sel], gpu.end[sel], _fractional(trace))
     busy = iv.union(ts, end)
     if busy[0].size == 0:
         return TemporalBreakdown(trace.rank, 0, 0, 0, 0)
@@ -177,40 +173,44 @@ def idle_time_breakdown(trace: RankTrace, threshold_ns: int = KERNEL_WAIT_THRESH
     ops); other: the rest. Like HTA, gaps are summed as they are (overlaps count negative).
     """
     gpu, host = trace.gpu, trace.host
-    sel = hta_gpu_mask(trace) & ~trace.gpu_kind(GpuKind.SYNC) & (gpu.stream != -1)
-    idx = np.flatnonzero(sel)
+    idx = (hta_gpu_mask(trace) & ~trace.gpu_kind(GpuKind.SYNC) & (gpu.stream != -1)).nonzero()[0]
+    if idx.size == 0:
+        return []
     frac = _fractional(trace)
     call = launching_call(trace)[idx]
-    host_ts, _ = _hta_span(host.ts, host.ts, frac)
-    call_ts = np.where(call >= 0, host_ts[np.maximum(call, 0)], np.iinfo(np.int64).min)
-    g_ts, g_end = _hta_span(gpu.ts[idx], gpu.ts[idx] + gpu.dur[idx], frac)
-    out = []
-    streams = gpu.stream[idx]
-    for stream in np.unique(streams).tolist():
-        on = streams == stream
-        ts = g_ts[on]
-        order = np.argsort(ts, kind="stable")
-        ts = ts[order]
-        end = g_end[on][order]
-        launched = call_ts[on][order]
-        gap = ts[1:] - end[:-1]
-        host_wait = launched[1:] > end[:-1]
-        kernel_wait = ~host_wait & (gap < threshold_ns)
-        other = ~host_wait & ~kernel_wait
-        out.append(
-            StreamIdle(
-                int(stream), int(gap[host_wait].sum()), int(gap[kernel_wait].sum()), int(gap[other].sum())
-            )
-        )
-    return out
+    issued = _hta_start(host.ts[np.maximum(call, 0)], frac)
+    launched = np.where(call >= 0, issued, INT64_MIN)
+    g_ts, g_end = _hta_span(gpu.ts[idx], gpu.end[idx], frac)
+    # Every stream in one pass: ops ordered by stream, then start (ties in trace order).
+    order = np.lexsort((g_ts, gpu.stream[idx]))
+    streams, ts, end, launched = gpu.stream[idx][order], g_ts[order], g_end[order], launched[order]
+    gap = ts[1:] - end[:-1]  # before each op; where a stream begins it spans two streams and is not read
+    host_wait = launched[1:] > end[:-1]
+    kernel_wait = ~host_wait & (gap < threshold_ns)
+    first, last = _runs(streams)
+    # A stream's gaps lie between its first and last op: differences of prefix sums (exact, int64).
+    sums = np.zeros((3, ts.size), dtype=np.int64)
+    (gap * host_wait).cumsum(out=sums[0, 1:])
+    (gap * kernel_wait).cumsum(out=sums[1, 1:])
+    gap.cumsum(out=sums[2, 1:])
+    host_ns, kernel_ns, gap_ns = (sums[:, last] - sums[:, first]).tolist()
+    return [
+        StreamIdle(stream, h, k, g - h - k)
+        for stream, h, k, g in zip(streams[first].tolist(), host_ns, kernel_ns, gap_ns, strict=True)
+    ]
+
+
+def _runs(keys: I64) -> tuple[I64, I64]:
+    """First and last position of each run of equal values in ``keys`` (non-empty)."""
+    first = np.concatenate(([True], keys[1:] != keys[:-1])).nonzero()[0]
+    last = np.concatenate((first[1:], [keys.size])) - 1
+    return first, last
 
 
 def kernel_launch_stats(trace: RankTrace) -> LaunchStats:
     """Launch delay, short kernels, outliers and per-stream queue length."""
     gpu, host = trace.gpu, trace.host
-    call = launching_call(trace)
-    g = np.flatnonzero(device_op_mask(trace) & (call >= 0))
-    c = call[g]
+    g, c = launched_ops(trace)
     cpu_dur = host.dur[c]
     delay = np.maximum(gpu.ts[g] - (host.ts[c] + cpu_dur), 0)
     gpu_dur = gpu.dur[g]
@@ -218,9 +218,9 @@ def kernel_launch_stats(trace: RankTrace) -> LaunchStats:
         count=int(g.size),
         launch_delay_ns=_summary(delay),
         cpu_duration_ns=_summary(cpu_dur),
-        short_kernels=int(((cpu_dur <= SHORT_KERNEL_RUNTIME_NS) & (gpu_dur < cpu_dur)).sum()),
-        runtime_outliers=int((cpu_dur > SHORT_KERNEL_RUNTIME_NS).sum()),
-        launch_delay_outliers=int((delay > LAUNCH_DELAY_OUTLIER_NS).sum()),
+        short_kernels=int(np.count_nonzero((cpu_dur <= SHORT_KERNEL_RUNTIME_NS) & (gpu_dur < cpu_dur))),
+        runtime_outliers=int(np.count_nonzero(cpu_dur > SHORT_KERNEL_RUNTIME_NS)),
+        launch_delay_outliers=int(np.count_nonzero(delay > LAUNCH_DELAY_OUTLIER_NS)),
         queues=_queues(host.ts[c], gpu.ts[g], gpu.stream[g]),
     )
 
@@ -235,20 +235,24 @@ def _summary(x: I64) -> dict[str, float]:
 def _queues(launch_ts: I64, start_ts: I64, streams: I64) -> list[QueueStats]:
     """Queue length per stream: +1 when the launch call is made, -1 when the op starts."""
     out = []
-    for stream in np.unique(streams).tolist():
+    for stream in distinct(streams):
         on = streams == stream
-        t = np.concatenate([launch_ts[on], start_ts[on]])
-        d = np.concatenate([np.ones(int(on.sum()), np.int64), -np.ones(int(on.sum()), np.int64)])
+        t = np.concatenate((launch_ts[on], start_ts[on]))
+        d = _LAUNCH_START.repeat(int(np.count_nonzero(on)))  # +1 per launch, then -1 per start
         # At equal times apply the decrement first, so a launch that starts at once never queues.
         order = np.lexsort((d, t))
-        t, d = t[order], d[order]
-        level = np.cumsum(d)
-        seg = np.diff(t)
-        span = int(t[-1] - t[0]) if t.size else 0
+        t = t[order]
+        level = d[order].cumsum()
+        seg = t[1:] - t[:-1]
+        span = int(t[-1] - t[0])
         mean = float((level[:-1] * seg).sum() / span) if span > 0 else 0.0
         full = int(seg[level[:-1] >= QUEUE_FULL].sum())
-        out.append(QueueStats(int(stream), int(max(level.max(), 0)), mean, full))
+        out.append(QueueStats(stream, int(max(level.max(), 0)), mean, full))
     return out
+
+
+_LAUNCH_START = np.array([1, -1], dtype=np.int64)
+_LAUNCH_START.flags.writeable = False
 
 
 def launch_call_mask(trace: RankTrace) -> Mask:

@@ -60,7 +60,7 @@ def analyze_inputs(trace: RankTrace, steps: list[Step]) -> InputStats:
     return InputStats(
         loader_ns_per_step=tl.mean_or_zero(per),
         loader_per_step=[int(x) for x in per],
-        calls_per_step=int(in_steps.sum()) / len(steps),
+        calls_per_step=int(np.count_nonzero(in_steps)) / len(steps),
         single_process=any("SingleProcess" in n for n in names),
         multi_process=any("MultiProcessing" in n for n in names),
         iterators=[n.split("#", 1)[-1] for n in names],

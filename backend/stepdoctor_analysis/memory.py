@@ -76,7 +76,7 @@ def analyze_memory(trace: RankTrace, steps: list[Step], *, host_memory: int = 0)
                     peak_allocated=peak_alloc,
                     peak_reserved=_peak(m.total_reserved[sel]),
                     capacity=caps.get(int(did), 0) if is_cuda else host_memory,
-                    allocs_per_step=int(alloc.sum()) / n,
+                    allocs_per_step=int(np.count_nonzero(alloc)) / n,
                     alloc_bytes_per_step=alloc_bytes,
                     churn=alloc_bytes / peak_alloc if peak_alloc > 0 else 0.0,
                 )
@@ -90,7 +90,7 @@ def analyze_memory(trace: RankTrace, steps: list[Step], *, host_memory: int = 0)
     return MemoryStats(
         devices=devices,
         has_events=bool(len(m)),
-        steady_alloc_calls_per_step=int(steady.sum()) / steady_steps,
+        steady_alloc_calls_per_step=int(np.count_nonzero(steady)) / steady_steps,
         steady_alloc_call_ns_per_step=int(h.dur[steady].sum()) / steady_steps if len(h) else 0.0,
         alloc_call_intervals=tl.host_union(trace, steady)
         if len(h)
@@ -129,15 +129,15 @@ def memory_curves(trace: RankTrace, *, origin_ns: int, max_points: int = 400) ->
     if not len(m):
         return curves
     for dtype, did in _device_keys(trace):
-        sel = np.flatnonzero((m.device_type == dtype) & (m.device_id == did) & (m.total_allocated != NONE))
+        sel = ((m.device_type == dtype) & (m.device_id == did) & (m.total_allocated != NONE)).nonzero()[0]
         if sel.size == 0:
             continue
-        sel = sel[np.argsort(m.ts[sel], kind="stable")]
+        sel = sel[m.ts[sel].argsort(kind="stable")]
         ts, alloc, reserved = m.ts[sel], m.total_allocated[sel], m.total_reserved[sel]
         if ts.size > max_points:
             span = max(1, int(ts[-1] - ts[0]))
             bucket = ((ts - ts[0]) * (max_points - 1)) // span
-            first = np.flatnonzero(np.diff(bucket, prepend=-1))
+            first = np.diff(bucket, prepend=-1).nonzero()[0]
             ts = ts[first]
             alloc = np.maximum.reduceat(alloc, first)
             reserved = np.maximum.reduceat(reserved, first)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from enum import IntEnum
+from functools import cached_property
 from typing import Any, TypeVar
 
 import numpy as np
@@ -23,10 +24,11 @@ I8 = npt.NDArray[np.int8]
 F32 = npt.NDArray[np.float32]
 Mask = npt.NDArray[np.bool_]
 
+_MISSING = object()  # not cached yet (``None`` is a value worth caching)
+INT64_MIN = int(np.iinfo(np.int64).min)  # "before everything" (a missing launch time, say)
 NONE = -1  # missing integer field (correlation, external id, bytes, stream, ...)
 
 T = TypeVar("T")
-K = TypeVar("K", bound=IntEnum)
 
 
 class HostKind(IntEnum):
@@ -86,6 +88,11 @@ class HostEvents:
     def __len__(self) -> int:
         return int(self.ts.shape[0])
 
+    @cached_property
+    def end(self) -> I64:
+        """``ts + dur``: most analyzers need when events end, so it is computed once (read-only)."""
+        return _read_only(self.ts + self.dur)
+
 
 @dataclass(frozen=True)
 class GpuEvents:
@@ -104,6 +111,11 @@ class GpuEvents:
 
     def __len__(self) -> int:
         return int(self.ts.shape[0])
+
+    @cached_property
+    def end(self) -> I64:
+        """``ts + dur``, computed once (read-only)."""
+        return _read_only(self.ts + self.dur)
 
 
 @dataclass(frozen=True)
@@ -167,15 +179,9 @@ class RankTrace:
         tables. Cached arrays are made read-only, so changing one in place fails loudly instead of
         corrupting what the other analyzers see.
         """
-        try:
-            return self._cache[key]
-        except KeyError:
-            pass
-        value = compute()
-        for arr in value if isinstance(value, tuple) else (value,):
-            if isinstance(arr, np.ndarray):
-                arr.flags.writeable = False
-        self._cache[key] = value
+        value: T = self._cache.get(key, _MISSING)
+        if value is _MISSING:
+            value = self._cache[key] = _read_only_parts(compute())
         return value
 
     def host_named(self, predicate: Callable[[str], object], key: Hashable, *kinds: HostKind) -> Mask:
@@ -185,13 +191,13 @@ class RankTrace:
         once per distinct name among those events only: GPU kernel names are long C++ templates,
         and most names belong to events of other kinds.
         """
-        kinds = _in_order(kinds)
+        group = frozenset(kinds)  # one cache entry per set of kinds, however a caller orders them
 
         def evaluate() -> Mask:
             among = self.host_kind(*kinds) if kinds else None
-            return self._named(("host", kinds), self.host.name, predicate, among)
+            return self._named(("host", group), self.host.name, predicate, among)
 
-        return self.memo(("host_named", key, kinds), evaluate)
+        return self.memo(("host_named", key, group), evaluate)
 
     def gpu_named(self, predicate: Callable[[str], object], key: Hashable) -> Mask:
         """GPU events whose name satisfies ``predicate``, evaluated once per distinct GPU name."""
@@ -202,7 +208,7 @@ class RankTrace:
     ) -> Mask:
         def distinct() -> list[int]:
             present = names if among is None else names[among]
-            return np.flatnonzero(np.bincount(present, minlength=len(self.strings))).tolist()
+            return np.bincount(present, minlength=len(self.strings)).nonzero()[0].tolist()
 
         strings = self.strings
         hits = [i for i in self.memo(("names_used", group), distinct) if predicate(strings[i])]
@@ -220,22 +226,31 @@ class RankTrace:
 
     def host_kind(self, *kinds: HostKind) -> Mask:
         """Host events of any of ``kinds`` (cached: most analyzers select by kind)."""
-        kinds = _in_order(kinds)
-        return self.memo(("host_kind", kinds), lambda: _kind_mask(self.host.kind, kinds))
+        return self.memo(("host_kind", frozenset(kinds)), lambda: _kind_mask(self.host.kind, kinds))
 
     def gpu_kind(self, *kinds: GpuKind) -> Mask:
         """GPU events of any of ``kinds`` (cached: most analyzers select by kind)."""
-        kinds = _in_order(kinds)
-        return self.memo(("gpu_kind", kinds), lambda: _kind_mask(self.gpu.kind, kinds))
+        return self.memo(("gpu_kind", frozenset(kinds)), lambda: _kind_mask(self.gpu.kind, kinds))
 
     @property
     def has_gpu(self) -> bool:
         return len(self.gpu) > 0
 
 
-def _in_order(kinds: tuple[K, ...]) -> tuple[K, ...]:
-    """One cache entry per set of kinds, however a caller orders them."""
-    return kinds if len(kinds) < 2 else tuple(sorted(set(kinds)))
+def _read_only_parts(value: T) -> T:
+    """``value``, with the arrays it is or holds (one level of tuple) made read-only."""
+    if isinstance(value, np.ndarray):
+        value.setflags(write=False)
+    elif isinstance(value, tuple):
+        for part in value:
+            if isinstance(part, np.ndarray):
+                part.setflags(write=False)
+    return value
+
+
+def _read_only(arr: I64) -> I64:
+    arr.setflags(write=False)
+    return arr
 
 
 def _kind_mask(column: I8, kinds: tuple[IntEnum, ...]) -> Mask:

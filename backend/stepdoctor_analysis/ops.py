@@ -82,9 +82,9 @@ def analyze_ops(trace: RankTrace, steps: list[Step]) -> OpStats:
     stats = {
         "top_kernels": _top(trace, g.name[kernels], g.dur[kernels]) if len(g) else [],
         "top_ops": _top(trace, h.name[ops], h.dur[ops]),
-        "ops_per_step": int(ops.sum()) / n,
+        "ops_per_step": int(np.count_nonzero(ops)) / n,
         "median_op_ns": tl.median(h.dur[ops]) if ops.any() else 0.0,
-        "kernels_per_step": int(kernels.sum()) / n,
+        "kernels_per_step": int(np.count_nonzero(kernels)) / n,
         "median_kernel_ns": tl.median(g.dur[kernels]) if kernels.any() else 0.0,
     }
     patterns = [
@@ -109,12 +109,12 @@ def median_dur_by_name(trace: RankTrace, mask: np.ndarray) -> np.ndarray:
     """
     h = trace.host
     out = np.zeros(len(trace.strings), dtype=np.int64)
-    idx = np.flatnonzero(mask)
+    idx = mask.nonzero()[0]
     if idx.size == 0:
         return out
     order = idx[np.lexsort((h.dur[idx], h.name[idx]))]
     names = h.name[order]
-    bounds = np.flatnonzero(np.diff(names)) + 1
+    bounds = np.diff(names).nonzero()[0] + 1
     starts = np.concatenate([[0], bounds])
     ends = np.concatenate([bounds, [order.size]])
     mids = h.dur[order][(starts + ends - 1) // 2]
@@ -128,17 +128,20 @@ def _top(trace: RankTrace, names: np.ndarray, durs: np.ndarray, k: int = 10) -> 
     # Name ids are dense (< len(strings)): bincount replaces a sort-based unique, same sums and order.
     n = len(trace.strings)
     all_counts = np.bincount(names, minlength=n)
-    ids = np.flatnonzero(all_counts)
+    ids = all_counts.nonzero()[0]
     counts = all_counts[ids]
     sums = np.bincount(names, weights=durs.astype(np.float64), minlength=n)[ids]
-    order = np.argsort(-sums)[:k]
-    return [NamedTime(trace.strings[int(ids[i])], int(counts[i]), int(sums[i])) for i in order]
+    order = (-sums).argsort()[:k]
+    return [
+        NamedTime(trace.strings[i], c, int(t))
+        for i, c, t in zip(ids[order].tolist(), counts[order].tolist(), sums[order].tolist(), strict=True)
+    ]
 
 
 def _inside(trace: RankTrace, outer: np.ndarray, inner: np.ndarray) -> np.ndarray:
     """Which ``inner`` host events lie inside some ``outer`` host event (by time)."""
     o = tl.host_union(trace, outer)
-    idx = np.flatnonzero(inner)
+    idx = inner.nonzero()[0]
     out = np.zeros(inner.shape[0], dtype=np.bool_)
     out[idx] = tl.in_windows(trace.host.ts[idx], o[0], o[1])
     return out
@@ -157,8 +160,8 @@ def _single_tensor_optimizer(trace: RankTrace, in_steps: np.ndarray, n: int) -> 
         trace, steps_mask, tl.host_name_mask(trace, _SINGLE_UPDATE_RE, "single_upd", HostKind.CPU_OP)
     )
     foreach = _inside(trace, steps_mask, tl.host_name_mask(trace, _FOREACH_RE, "foreach", HostKind.CPU_OP))
-    calls = int(steps_mask.sum())
-    per_call = int(single.sum()) / calls
+    calls = int(np.count_nonzero(steps_mask))
+    per_call = int(np.count_nonzero(single)) / calls
     if foreach.any() or per_call < 20:
         return None
     opt_ns = int(h.dur[steps_mask].sum()) / n
@@ -167,7 +170,7 @@ def _single_tensor_optimizer(trace: RankTrace, in_steps: np.ndarray, n: int) -> 
         "single_tensor_optimizer",
         opt_ns * 0.8,
         {
-            "optimizer": trace.strings[int(h.name[np.flatnonzero(steps_mask)[0]])],
+            "optimizer": trace.strings[int(h.name[steps_mask.nonzero()[0][0]])],
             "elementwise_ops_per_step": per_call,
         },
     )
@@ -186,7 +189,7 @@ def _zero_grad_fill(trace: RankTrace, in_steps: np.ndarray, n: int) -> AntiPatte
     if not zero.any():
         return None
     ns = int(h.dur[zero].sum()) / n
-    return AntiPattern("zero_grad_fill", ns, {"zero_calls_per_step": int(zero.sum()) / n})
+    return AntiPattern("zero_grad_fill", ns, {"zero_calls_per_step": int(np.count_nonzero(zero)) / n})
 
 
 def _fp32_gemm(trace: RankTrace, kernels: np.ndarray, n: int) -> AntiPattern | None:
@@ -221,7 +224,7 @@ def _is_fp32_gemm(name: str) -> bool:
 def _select_loop(trace: RankTrace, ops: np.ndarray, n: int) -> AntiPattern | None:
     h = trace.host
     sel = ops & tl.host_name_mask(trace, _SELECT_RE, "select", HostKind.CPU_OP)
-    per = int(sel.sum()) / n
+    per = int(np.count_nonzero(sel)) / n
     if per < 1000:
         return None
     return AntiPattern("select_loop", int(h.dur[sel].sum()) / n, {"select_calls_per_step": per})
@@ -231,7 +234,7 @@ def _small_htod(trace: RankTrace, steps: list[Step]) -> AntiPattern | None:
     if not len(trace.gpu):
         return None
     m = small_htod_copies(trace, steps)
-    per = int(m.sum()) / len(steps)
+    per = int(np.count_nonzero(m)) / len(steps)
     if per < 50:
         return None
     launcher = launching_call(trace)

@@ -82,6 +82,10 @@ _LEGACY_CATEGORIES = frozenset({"Operator", "Runtime", "Kernel", "Memcpy", "Mems
 
 _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 _SPLIT_ANY = re.compile(rb"\}\s*,\s*\{")
+# numpy compares against plain ints several times faster than against IntEnum members.
+_RUNTIME, _DRIVER = int(HostKind.RUNTIME), int(HostKind.DRIVER)
+_MEMCPY, _MEMSET = int(GpuKind.MEMCPY), int(GpuKind.MEMSET)
+_ARRAY_END = re.compile(rb'\]\s*(?:,\s*"|\})')  # the events' ']' is followed by a key or the end
 
 
 NAN = float("nan")
@@ -465,13 +469,19 @@ class _StreamParser:
         rest = bytes(self.buf)
         self.buf = bytearray()
         # The events array ends at one of the last ']'; the tail after it must close the object.
-        pos = len(rest)
-        for _ in range(64):
+        # Only a ']' followed by another key or the closing '}' can end it: Kineto's "logs" array after
+        # the events holds many "cpp:983] ..." lines, each a ']' skipped here without decoding.
+        pos, tries = len(rest), 0
+        while tries < 64:
             pos = rest.rfind(b"]", 0, pos)
             if pos < 0:
                 break
+            if not _ARRAY_END.match(rest, pos):
+                continue
+            tries += 1
             tail = rest[pos + 1 :].strip().lstrip(b",").strip()
             try:
+                msgspec.json.decode(b"{" + tail if tail != b"}" else b"{}")  # cheap: no header
                 top = msgspec.json.decode(self.header + (tail if tail != b"}" else b'"_": 0}'))
             except msgspec.DecodeError:
                 continue
@@ -709,11 +719,11 @@ class _Builder:
     def _needs_flows(self, new_host: int, new_gpu: int) -> bool:
         """Flows only matter where launch calls or GPU ops of this chunk lack a correlation id."""
         for cols in self.host[len(self.host) - new_host :]:
-            launch = (cols["kind"] == HostKind.RUNTIME) | (cols["kind"] == HostKind.DRIVER)
+            launch = (cols["kind"] == _RUNTIME) | (cols["kind"] == _DRIVER)
             if (cols["correlation"][launch] == NONE).any():
                 return True
         for cols in self.gpu[len(self.gpu) - new_gpu :]:
-            ops = cols["kind"] <= GpuKind.MEMSET
+            ops = cols["kind"] <= _MEMSET
             if (cols["correlation"][ops] == NONE).any():
                 return True
         return False
@@ -761,16 +771,24 @@ class _Builder:
     def _names(self, evs: Sequence[_Event]) -> np.ndarray:
         return np.fromiter(map(self.ids.__getitem__, map(_NAME, evs)), np.int32, len(evs))
 
-    def _ids(self, evs: Sequence[_Event], getter: Callable[[_Event], Any]) -> np.ndarray:
-        """pid/tid column; string labels (``"Spans"``) get stable negative ids."""
+    def _ids(
+        self, evs: Sequence[_Event], getter: Callable[[_Event], Any], labelled: bool = False
+    ) -> np.ndarray:
+        """pid/tid column; string labels (``"Spans"``) get stable negative ids.
+
+        ``labelled``: the caller knows a label is among them, so skip the all-integer attempt.
+        """
         n = len(evs)
-        try:
-            return np.fromiter(map(getter, evs), np.int64, n)
-        except (TypeError, ValueError):
-            vals = list(map(getter, evs))
-            for v in {v for v in vals if v.__class__ is not int}:
+        if not labelled:
+            try:
+                return np.fromiter(map(getter, evs), np.int64, n)
+            except (TypeError, ValueError):
+                pass
+        vals = list(map(getter, evs))
+        for v in set(vals):
+            if v.__class__ is not int:
                 self._label(v)
-            return np.fromiter(map(self.labels.get, vals, vals), np.int64, n)
+        return np.fromiter(map(self.labels.get, vals, vals), np.int64, n)
 
     def _records(
         self, evs: Sequence[_Event], fields: tuple[str, ...], record: np.dtype[Any], with_ids: np.dtype[Any]
@@ -778,17 +796,21 @@ class _Builder:
         """The numeric columns named by ``fields``/``record``, then pid and tid (``with_ids`` adds them).
 
         One structured ``fromiter`` (pid and tid included) is ~2x faster than one per field. Label
-        pids/tids (``"Spans"``) recur in every chunk once seen, so they are then read apart; a chunk
-        holding another odd value (a hex-string stream) is redone field by field, coercing.
+        pids/tids (``"Spans"``) break it, so they are read apart: once one was seen (labels recur in
+        every chunk), and when the chunk's last event has one (Kineto writes its ``"Spans"`` span
+        last, so a failed attempt would have cost a whole pass). A chunk holding another odd value
+        (a hex-string stream) is redone field by field, coercing.
         """
         n = len(evs)
-        if not self.labels:
+        last = evs[-1]
+        labelled = last.pid.__class__ is not int or last.tid.__class__ is not int
+        if not self.labels and not labelled:
             try:
                 cols = np.fromiter(map(attrgetter(*fields, "pid", "tid"), evs), with_ids, n)
                 return cols, cols["pid"], cols["tid"]
             except (TypeError, ValueError, OverflowError):
                 pass
-        pid, tid = self._ids(evs, _PID), self._ids(evs, _TID)
+        pid, tid = self._ids(evs, _PID, labelled), self._ids(evs, _TID, labelled)
         try:
             return np.fromiter(map(attrgetter(*fields), evs), record, n), pid, tid
         except (TypeError, ValueError, OverflowError):
@@ -850,9 +872,8 @@ class _Builder:
     # ------------------------------------------------------------------ assembly
 
     def finish(self) -> RankTrace:
-        name = Path(self.source).name
         if not self.host and not self.gpu and not self.mem:
-            raise TraceError(f"{name}: the trace contains no events")
+            raise TraceError(f"{Path(self.source).name}: the trace contains no events")
         host = _concat(self.host, _HOST_DTYPES)
         gpu = _concat(self.gpu, _GPU_DTYPES)
         mem = _concat(self.mem, _MEM_DTYPES)
@@ -870,7 +891,7 @@ class _Builder:
         copy_table, mem_table = _copy_tables(strings)
         gname = gpu["name"][go]
         gkind = gpu["kind"][go]
-        is_copy = gkind == GpuKind.MEMCPY
+        is_copy = gkind == _MEMCPY
         host_events = HostEvents(
             name=host["name"][ho],
             kind=host["kind"][ho],
@@ -890,8 +911,8 @@ class _Builder:
             stream=gpu["stream"][go],
             correlation=gpu["correlation"][go],
             bytes=gpu["bytes"][go],
-            copy_kind=np.where(is_copy, copy_table[gname], CopyKind.NONE).astype(np.int8),
-            host_mem=np.where(is_copy, mem_table[gname], HostMem.NONE).astype(np.int8),
+            copy_kind=np.where(is_copy, copy_table[gname], np.int8(CopyKind.NONE)),
+            host_mem=np.where(is_copy, mem_table[gname], np.int8(HostMem.NONE)),
             blocks_per_sm=gpu["blocks_per_sm"][go],
             occupancy=gpu["occupancy"][go],
         )

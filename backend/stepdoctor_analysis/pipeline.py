@@ -22,7 +22,7 @@ from .inputs import analyze_inputs, loader_settings
 from .memory import analyze_memory, memory_curves
 from .model import RankTrace
 from .ops import analyze_ops
-from .report import Report, StepRow, plain
+from .report import Report, StepRow, field_dict, plain
 from .rules import KINDS, Context
 from .sync import analyze_sync
 from .transfers import analyze_transfers
@@ -89,12 +89,13 @@ def analyze_trace(
         launch=hta.kernel_launch_stats(trace) if trace.has_gpu else None,
     )
     dx = diagnose.classify(ctx)
+    per_kind = {k: acc.kinds[k].tolist() for k in (*KINDS, "other")}
     rows = [
         StepRow(
             number=s.number,
             start_us=round(s.start / 1e3, 3),
             duration_us=round((s.end - s.start) / 1e3, 3),
-            kinds={k: round(float(acc.kinds[k][i]) / 1e3, 3) for k in (*KINDS, "other")},
+            kinds={k: round(ns[i] / 1e3, 3) for k, ns in per_kind.items()},
         )
         for i, s in enumerate(step_list)
     ]
@@ -143,7 +144,7 @@ def _metrics(trace: RankTrace, ctx: Context, step_list: list[Any]) -> dict[str, 
             "triggers": ctx.sync.triggers,
         },
         "memory": {
-            "devices": [plain(d) | {"peak_fraction": d.peak_fraction} for d in ctx.memory.devices],
+            "devices": [field_dict(d) | {"peak_fraction": d.peak_fraction} for d in ctx.memory.devices],
             "steady_alloc_calls_per_step": ctx.memory.steady_alloc_calls_per_step,
             "out_of_memory": ctx.memory.out_of_memory,
             # For drawing: totals over time, µs from the first step's start (``origin_us``).
@@ -153,7 +154,7 @@ def _metrics(trace: RankTrace, ctx: Context, step_list: list[Any]) -> dict[str, 
             },
         },
         "communication": ctx.comm,
-        "input": {k: v for k, v in plain(ctx.inputs).items() if k != "intervals"},
+        "input": {k: v for k, v in field_dict(ctx.inputs).items() if k != "intervals"},
         "ops": ctx.ops,
     }
     out.update(_engine_metrics(trace, step_list, ctx.launch))
@@ -170,12 +171,12 @@ def _engine_metrics(trace: RankTrace, step_list: list[Any], launch: hta.LaunchSt
             "utilization": g.utilization,
             "sm_efficiency": g.sm_efficiency,
             "occupancy": g.occupancy,
-            "devices": [{"device": d.device, **plain(d.overall)} for d in g.devices],
+            "devices": [{"device": d.device, **field_dict(d.overall)} for d in g.devices],
         },
         "hta": {
-            "temporal": plain(hta.temporal_breakdown(trace)),
-            "idle": plain(hta.idle_time_breakdown(trace)),
-            "launch": plain(launch),
+            "temporal": hta.temporal_breakdown(trace),
+            "idle": hta.idle_time_breakdown(trace),
+            "launch": launch,
         },
     }
 

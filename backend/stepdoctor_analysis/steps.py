@@ -56,17 +56,28 @@ def launching_call(trace: RankTrace) -> I64:
     return trace.memo("steps.launching_call", lambda: _launching_call(trace))
 
 
+def launched_ops(trace: RankTrace) -> tuple[I64, I64]:
+    """Device ops with a known launch call (indices into the GPU table), and those calls (cached)."""
+
+    def evaluate() -> tuple[I64, I64]:
+        call = launching_call(trace)
+        ops = (device_op_mask(trace) & (call >= 0)).nonzero()[0]
+        return ops, call[ops]
+
+    return trace.memo("steps.launched_ops", evaluate)
+
+
 def _launching_call(trace: RankTrace) -> I64:
     host, gpu = trace.host, trace.gpu
-    rt = np.flatnonzero(launch_mask(trace) & (host.correlation >= 0))
+    rt = (launch_mask(trace) & (host.correlation >= 0)).nonzero()[0]
     out = np.full(len(gpu), -1, np.int64)
     if rt.size == 0 or len(gpu) == 0:
         return out
     corr = host.correlation[rt]
     # Stable sort: for a repeated correlation id the later call wins, as in tb-profiler's dict.
-    order = np.argsort(corr, kind="stable")
+    order = corr.argsort(kind="stable")
     corr_sorted, rt_sorted = corr[order], rt[order]
-    pos = np.searchsorted(corr_sorted, gpu.correlation, side="right") - 1
+    pos = corr_sorted.searchsorted(gpu.correlation, side="right") - 1
     ok = (pos >= 0) & (gpu.correlation >= 0)
     ok[ok] = corr_sorted[pos[ok]] == gpu.correlation[ok]
     out[ok] = rt_sorted[pos[ok]]
@@ -76,29 +87,26 @@ def _launching_call(trace: RankTrace) -> I64:
 def find_steps(trace: RankTrace) -> list[Step]:
     """Step windows in time order; one synthetic step (number 0) when the trace has no markers."""
     host = trace.host
-    marks = np.flatnonzero(step_marker_mask(trace))
+    marks = step_marker_mask(trace).nonzero()[0]
     if marks.size == 0:
         return _whole_trace_step(trace)
-    marks = marks[np.argsort(host.ts[marks], kind="stable")]
-    numbers = [int(trace.strings[n][len(STEP_PREFIX) :]) for n in host.name[marks]]
-    starts = host.ts[marks].copy()
-    ends = starts + host.dur[marks]
+    marks = marks[host.ts[marks].argsort(kind="stable")]
+    numbers = [int(trace.strings[n][len(STEP_PREFIX) :]) for n in host.name[marks].tolist()]
+    starts = host.ts[marks]
+    ends = host.end[marks]
     n = starts.size
 
-    dev = device_op_mask(trace)
-    call = launching_call(trace)
-    linked = np.flatnonzero(dev & (call >= 0))
-    calls = call[linked]
+    linked, calls = launched_ops(trace)
     # The step whose host range wholly contains the launch call (tb-profiler's two-way merge).
     c_start = host.ts[calls]
-    c_end = c_start + host.dur[calls]
-    idx = np.searchsorted(starts, c_start, side="right") - 1
+    c_end = host.end[calls]
+    idx = starts.searchsorted(c_start, side="right") - 1
     inside = idx >= 0
     inside[inside] = c_end[inside] <= ends[idx[inside]]
     g_idx = linked[inside]
     s_idx = idx[inside]
     gpu = trace.gpu
-    g_start, g_end = gpu.ts[g_idx], gpu.ts[g_idx] + gpu.dur[g_idx]
+    g_start, g_end = gpu.ts[g_idx], gpu.end[g_idx]
     if g_idx.size == 0:
         return [Step(num, s, e) for num, s, e in zip(numbers, starts.tolist(), ends.tolist(), strict=True)]
     matched = np.bincount(s_idx, minlength=n)
@@ -109,10 +117,9 @@ def find_steps(trace: RankTrace) -> list[Step]:
 
     prev_end = int(starts[0])
     if matched[0] > 0:
-        unmatched = np.ones(len(gpu), np.bool_)
+        unmatched = device_op_mask(trace).copy()
         unmatched[g_idx] = False
-        unmatched &= dev
-        u_end = gpu.ts[unmatched] + gpu.dur[unmatched]
+        u_end = gpu.end[unmatched]
         before = u_end[u_end < dev_min[0]]
         if before.size:
             prev_end = max(prev_end, int(before.max()))
@@ -130,7 +137,7 @@ def find_steps(trace: RankTrace) -> list[Step]:
 def _drop_incomplete_tail(steps: list[Step], matched: np.ndarray) -> list[Step]:
     if len(steps) <= 1:
         return steps
-    with_gpu = np.flatnonzero(matched > 0)
+    with_gpu = (matched > 0).nonzero()[0]
     if with_gpu.size == 0:
         return steps
     last = int(with_gpu[-1])
@@ -148,10 +155,10 @@ def _whole_trace_step(trace: RankTrace) -> list[Step]:
     hi: list[int] = []
     if real.any():
         lo.append(int(host.ts[real].min()))
-        hi.append(int((host.ts[real] + host.dur[real]).max()))
+        hi.append(int(host.end[real].max()))
     if len(gpu):
         lo.append(int(gpu.ts.min()))
-        hi.append(int((gpu.ts + gpu.dur).max()))
+        hi.append(int(gpu.end.max()))
     if not lo:
         return []
     return [Step(0, min(lo), max(hi))]

@@ -80,15 +80,16 @@ def analyze_sync(trace: RankTrace, steps: list[Step]) -> SyncStats:
     h = trace.host
     if not len(h) or not steps:
         return SyncStats()
-    calls = np.flatnonzero(blocking_call_mask(trace) & tl.host_in_steps(trace, steps))
+    calls = (blocking_call_mask(trace) & tl.host_in_steps(trace, steps)).nonzero()[0]
     if calls.size == 0:
         return SyncStats()
     n = len(steps)
     by_api: dict[str, int] = defaultdict(int)
-    for name_id, count in zip(*np.unique(h.name[calls], return_counts=True), strict=True):
-        by_api[trace.strings[int(name_id)]] += int(count)
-    call_end = h.ts[calls] + h.dur[calls]
-    order = np.argsort(call_end)
+    counts = np.bincount(h.name[calls])  # name ids are dense: counted in place, in id order
+    for name_id in counts.nonzero()[0].tolist():
+        by_api[trace.strings[name_id]] += int(counts[name_id])
+    call_end = h.end[calls]
+    order = call_end.argsort()
     return SyncStats(
         calls_per_step=calls.size / n,
         blocked_ns_per_step=int(h.dur[calls].sum()) / n,
@@ -104,37 +105,46 @@ def _triggers(trace: RankTrace, calls: np.ndarray) -> list[Trigger]:
     h = trace.host
     if calls.size > _MAX_TRIGGER_CALLS:
         calls = calls[np.linspace(0, calls.size - 1, _MAX_TRIGGER_CALLS).astype(np.int64)]
-    ops = np.flatnonzero(trace.host_kind(HostKind.CPU_OP))
+    ops = trace.host_kind(HostKind.CPU_OP).nonzero()[0]
     is_trigger = trace.host_named(lambda n: n in _TRIGGERS, "sync_triggers", HostKind.CPU_OP)
     picked = np.full(calls.size, -1, dtype=np.int64)
-    for tid in np.unique(h.tid[calls]):
+    call_tid = h.tid[calls]
+    for tid in tl.distinct(call_tid):
         sel = ops[h.tid[ops] == tid]
-        sel = sel[np.argsort(h.ts[sel], kind="stable")]
-        mine = np.flatnonzero(h.tid[calls] == tid)
         if sel.size == 0:
             continue
+        sel = sel[h.ts[sel].argsort(kind="stable")]
+        mine = (call_tid == tid).nonzero()[0]
         c = calls[mine]
+        c_start = h.ts[c]
+        c_end = h.end[c]
         sel_start = h.ts[sel]
-        sel_end, sel_trigger = sel_start + h.dur[sel], is_trigger[sel]
-        hi = np.searchsorted(sel_start, h.ts[c], side="right")
-        # A window of the ops that started just before each call, oldest first (no wider than
-        # the thread's ops: positions before the first op could never be picked).
-        lookback = min(_LOOKBACK, sel.size)
+        sel_end, sel_trigger = h.end[sel], is_trigger[sel]
+        hi = sel_start.searchsorted(c_start, side="right")
+        # Each call looks back over the ops that started just before it, at most ``_LOOKBACK``.
+        # Ops before the first one still running at the call's end enclose nothing (a running
+        # maximum of the ends finds it), so the window need not reach further back than that.
+        outermost = np.maximum.accumulate(sel_end).searchsorted(c_end, side="left")
+        lookback = int((hi - np.maximum(outermost, hi - min(_LOOKBACK, sel.size))).max())
+        if lookback <= 0:  # no op encloses any of these calls
+            continue
+        # A window of those ops for each call, oldest first.
         win = hi[:, None] - lookback + np.arange(lookback)[None, :]
-        pos = np.clip(win, 0, sel.size - 1)
-        enclosing = (win >= 0) & (sel_end[pos] >= (h.ts[c] + h.dur[c])[:, None])
+        pos = np.maximum(win, 0)  # positions before the first op are masked off just below
+        enclosing = (win >= 0) & (sel_end[pos] >= c_end[:, None])
         known = enclosing & sel_trigger[pos]
         # The outermost known trigger is what the user wrote (aten::item, not its helper);
         # with none known, the innermost enclosing op.
-        first_known = np.argmax(known, axis=1)
-        last_enclosing = lookback - 1 - np.argmax(enclosing[:, ::-1], axis=1)
+        first_known = known.argmax(axis=1)
+        last_enclosing = lookback - 1 - enclosing[:, ::-1].argmax(axis=1)
         rows = np.arange(c.size)
         pick = sel[np.where(known.any(axis=1), pos[rows, first_known], pos[rows, last_enclosing])]
         picked[mine] = np.where(enclosing.any(axis=1), pick, -1)
     count: dict[str, int] = defaultdict(int)
     blocked: dict[str, int] = defaultdict(int)
-    for op_idx, dur in zip(picked.tolist(), h.dur[calls].tolist(), strict=True):
-        name = trace.strings[int(h.name[op_idx])] if op_idx >= 0 else "(no enclosing op)"
+    names = h.name[picked].tolist()  # entries without an op (-1) are ignored just below
+    for op_idx, name_id, dur in zip(picked.tolist(), names, h.dur[calls].tolist(), strict=True):
+        name = trace.strings[name_id] if op_idx >= 0 else "(no enclosing op)"
         count[name] += 1
         blocked[name] += int(dur)
     out = [Trigger(op, count[op], blocked[op]) for op in count]

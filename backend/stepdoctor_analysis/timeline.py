@@ -31,7 +31,7 @@ def in_windows(ts: I64, starts: I64, ends: I64) -> Mask:
     """Whether each timestamp falls inside one of the (sorted, disjoint) step windows."""
     if starts.size == 0:
         return np.zeros(ts.shape[0], dtype=np.bool_)
-    idx = np.searchsorted(starts, ts, side="right") - 1
+    idx = starts.searchsorted(ts, side="right") - 1
     return (idx >= 0) & (ts < ends[idx])  # ends[-1] is read for idx -1, and masked off
 
 
@@ -49,12 +49,12 @@ def gpu_in_steps(trace: RankTrace, steps: list[Step]) -> Mask:
 
 def host_union(trace: RankTrace, mask: Mask) -> iv.Intervals:
     h = trace.host
-    return iv.union(h.ts[mask], h.ts[mask] + h.dur[mask])
+    return iv.union(h.ts[mask], h.end[mask])
 
 
 def gpu_union(trace: RankTrace, mask: Mask) -> iv.Intervals:
     g = trace.gpu
-    return iv.union(g.ts[mask], g.ts[mask] + g.dur[mask])
+    return iv.union(g.ts[mask], g.end[mask])
 
 
 def host_name_mask(trace: RankTrace, pattern: re.Pattern[str], key: str, *kinds: HostKind) -> Mask:
@@ -103,6 +103,15 @@ def mean_or_zero(a: I64 | np.ndarray) -> float:
     return float(a.sum(dtype=np.float64)) / a.size if a.size else 0.0
 
 
+def distinct(a: np.ndarray) -> list[int]:
+    """``np.unique(a).tolist()`` for integer arrays.
+
+    ``np.unique`` costs ~10 µs in fixed overhead, several times what a few dozen values take through
+    a set; large arrays still go through numpy.
+    """
+    return sorted(set(a.tolist())) if a.size <= 256 else np.unique(a).tolist()
+
+
 # ``np.median`` and ``np.percentile`` cost 15-40 µs each in fixed overhead, a sizeable part of a small
 # trace's analysis. These return exactly what they return (same order statistics, same arithmetic)
 # for non-empty arrays without NaN, which is all the engine passes them.
@@ -111,9 +120,11 @@ def mean_or_zero(a: I64 | np.ndarray) -> float:
 def median(a: np.ndarray) -> float:
     """``float(np.median(a))``."""
     mid = a.size // 2
+    part = a.copy()
     if a.size % 2:
-        return float(np.partition(a, mid)[mid])
-    part = np.partition(a, (mid - 1, mid))
+        part.partition(mid)
+        return float(part[mid])
+    part.partition((mid - 1, mid))
     return (float(part[mid - 1]) + float(part[mid])) / 2
 
 
@@ -124,7 +135,8 @@ def percentiles(a: np.ndarray, qs: tuple[int, ...]) -> list[float]:
     n = a.size
     at = [(n - 1) * (q / 100) for q in qs]  # numpy's virtual index of each percentile
     below = [min(math.floor(v), n - 1) for v in at]
-    part = np.partition(a, sorted({i for b in below for i in (b, min(b + 1, n - 1))}))
+    part = a.copy()
+    part.partition(sorted({i for b in below for i in (b, min(b + 1, n - 1))}))
     out = []
     for v, b in zip(at, below, strict=True):
         if v >= n - 1:
@@ -148,8 +160,12 @@ class Accounting:
 
     def __post_init__(self) -> None:
         total = float(self.step_ns.sum())
-        means = {k: mean_or_zero(v) for k, v in self.kinds.items()}
-        shares = {k: float(v.sum()) / total if total > 0 else 0.0 for k, v in self.kinds.items()}
+        n = self.step_ns.size
+        # Every kind's sum in one reduction. Sums of ns are exact in int64, so these equal
+        # ``mean_or_zero``'s float64 sums (exact too, below 2**53 ns).
+        sums = np.array(list(self.kinds.values())).reshape(len(self.kinds), n).sum(axis=1).tolist()
+        means = {k: float(v) / n if n else 0.0 for k, v in zip(self.kinds, sums, strict=True)}
+        shares = {k: float(v) / total if total > 0 else 0.0 for k, v in zip(self.kinds, sums, strict=True)}
         object.__setattr__(self, "means", means)  # frozen: the dataclass way to set derived fields
         object.__setattr__(self, "shares", shares)
 

@@ -98,12 +98,12 @@ def analyze_transfers(trace: RankTrace, steps: list[Step]) -> TransferStats:
         directions.append(
             DirectionStats(
                 direction=label,
-                count_per_step=int(m.sum()) / n,
+                count_per_step=int(np.count_nonzero(m)) / n,
                 bytes_per_step=float(b.sum()) / n,
                 device_ns_per_step=dur / n,
                 bandwidth_gbps=float(b.sum()) / dur if dur > 0 else 0.0,  # bytes/ns == GB/s
-                pageable_count_per_step=int((m & pageable).sum()) / n,
-                pinned_count_per_step=int((m & (g.host_mem == int(HostMem.PINNED))).sum()) / n,
+                pageable_count_per_step=int(np.count_nonzero(m & pageable)) / n,
+                pinned_count_per_step=int(np.count_nonzero(m & (g.host_mem == int(HostMem.PINNED)))) / n,
                 median_bytes=tl.median(b) if b.size else 0.0,
             )
         )
@@ -117,8 +117,8 @@ def analyze_transfers(trace: RankTrace, steps: list[Step]) -> TransferStats:
         exposed_per_step=[int(x) for x in exposed],
         pageable_ns_per_step=int(g.dur[pageable].sum()) / n,
         pageable_bytes_per_step=float(np.maximum(g.bytes[pageable], 0).sum()) / n,
-        pageable_count_per_step=int(pageable.sum()) / n,
-        sync_copy_calls_per_step=int(sync_calls.sum()) / n,
+        pageable_count_per_step=int(np.count_nonzero(pageable)) / n,
+        sync_copy_calls_per_step=int(np.count_nonzero(sync_calls)) / n,
         sync_copy_host_ns_per_step=int(h.dur[sync_calls].sum()) / n,
-        small_htod_per_step=int(small_htod_copies(trace, steps).sum()) / n,
+        small_htod_per_step=int(np.count_nonzero(small_htod_copies(trace, steps))) / n,
     )
