@@ -172,7 +172,8 @@ def test_gpu_utilization_sm_efficiency_and_occupancy(tmp_path: Path) -> None:
         launch(102, 1, 4), gpu(150, 50, 4, extra={"blocks per SM": 0.2, "est. achieved occupancy %": 10}),
     ]  # fmt: skip
     tr = trace(tmp_path, events)
-    m = compute_gpu_metrics(tr, find_steps(tr))
+    m = compute_gpu_metrics(tr, find_steps(tr), per_step=True)
+    assert not compute_gpu_metrics(tr, find_steps(tr)).devices[0].per_step  # opt-in
     (dev,) = m.devices
     assert dev.device == 0
     assert dev.overall.utilization == pytest.approx(150 / 200)  # memcpy time is not utilization

@@ -81,6 +81,26 @@ print(hasattr(stepdoctor, "profile"))
     assert out.stdout.strip() == "True"
 
 
+def test_console_script_does_not_load_the_agent() -> None:
+    """``stepdoctor analyze``/``serve`` start without the profiler; ``stepdoctor.profile`` still resolves."""
+    code = """
+import sys
+import stepdoctor.cli
+loaded = "stepdoctor.profiler" in sys.modules
+import stepdoctor
+from stepdoctor import Profile
+print(loaded, stepdoctor.profile.__module__, Profile.__name__, sorted(stepdoctor.__all__))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().split(maxsplit=3) == [
+        "False",
+        "stepdoctor.profiler",
+        "Profile",
+        "['NoopProfile', 'Profile', '__version__', 'profile']",
+    ]
+
+
 def test_cli_names_the_missing_extra(tmp_path: Path) -> None:
     code = """
 import importlib.abc, sys

@@ -32,7 +32,7 @@ class WindowMetrics:
 class DeviceMetrics:
     device: int
     overall: WindowMetrics
-    per_step: list[WindowMetrics]
+    per_step: list[WindowMetrics]  # empty unless asked for
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,12 @@ def _mean(vals: list[float]) -> float | None:
     return float(np.mean(vals))
 
 
-def compute_gpu_metrics(trace: RankTrace, steps: list[Step]) -> GpuMetrics:
-    """Per-device metrics over all steps and per step; no devices when the trace has no kernels."""
+def compute_gpu_metrics(trace: RankTrace, steps: list[Step], *, per_step: bool = False) -> GpuMetrics:
+    """Per-device metrics over all steps (and each step's, with ``per_step``); no devices without kernels.
+
+    Per-step values are opt-in: the report does not carry them, and on a small trace their windows
+    are a sizeable share of the analysis.
+    """
     if not steps:
         return GpuMetrics((0, 0), [])
     lo, hi = steps[0].start, steps[-1].end
@@ -87,11 +91,11 @@ def compute_gpu_metrics(trace: RankTrace, steps: list[Step]) -> GpuMetrics:
         busy = iv.union(ts, end)
         overall = _window(busy, ts, end, bps, occ, lo, hi)
         # A single step spans the overall window: its metrics are the overall ones.
-        per_step = [
+        windows = [
             overall if (s.start, s.end) == (lo, hi) else _window(busy, ts, end, bps, occ, s.start, s.end)
-            for s in steps
+            for s in (steps if per_step else ())
         ]
-        devices.append(DeviceMetrics(int(dev), overall, per_step))
+        devices.append(DeviceMetrics(int(dev), overall, windows))
     return GpuMetrics((lo, hi), devices)
 
 
