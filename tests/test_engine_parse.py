@@ -220,6 +220,7 @@ def test_small_chunks_one_line_json_and_multi_member_gzip_give_the_same_trace(
     members.write_bytes(gzip.compress(plain[:half]) + gzip.compress(plain[half:]))
     monkeypatch.setattr(parse, "_CHUNK", 16 << 10)
     monkeypatch.setattr(parse, "_OUT_BLOCK", 10_000)
+    monkeypatch.setattr(parse, "_SMALL_FILE", 0)  # many blocks, even for these small files
     _same(ref, load_trace(fixture(rel)))
     _same(ref, load_trace(one_line))
     _same(ref, load_trace(members))
@@ -282,6 +283,7 @@ def test_label_pids_in_one_chunk_keep_later_chunks_numeric(
     ]  # fmt: skip
     monkeypatch.setattr(parse, "_CHUNK", 4 << 10)
     monkeypatch.setattr(parse, "_OUT_BLOCK", 4 << 10)
+    monkeypatch.setattr(parse, "_SMALL_FILE", 0)
     tr = load_trace(write_trace(tmp_path / "labels.json", events))
     assert tr.host.pid[0] < -1 and tr.host.tid[0] < -1  # labels get negative ids
     assert tr.host.pid[1:].tolist() == [10 + i % 3 for i in range(3000)]
