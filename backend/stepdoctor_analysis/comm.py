@@ -14,7 +14,7 @@ import numpy as np
 
 from . import intervals as iv
 from . import timeline as tl
-from .breakdown import collective_op_mask
+from .breakdown import collective_op_mask, communication_kernel_mask, computation_kernel_union
 from .model import RankTrace, Step
 
 STRAGGLER = 0.10
@@ -47,12 +47,12 @@ def analyze_comm(trace: RankTrace, steps: list[Step]) -> CommStats:
     g = trace.gpu
     if not len(g):
         return CommStats(host_collective_ns_per_step=host_coll)
-    cmask = tl.comm_kernel_mask(trace)
+    cmask = communication_kernel_mask(trace)
     if not cmask.any():  # no collective kernels: nothing to time
         return CommStats(exposed_per_step=[0] * len(steps), host_collective_ns_per_step=host_coll)
     comm = tl.comm_union(trace)
     total = tl.per_step(comm, starts, ends)
-    overlapped = tl.per_step(iv.intersect(comm, tl.compute_union(trace)), starts, ends)
+    overlapped = tl.per_step(iv.intersect(comm, computation_kernel_union(trace)), starts, ends)
     exposed = total - overlapped  # the part no compute kernel hides
     # Per kernel name (ids are dense: counted in place, in id order); float sums of ns are exact.
     names = g.name[cmask]

@@ -37,7 +37,7 @@ import numpy as np
 
 from . import intervals as iv
 from . import timeline as tl
-from .breakdown import collective_op_mask
+from .breakdown import collective_op_mask, computation_kernel_union
 from .inputs import InputStats
 from .memory import MemoryStats
 from .model import INT64_MIN, HostKind, RankTrace, Step
@@ -83,7 +83,7 @@ def _account_gpu(
     memory: MemoryStats,
 ) -> dict[str, np.ndarray]:
     busy = {
-        "compute": tl.compute_union(trace),
+        "compute": computation_kernel_union(trace),
         "communication": tl.comm_union(trace),
         "transfer": tl.gpu_union(trace, tl.copy_mask(trace)),
         "input": inputs.intervals,

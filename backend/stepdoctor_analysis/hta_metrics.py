@@ -23,7 +23,7 @@ import numpy as np
 
 from . import intervals as iv
 from .model import I64, INT64_MIN, GpuKind, Mask, RankTrace
-from .steps import launch_mask, launched_ops, launching_call
+from .steps import launched_ops, launching_call
 from .timeline import distinct, mean_or_zero, percentiles
 
 KERNEL_WAIT_THRESHOLD_NS = 30_000  # HTA's consecutive_kernel_delay (30 µs)
@@ -33,17 +33,12 @@ QUEUE_FULL = 1024  # CUDA's per-stream launch queue depth
 
 _COMM_RE = re.compile(r"^nccl.*Kernel")
 _NOT_COMPUTE_RE = re.compile(r"(^nccl.*Kernel)|(.*(Memcpy)|(Memset))|(.*Sync)")
-_MEMORY_RE = re.compile(r"(^Memcpy)|(^Memset)|(^dma)")
 _DEVICE_SYNCS = ("Event Sync", "Context Sync")
 
 
 def is_communication_kernel(name: str) -> bool:
     """NCCL kernels, old (``ncclKernel_*``) and new (``ncclDevKernel_*``) naming alike."""
     return _COMM_RE.match(name) is not None
-
-
-def is_memory_kernel(name: str) -> bool:
-    return _MEMORY_RE.match(name) is not None
 
 
 def is_compute_kernel(name: str) -> bool:
@@ -253,8 +248,3 @@ def _queues(launch_ts: I64, start_ts: I64, streams: I64) -> list[QueueStats]:
 
 _LAUNCH_START = np.array([1, -1], dtype=np.int64)
 _LAUNCH_START.flags.writeable = False
-
-
-def launch_call_mask(trace: RankTrace) -> Mask:
-    """Re-exported for analyzers that need the launch calls themselves."""
-    return launch_mask(trace)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import intervals as iv
-from .breakdown import communication_kernel_mask, computation_kernel_union
+from .breakdown import communication_kernel_mask
 from .model import GpuKind, HostKind, HostMem, Mask, RankTrace, Step
 
 I64 = iv.I64
@@ -62,16 +62,6 @@ def host_name_mask(trace: RankTrace, pattern: re.Pattern[str], key: str, *kinds:
     return trace.host_named(pattern.search, ("re", key), *kinds)
 
 
-def comm_kernel_mask(trace: RankTrace) -> Mask:
-    """Collective kernels, as the breakdown defines them (NCCL names or launched by a collective op)."""
-    return communication_kernel_mask(trace)
-
-
-def compute_kernel_mask(trace: RankTrace) -> Mask:
-    """Kernels that are not collectives."""
-    return trace.memo("compute_kernels", lambda: trace.gpu_kind(GpuKind.KERNEL) & ~comm_kernel_mask(trace))
-
-
 def copy_mask(trace: RankTrace) -> Mask:
     return trace.gpu_kind(GpuKind.MEMCPY, GpuKind.MEMSET)
 
@@ -84,14 +74,9 @@ def pageable_copy_mask(trace: RankTrace) -> Mask:
     )
 
 
-def compute_union(trace: RankTrace) -> iv.Intervals:
-    """When a computation kernel runs: the time that hides communication and copies."""
-    return computation_kernel_union(trace)
-
-
 def comm_union(trace: RankTrace) -> iv.Intervals:
     """When a collective kernel runs."""
-    return trace.memo("comm_union", lambda: gpu_union(trace, comm_kernel_mask(trace)))
+    return trace.memo("comm_union", lambda: gpu_union(trace, communication_kernel_mask(trace)))
 
 
 def per_step(ivs: iv.Intervals, starts: I64, ends: I64) -> I64:

@@ -15,6 +15,7 @@ import numpy as np
 
 from . import intervals as iv
 from . import timeline as tl
+from .breakdown import computation_kernel_union
 from .model import CopyKind, GpuKind, HostKind, HostMem, RankTrace, Step
 
 # Non-async memcpy APIs block the calling host thread until the copy is done.
@@ -85,7 +86,7 @@ def analyze_transfers(trace: RankTrace, steps: list[Step]) -> TransferStats:
     copies = tl.gpu_union(trace, memcpy)
     copy_per_step = tl.per_step(copies, starts, ends)
     # The part no compute kernel hides.
-    exposed = copy_per_step - tl.per_step(iv.intersect(copies, tl.compute_union(trace)), starts, ends)
+    exposed = copy_per_step - tl.per_step(iv.intersect(copies, computation_kernel_union(trace)), starts, ends)
     pageable = memcpy & tl.pageable_copy_mask(trace)
 
     directions = []
