@@ -3,7 +3,9 @@
 These give labelled traces for the diagnosis tests without a GPU. The input-bound loops calibrate
 the loader's delay against the measured compute step, so the label holds on slow, fast and busy
 machines alike: loading one batch takes 1.5× a training step, which a single process cannot hide
-and two workers (each producing a batch every 1.5 steps, so 1.33 batches per step) can.
+and four workers (each producing a batch every 1.5 steps, so 2.7 batches per step) can. Two
+workers (1.33 per step) were too thin a margin: when forking them was slow (a test session that
+had already imported pandas), their late start still showed in the profiled steps.
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ def memory_bound(path: Path) -> Path:
 
 LOOPS: dict[str, Callable[[Path], Path]] = {
     "input": input_bound,
-    "input_workers": lambda p: input_bound(p, num_workers=2),
+    "input_workers": lambda p: input_bound(p, num_workers=4),
     "compute": compute_bound,
     "launch": overhead_bound,
     "memory": memory_bound,
