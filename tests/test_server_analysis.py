@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterable
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
 from stepdoctor_server.models import Analysis, Trace
-from stepdoctor_server.queue import SqlJobQueue
+from stepdoctor_server.queue import MAX_ATTEMPTS, SqlJobQueue
 from stepdoctor_server.settings import Settings
 from stepdoctor_server.worker import start_pool
 from support.server import FIXTURE_TRACES, drain, synthetic_trace, upload
@@ -160,6 +161,29 @@ def test_claims_are_exclusive_under_concurrency(client: TestClient, app: FastAPI
     with app.state.db.session() as session:
         attempts = session.scalars(select(Trace.attempts).where(Trace.id.in_(ids))).all()
     assert set(attempts) == {1}
+
+
+def test_jobs_claimed_too_long_ago_are_requeued_then_given_up(client: TestClient, app: FastAPI) -> None:
+    """A worker that hangs (or a host that vanished) holds its claim: ``requeue_stale`` takes it back."""
+    old, fresh = (
+        int(upload(client, synthetic_trace(3), run="s", rank=i, metadata=_meta()).json()["id"])
+        for i in range(2)
+    )
+    queue = SqlJobQueue(app.state.db)
+    assert {queue.claim("hung:1:0"), queue.claim("busy:1:0")} == {old, fresh}
+    long_ago = datetime.now(timezone.utc) - timedelta(hours=2)
+    with app.state.db.session() as session:
+        session.execute(update(Trace).where(Trace.id == old).values(claimed_at=long_ago))
+    assert queue.requeue_stale(timedelta(minutes=30)) == 1
+    assert _statuses(app, [old, fresh]) == {old: "pending", fresh: "running"}
+    # A job that already took MAX_ATTEMPTS workers down fails instead of going round again.
+    assert queue.claim("hung:1:0") == old
+    with app.state.db.session() as session:
+        session.execute(
+            update(Trace).where(Trace.id == old).values(claimed_at=long_ago, attempts=MAX_ATTEMPTS)
+        )
+    assert queue.requeue_stale(timedelta(minutes=30)) == 0
+    assert _statuses(app, [old, fresh]) == {old: "failed", fresh: "running"}
 
 
 def test_reanalyze_and_stale_reports(client: TestClient, app: FastAPI, read_token: str) -> None:

@@ -19,12 +19,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
 
-from sqlalchemy import delete, func, null, select, update
+from sqlalchemy import ColumnElement, delete, func, null, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -182,17 +182,7 @@ class SqlJobQueue:
     def requeue_stale(self, older_than: timedelta) -> int:
         """Requeue running jobs claimed longer ago than ``older_than`` (their worker is presumed dead)."""
         cutoff = _now() - older_than
-        with self.db.session() as session:
-            return sum(
-                _requeue_or_give_up(
-                    session,
-                    table,
-                    session.scalars(
-                        select(table.id).where(table.status == "running", table.claimed_at < cutoff)
-                    ).all(),
-                )
-                for table in JOB_TABLES
-            )
+        return self._requeue_running(lambda table: table.claimed_at < cutoff)
 
     def requeue_dead_local(self) -> int:
         """Requeue jobs claimed by worker processes of this host that no longer exist.
@@ -214,14 +204,16 @@ class SqlJobQueue:
 
     def requeue_worker(self, worker_id: str) -> int:
         """Requeue the jobs held by one worker (its process just died)."""
+        return self._requeue_running(lambda table: table.claimed_by == worker_id)
+
+    def _requeue_running(self, which: Callable[[JobTable], ColumnElement[bool]]) -> int:
+        """Requeue (or give up on) the running jobs of every job table that match ``which``."""
         with self.db.session() as session:
             return sum(
                 _requeue_or_give_up(
                     session,
                     table,
-                    session.scalars(
-                        select(table.id).where(table.status == "running", table.claimed_by == worker_id)
-                    ).all(),
+                    session.scalars(select(table.id).where(table.status == "running", which(table))).all(),
                 )
                 for table in JOB_TABLES
             )

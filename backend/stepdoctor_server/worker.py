@@ -114,21 +114,21 @@ def process_one(db: Database, queue: JobQueue, store: TraceStore, settings: Sett
         queue.complete(trace_id, result)
         log.info("trace %s: %s in %d ms", trace_id, result.primary_kind, result.duration_ms)
     except Exception as exc:  # one bad trace fails its own job, never the worker
-        reason = _user_reason(exc, path, filename)
-        if reason.startswith("internal error"):
-            log.exception("trace %s: analysis failed", trace_id)
-        else:
-            log.info("trace %s: %s", trace_id, reason)
-        queue.fail(trace_id, reason)
+        queue.fail(trace_id, _logged_reason(exc, path, filename, f"trace {trace_id}"))
     if run_id is not None:
         _refresh_run(db, run_id)
     return True
 
 
-def _user_reason(exc: BaseException, path: Path | None, filename: str) -> str:
+def _logged_reason(exc: BaseException, path: Path | None, filename: str, job: str) -> str:
+    """The failure reason users see, logged: with the traceback only when it is our own bug."""
     reason = failure_reason(exc)
     if path is not None:  # users know the file by its download name, not by our storage key
         reason = reason.replace(str(path), filename).replace(path.name, filename)
+    if reason.startswith("internal error"):
+        log.exception("%s: failed", job)
+    else:
+        log.info("%s: %s", job, reason)
     return reason
 
 
@@ -165,12 +165,7 @@ def process_one_deep(db: Database, queue: SqlDeepQueue, store: TraceStore, worke
         queue.complete(job_id, result)
         log.info("deep %s %s: done in %.1f s", kind, job_id, time.perf_counter() - start)
     except Exception as exc:  # one bad job fails itself, never the worker
-        reason = _user_reason(exc, path, filename)
-        if reason.startswith("internal error"):
-            log.exception("deep job %s failed", job_id)
-        else:
-            log.info("deep job %s: %s", job_id, reason)
-        queue.fail(job_id, reason)
+        queue.fail(job_id, _logged_reason(exc, path, filename, f"deep job {job_id}"))
     return True
 
 
