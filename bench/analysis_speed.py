@@ -32,18 +32,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO.parent / "shared" / "fixtures" / "traces" / "hta"
-GPU_FIXTURES = [
-    "df_index_resolver/df_index_resolver.json.gz",
-    "trace_diff/control/control.json.gz",
-    "trace_diff/test/test.json.gz",
-    "negative_queue_length_values_check/rank0.json.gz",
-    "ns_resolution_trace/rank-0.Apr_03_18_51_38.1102.pt.trace.json.gz",
-    "nccl_parser_config/nccl_data.json.gz",
-    "trace_filter/sampled_rank-0.json.gz",
-    "critical_path/simple_add/benchmark_result_493459_1694039959_trace.json.gz",
-    "amd_trace/mi250_minitoy_train_ROCm6_2_kineto.json.gz",
-    "triton_example/triton_example.json.gz",
-]
+sys.path.insert(0, str(REPO / "tests"))
+from support.fixtures import GPU_FIXTURES  # noqa: E402  (the tests' list: every GPU fixture, one place)
+
 LARGE_SOURCE = "df_index_resolver/df_index_resolver.json.gz"
 LARGE_TARGET_BYTES = 820 * 2**20
 HTA_MAX_SECONDS = 180
@@ -213,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     have_pipeline = (REPO / "backend" / "stepdoctor_analysis" / "pipeline.py").exists()
     cases: list[tuple[str, Path, bool]] = [
-        (rel.split("/")[-1], FIXTURES / rel, False) for rel in GPU_FIXTURES if (FIXTURES / rel).exists()
+        (rel.removesuffix(".json.gz"), FIXTURES / rel, False)
+        for rel in GPU_FIXTURES
+        if (FIXTURES / rel).exists()
     ]
     compile_bytecode()
     tmp = Path(tempfile.mkdtemp(prefix="stepdoctor-bench-"))
@@ -298,7 +291,7 @@ def print_table(rows: list[tuple[Any, ...]]) -> None:
 
         extra = [None if r is None else r["rss_mb"] - r["import_mb"] for r in (pipe, hta)]
         print(
-            f"{label[:34]:<34} {mb:>5.0f} | {num(g(pipe, 'seconds'), 7)} {num(g(hta, 'seconds'), 7)} "
+            f"{label[-34:]:<34} {mb:>5.0f} | {num(g(pipe, 'seconds'), 7)} {num(g(hta, 'seconds'), 7)} "
             f"{_ratio(g(hta, 'seconds'), g(pipe, 'seconds'), 'x'):>8} | {num(g(ours, 'seconds'), 7)} "
             f"{_ratio(g(hta, 'seconds'), g(ours, 'seconds'), 'x'):>8} | "
             f"{num(g(pipe, 'rss_mb'), 7, 0)} {num(g(hta, 'rss_mb'), 7, 0)} {_ratio(g(pipe, 'rss_mb'), g(hta, 'rss_mb')):>5} | "
