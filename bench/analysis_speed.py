@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO.parent / "shared" / "fixtures" / "traces" / "hta"
 sys.path.insert(0, str(REPO / "tests"))
 from support.fixtures import GPU_FIXTURES  # noqa: E402  (the tests' list: every GPU fixture, one place)
+from support.fixtures import HTA_TRACES as FIXTURES  # noqa: E402
 
 LARGE_SOURCE = "df_index_resolver/df_index_resolver.json.gz"
 LARGE_TARGET_BYTES = 820 * 2**20

@@ -28,10 +28,7 @@ from stepdoctor_server.migrate import upgrade
 from stepdoctor_server.models import Analysis
 from stepdoctor_server.settings import Settings
 
-FIXTURE = (
-    Path(__file__).resolve().parents[1].parent
-    / "shared/fixtures/traces/hta/trace_diff/control/control.json.gz"
-)
+FIXTURE = Path(__file__).resolve().parents[1] / "tests/fixtures/traces/hta/trace_diff/control/control.json.gz"
 TARGET_S = 2.0
 
 

@@ -28,9 +28,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-FIXTURE = (
-    ROOT.parent / "shared" / "fixtures" / "traces" / "hta" / "trace_diff" / "control" / "control.json.gz"
-)
+FIXTURE = ROOT / "tests" / "fixtures" / "traces" / "hta" / "trace_diff" / "control" / "control.json.gz"
 
 from support.server import serve_subprocess  # noqa: E402
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO.parent / "shared" / "fixtures" / "traces"
+FIXTURES = REPO / "tests" / "fixtures" / "traces"
 
 
 def _server_plugins() -> list[str]:
@@ -47,7 +47,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
-    """The shared real Kineto traces (../shared/fixtures/traces beside the checkout)."""
-    if not FIXTURES.is_dir():
-        pytest.skip(f"shared trace fixtures not found at {FIXTURES}")
+    """The real Kineto traces kept under tests/fixtures/traces (licenses beside them)."""
     return FIXTURES

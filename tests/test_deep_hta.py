@@ -20,8 +20,9 @@ import pytest
 
 from stepdoctor_analysis import cli, deep
 from stepdoctor_analysis.errors import TraceError
+from support.fixtures import HTA_TRACES
 
-HTA = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "traces" / "hta"
+HTA = HTA_TRACES
 CP = HTA / "critical_path"
 SYNC = CP / "cuda_event_sync" / "event_sync_trace.json.gz"
 CP_CASES = {
@@ -34,7 +35,6 @@ OTHER = HTA / "trace_compare" / "test" / "test.json.gz"
 GPU_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 
 needs_hta = pytest.mark.skipif(not deep.available(), reason="HTA extra not installed")
-pytestmark = pytest.mark.skipif(not HTA.is_dir(), reason="shared HTA fixtures not found")
 
 
 def raw(path: Path) -> dict[str, Any]:
@@ -323,6 +323,7 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 from stepdoctor_analysis import cli, deep
 from stepdoctor_analysis.errors import TraceError
+from support.fixtures import HTA_TRACES
 assert not deep.available() and "hta" not in sys.modules
 try:
     deep.trace_diff(sys.argv[1], sys.argv[1])

@@ -1,4 +1,4 @@
-"""Every shared real Kineto trace analyzes end to end; the JSON report keeps its documented schema."""
+"""Every real Kineto fixture trace analyzes end to end; the JSON report keeps its documented schema."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from stepdoctor_analysis import SCHEMA_VERSION
 from stepdoctor_analysis.pipeline import analyze_path
 from stepdoctor_analysis.report import BREAKDOWN_KEYS
 from stepdoctor_analysis.rules import KINDS
+from support.fixtures import all_fixture_files
 
-HTA = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "traces" / "hta"
-FILES = sorted(HTA.rglob("*.json.gz")) if HTA.is_dir() else []
+FILES = all_fixture_files()
 REC_KEYS = {
     "id": str,
     "title": str,
@@ -53,7 +53,6 @@ def _check_schema(d: dict[str, Any]) -> None:
     assert isinstance(d["metrics"], dict) and isinstance(d["warnings"], list)
 
 
-@pytest.mark.skipif(not FILES, reason=f"shared trace fixtures not found at {HTA}")
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(HTA)))
 def test_fixture_analyzes_and_round_trips(path: Path) -> None:
     d = _report(path)
@@ -64,7 +63,6 @@ def test_fixture_analyzes_and_round_trips(path: Path) -> None:
     assert sum(d["metrics"]["shares"].values()) == pytest.approx(1.0, abs=0.01)
 
 
-@pytest.mark.skipif(not FILES, reason=f"shared trace fixtures not found at {HTA}")
 def test_directory_of_ranks_has_rank_section() -> None:
     d = analyze_path(HTA / "trace_filter").to_dict()
     _check_schema(d)
@@ -75,7 +73,6 @@ def test_directory_of_ranks_has_rank_section() -> None:
     assert all(r["primary_kind"] in KINDS for r in ranks["per_rank"])
 
 
-@pytest.mark.skipif(not FILES, reason=f"shared trace fixtures not found at {HTA}")
 def test_memory_events_give_device_peaks() -> None:
     """df_index_resolver is the one fixture with [memory] events (V100-32GB)."""
     d = _report(HTA / "df_index_resolver" / "df_index_resolver.json.gz")

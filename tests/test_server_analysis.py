@@ -37,12 +37,6 @@ RANK1 = HTA / "trace_filter" / "sampled_rank-1.json.gz"
 KEYS = ("primary", "secondary", "breakdown", "step_time_us", "rank")
 
 
-@pytest.fixture(autouse=True)
-def _need_fixtures() -> None:
-    if not RANK0.is_file():
-        pytest.skip(f"shared trace fixtures missing: {RANK0}")
-
-
 def _meta(window: int = 0, **extra: Any) -> dict[str, Any]:
     return {
         "host": "node1",

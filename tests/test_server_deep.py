@@ -31,13 +31,6 @@ CPU_ONLY = FIXTURE_TRACES / "hta" / "cpu_only" / "rank-34.Jul_15_10_52_41.1074.p
 needs_hta = pytest.mark.skipif(not deep.available(), reason="HolisticTraceAnalysis (stepdoctor[hta]) missing")
 
 
-@pytest.fixture(autouse=True)
-def _need_fixtures() -> None:
-    for path in (EVENT_SYNC, SIMPLE_ADD, CPU_ONLY):
-        if not path.is_file():
-            pytest.skip(f"shared trace fixture missing: {path}")
-
-
 @pytest.fixture(scope="module")
 def expected() -> dict[str, dict[str, Any]]:
     """``deep.critical_path`` run directly on the fixtures: what the server must store."""

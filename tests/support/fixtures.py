@@ -1,4 +1,4 @@
-"""Locating the shared real Kineto traces (anchors: /work/shared/fixtures/traces/README.md)."""
+"""The real Kineto traces the tests use, kept in the repository (provenance and licenses: tests/fixtures/traces/)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 from stepdoctor_analysis.model import RankTrace
 from stepdoctor_analysis.parse import load_trace
 
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
+TRACELENS_TRACES = TRACES / "tracelens"
 HTA_TRACES = TRACES / "hta"
 
 # Traces with GPU activity (kernels) that HTA and tb-profiler can both read.
@@ -46,16 +47,16 @@ def all_fixture_files() -> list[Path]:
 
 
 def fixture(rel: str) -> Path:
-    """Path of a shared fixture; skips the test when the shared folder is absent."""
+    """Path of a repository fixture; a missing one is an error, never a skip."""
     p = HTA_TRACES / rel
     if not p.is_file():
-        pytest.skip(f"shared fixture missing: {p}")
+        raise FileNotFoundError(f"fixture missing from the repository: {p}")
     return p
 
 
 @functools.cache
 def parsed(rel: str) -> RankTrace:
-    """Each shared fixture is parsed once per test session, whichever test asks first."""
+    """Each fixture is parsed once per test session, whichever test asks first."""
     return load_trace(fixture(rel))
 
 

@@ -43,6 +43,7 @@ from stepdoctor_server import auth, migrate
 from stepdoctor_server.app import create_app
 from stepdoctor_server.models import Base
 from stepdoctor_server.settings import Settings
+from support.fixtures import TRACES
 
 __all__ = [
     "FIXTURE_TRACES",
@@ -69,7 +70,7 @@ __all__ = [
 ]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-FIXTURE_TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "fixtures" / "traces"
+FIXTURE_TRACES = TRACES
 POSTGRES_HOST = "127.0.0.1"
 POSTGRES_ADMIN_URL = f"postgresql+psycopg://postgres@{POSTGRES_HOST}:5432/postgres"
 
