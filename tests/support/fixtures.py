@@ -8,8 +8,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from stepdoctor_analysis.model import RankTrace
 from stepdoctor_analysis.parse import load_trace
 
