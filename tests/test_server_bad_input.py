@@ -50,7 +50,7 @@ def _bomb() -> bytes:
 def _incompressible_trace(size: int) -> bytes:
     """A well-formed gzip trace whose compressed size is about ``size`` bytes."""
     pad = random.Random(0).randbytes(size).hex()
-    return gzip.compress(json.dumps({"traceEvents": [], "pad": pad}).encode(), 1)
+    return gzip.compress(json.dumps({"traceEvents": [{"ph": "i"}], "pad": pad}).encode(), 1)
 
 
 def _chunks(data: bytes, size: int = 32 * 1024) -> Iterator[bytes]:

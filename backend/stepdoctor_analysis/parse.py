@@ -59,7 +59,14 @@ _OUT_BLOCK = 256 << 10  # decompressed bytes produced at a time
 _SMALL_FILE = 256 << 10
 _SMALL_OUT_BLOCK = 8 << 20
 _CHUNK = 512 << 10  # event text decoded at a time (at least)
-_GIVE_UP_SPLIT = 128 << 20  # beyond this much undecodable text, stop cutting and decode at the end
+# Bounded memory whatever the text holds: more than this much text that cannot be cut into events
+# (a giant string or value, deep nesting, a huge header or tail) is refused, not buffered.
+_MAX_UNCUT = 64 << 20
+# Once that much text waits uncut, whitespace runs are collapsed as blocks arrive, so a trace
+# padded with gigabytes of whitespace costs memory for its events only. Only runs of 1 KiB+ are
+# touched: outside strings JSON ignores them; inside one they could only be an absurd name.
+_COLLAPSE_AFTER = 2 << 20
+_LONG_WHITESPACE = re.compile(rb"[ \t\r\n]{1024,}")
 
 # Category -> kind. Host kinds are 0..9, GPU kinds are offset by _GPU.
 _GPU = 100
@@ -281,6 +288,8 @@ def load_trace(path: str | Path, *, max_bytes: int | None = None) -> RankTrace:
     blocks = _decompressed_blocks(p, cap)
     try:
         _StreamParser(builder, p.name).run(blocks)
+    except RecursionError:  # msgspec recurses per nesting level
+        raise TraceError(f"{p.name}: JSON nested too deeply to be a trace") from None
     finally:
         blocks.close()  # closes the file at once, also when parsing failed
     return builder.finish()
@@ -377,10 +386,18 @@ class _StreamParser:
         self.whole = False  # give up cutting: decode everything at the end
         self.failed_at = 0  # buffer size at the last failed cut
         self.decoder = _LEAN_DECODER  # switched to _EVENTS_DECODER once flows turn out to be needed
+        self.searched = 0  # the header search resumes here (no rescanning: linear time)
 
     def run(self, blocks: Iterator[bytes]) -> None:
         for block in blocks:
+            if len(self.buf) > _COLLAPSE_AFTER:
+                block = b" " if not block.strip() else _LONG_WHITESPACE.sub(b" ", block)
             self.buf += block
+            if len(self.buf) > _MAX_UNCUT:
+                raise TraceError(
+                    f"{self.name}: more than {_MAX_UNCUT >> 20} MiB of text that is not a sequence of "
+                    "trace events (a giant string or value, or nesting too deep); refusing it"
+                )
             if self.header is None and not self.whole:
                 self._find_header()
             if self.header is not None and not self.whole and len(self.buf) >= _CHUNK:
@@ -388,8 +405,9 @@ class _StreamParser:
         self._finish()
 
     def _find_header(self) -> None:
-        m = _EVENTS_KEY.search(self.buf)
+        m = _EVENTS_KEY.search(self.buf, self.searched)
         if m is None:
+            self.searched = max(0, len(self.buf) - 64)  # the key may straddle two blocks
             return
         header = bytes(self.buf[: m.start()])
         try:
@@ -427,10 +445,8 @@ class _StreamParser:
         self._note_failure()
 
     def _note_failure(self) -> None:
-        """No cut worked (a giant event, or odd nesting): wait for more text, or stop cutting."""
+        """No cut worked (a giant event, or odd nesting): wait for more text (up to _MAX_UNCUT)."""
         self.failed_at = len(self.buf) + _CHUNK
-        if len(self.buf) > _GIVE_UP_SPLIT:
-            self.whole = True
 
     def _split_candidates(self, before: int, tries: int = 3) -> Iterator[int]:
         """Up to ``tries`` positions of a ``}`` followed by ``,`` and ``{``, latest first.

@@ -148,7 +148,7 @@ def _when(value: object) -> str:
 def _check_team_name(name: str) -> None:
     from stepdoctor_server.ingest import NAME_RE
 
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         raise CommandError(f"invalid team name {name!r}: use 1-128 characters of [A-Za-z0-9._-]")
 
 

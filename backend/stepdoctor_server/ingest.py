@@ -1,14 +1,21 @@
 """Validation of an upload while it streams in: request headers, names, metadata, and the body.
 
 The body check is deliberately cheap (full parsing happens later, in the worker): gzip is
-decompressed incrementally under a cap on the decompressed size (a gzip bomb stops at the cap, not
-at the end), a truncated or corrupt gzip stream is refused, and the JSON text must start with ``{``,
-end with ``}`` and contain a ``"traceEvents"`` key. Every refusal is an ApiError with one clear line.
+decompressed incrementally under a cap on the decompressed size and on the compression ratio (a
+gzip bomb stops after a few MiB of output, not at the cap), a truncated or corrupt gzip stream is
+refused, and the JSON text must start with ``{``, end with ``}`` and hold a ``"traceEvents"`` key
+whose value is an array starting with an event object. Every refusal is an ApiError with one clear
+line.
+
+Names are checked by full match (``re.fullmatch``: ``$`` would let a trailing newline through) and
+metadata is checked for what breaks storage later: depth, non-finite numbers, NUL and control
+characters, lone surrogates (PostgreSQL's ``jsonb`` refuses them all).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -17,12 +24,20 @@ from typing import Any
 from stepdoctor_server.errors import ApiError
 
 GZIP_MAGIC = b"\x1f\x8b"
-NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
-IDEMPOTENCY_KEY_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+# Always used with ``fullmatch``: ``^...$`` accepts a trailing newline ("abc\n").
+NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+IDEMPOTENCY_KEY_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 ACCEPTED_CONTENT_TYPES = frozenset(
     {"application/json", "application/gzip", "application/x-gzip", "application/octet-stream"}
 )
 _TRACE_EVENTS_KEY = re.compile(rb'"traceEvents"\s*:')
+# Real Kineto traces compress 10-25:1; beyond this ratio (once past the floor) a body is a bomb.
+MAX_COMPRESSION_RATIO = 200
+RATIO_CHECK_AFTER = 32 << 20  # decompressed bytes before the ratio is judged (small files vary)
+MAX_METADATA_DEPTH = 8
+# C0 controls and DEL except tab/newline/CR, plus lone surrogates: jsonb and most viewers refuse them.
+_BAD_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
+_TAG_BAD_CHARS = re.compile("[\x00-\x1f\x7f\ud800-\udfff]")
 # Decompress at most this much per zlib call so memory stays flat whatever the ratio.
 _OUT_CHUNK = 1 << 20
 _WHITESPACE = b" \t\r\n"
@@ -35,7 +50,7 @@ def validate_name(kind: str, value: str | None) -> str:
     """Project and run names end up in file names and URLs, so they are a small safe alphabet."""
     if value is None or value == "":
         raise ApiError(422, "invalid_name", f"missing {kind} name (query parameter '{kind}')")
-    if not NAME_RE.match(value):
+    if not NAME_RE.fullmatch(value):
         raise ApiError(
             422,
             "invalid_name",
@@ -47,7 +62,7 @@ def validate_name(kind: str, value: str | None) -> str:
 def validate_idempotency_key(value: str | None) -> str | None:
     if value is None:
         return None
-    if not IDEMPOTENCY_KEY_RE.match(value):
+    if not IDEMPOTENCY_KEY_RE.fullmatch(value):
         raise ApiError(
             422, "invalid_idempotency_key", "Idempotency-Key must be 1-128 characters of [A-Za-z0-9_-]"
         )
@@ -94,11 +109,16 @@ def parse_metadata(text: str | None, *, max_bytes: int) -> UploadMetadata:
     if len(text.encode("utf-8", "surrogatepass")) > max_bytes:
         raise ApiError(422, "invalid_metadata", f"metadata exceeds {max_bytes} bytes")
     try:
-        raw = json.loads(text)
+        raw = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
     except ValueError as exc:
         raise ApiError(422, "invalid_metadata", f"metadata is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(
+            422, "invalid_metadata", f"metadata is nested deeper than {MAX_METADATA_DEPTH} levels"
+        ) from None
     if not isinstance(raw, dict):
         raise ApiError(422, "invalid_metadata", f"metadata must be a JSON object, not {type(raw).__name__}")
+    check_json_value(raw, "metadata")
     window = raw.get("window") or {}
     if not isinstance(window, dict):
         raise ApiError(422, "invalid_metadata", "metadata.window must be an object")
@@ -110,6 +130,65 @@ def parse_metadata(text: str | None, *, max_bytes: int) -> UploadMetadata:
         last_step=_optional_int(window, "last_step", label="window.last_step"),
         tags=normalize_tags(raw.get("tags")),
     )
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (only finite numbers are accepted)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def check_json_value(value: Any, where: str) -> None:
+    """Refuse what JSON allows but storage does not: deep nesting, huge integers, NUL, controls.
+
+    Iterative (no recursion), so a hostile document cannot exhaust the stack here either.
+    """
+    stack: list[tuple[Any, str, int]] = [(value, where, 0)]
+    while stack:
+        item, path, depth = stack.pop()
+        if depth > MAX_METADATA_DEPTH:
+            raise ApiError(
+                422, "invalid_metadata", f"{where} is nested deeper than {MAX_METADATA_DEPTH} levels"
+            )
+        if isinstance(item, str):
+            _check_text(item, path)
+        elif isinstance(item, bool) or item is None:
+            continue
+        elif isinstance(item, int):
+            if abs(item) >= 2**63:
+                raise ApiError(422, "invalid_metadata", f"{path} is an integer out of the 64-bit range")
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                raise ApiError(422, "invalid_metadata", f"{path} is not a finite number")
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                _check_text(str(key), f"{path} key")
+                stack.append((child, f"{path}.{str(key)[:40]}", depth + 1))
+        elif isinstance(item, list):
+            stack.extend((child, f"{path}[{i}]", depth + 1) for i, child in enumerate(item))
+        else:
+            raise ApiError(422, "invalid_metadata", f"{path} has an unsupported type")
+
+
+def _check_text(text: str, path: str) -> None:
+    if _BAD_CHARS.search(text):
+        raise ApiError(422, "invalid_metadata", f"{path} contains a NUL, control character or lone surrogate")
+
+
+def check_tag(tag: str, what: str = "tag") -> str:
+    """A tag is one printable line: control characters (NUL above all) break filters and headers."""
+    if not 0 < len(tag) <= MAX_TAG_CHARS or _TAG_BAD_CHARS.search(tag):
+        raise ApiError(
+            422,
+            "invalid_metadata" if what == "tag" else "invalid_request",
+            f"each {what} must be 1-{MAX_TAG_CHARS} printable characters",
+        )
+    return tag
 
 
 def _optional_int(
@@ -142,10 +221,11 @@ def normalize_tags(value: Any) -> list[str]:
         raise ApiError(422, "invalid_metadata", "metadata.tags must be a list of strings")
     tags: list[str] = []
     for item in items:
-        if not isinstance(item, str) or not 0 < len(item) <= MAX_TAG_CHARS:
+        if not isinstance(item, str):
             raise ApiError(
                 422, "invalid_metadata", f"each tag must be a string of 1-{MAX_TAG_CHARS} characters"
             )
+        check_tag(item)
         if item not in tags:
             tags.append(item)
     if len(tags) > MAX_TAGS:
@@ -173,6 +253,8 @@ class BodyInspector:
         self._found_key = False
         self._scan_tail = b""  # overlap so a key split across chunks is still found
         self._last_byte = b""
+        # After the key: b"[" while waiting for the array, b"{" for its first event, b"" when seen.
+        self._expect = b"["
 
     # -- raw bytes -------------------------------------------------------------------------------
     def feed(self, chunk: bytes) -> None:
@@ -234,6 +316,7 @@ class BodyInspector:
                 f"trace decompresses to more than {self.max_decompressed} bytes "
                 "(STEPDOCTOR_MAX_DECOMPRESSED_BYTES); refusing a possible gzip bomb",
             )
+        self._check_ratio()
         if not self._started_json:
             if self.decompressed_bytes == len(text) and text.startswith(_BOM):
                 text = text[len(_BOM) :]
@@ -249,14 +332,47 @@ class BodyInspector:
             self._started_json = True
         if not self._found_key:
             window = self._scan_tail + text
-            if _TRACE_EVENTS_KEY.search(window):
+            found = _TRACE_EVENTS_KEY.search(window)
+            if found:
                 self._found_key = True
                 self._scan_tail = b""
+                self._check_events_start(window[found.end() :])
             else:
                 self._scan_tail = window[-64:]
+        elif self._expect:
+            self._check_events_start(text)
         end = text.rstrip(_WHITESPACE)
         if end:
             self._last_byte = end[-1:]
+
+    def _check_ratio(self) -> None:
+        """Stop inflating as soon as the output is implausibly large for its input (cheap: the
+        check runs per inflated MiB, so a bomb costs a few MiB of CPU, not the whole cap)."""
+        if not self.gzipped or self.decompressed_bytes <= RATIO_CHECK_AFTER:
+            return
+        if self.decompressed_bytes > MAX_COMPRESSION_RATIO * max(self.compressed_bytes, 1):
+            raise ApiError(
+                413,
+                "implausible_compression",
+                f"trace inflates more than {MAX_COMPRESSION_RATIO}:1 (real traces compress about 10-25:1); "
+                "refusing a possible gzip bomb",
+            )
+
+    def _check_events_start(self, text: bytes) -> None:
+        """The value of ``traceEvents`` must be an array whose first item is an event object."""
+        for wanted in (b"[", b"{"):
+            if self._expect != wanted:
+                continue
+            text = text.lstrip(_WHITESPACE)
+            if not text:
+                return
+            if text[:1] != wanted:
+                what = "an array" if wanted == b"[" else "a non-empty array of event objects"
+                raise ApiError(
+                    422, "invalid_trace", f"body is not a Chrome trace: 'traceEvents' is not {what}"
+                )
+            text = text[1:]
+            self._expect = b"{" if wanted == b"[" else b""
 
     def finish(self) -> None:
         """Call after the last chunk: refuse truncated gzip, empty bodies and incomplete JSON."""
@@ -280,6 +396,10 @@ class BodyInspector:
             raise ApiError(422, "invalid_trace", "body holds no JSON: expected a Chrome trace object")
         if not self._found_key:
             raise ApiError(422, "invalid_trace", "body is not a Chrome trace: no 'traceEvents' key found")
+        if self._expect and self._last_byte == b"}":
+            raise ApiError(
+                422, "invalid_trace", "body is not a Chrome trace: 'traceEvents' holds no event objects"
+            )
         if self._last_byte != b"}":
             raise ApiError(
                 400,
