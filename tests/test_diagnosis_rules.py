@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stepdoctor_analysis.comm import rank_spread
 from stepdoctor_analysis.inputs import loader_settings, suggested_workers
 from stepdoctor_analysis.pipeline import analyze_path
+from stepdoctor_analysis.ranks import TraceEntry, rank_verdict
 from stepdoctor_analysis.report import plain
 from stepdoctor_analysis.rules import KINDS, RULES, Hit, Rule, speedup
 from support import synthetic
@@ -57,10 +57,13 @@ def test_loader_settings_from_agent_metadata_shape() -> None:
 
 
 def test_rank_spread_names_the_slow_rank() -> None:
-    spread = rank_spread({0: 100.0, 1: 101.0, 2: 99.0, 3: 130.0})
-    assert spread.stragglers == [3]
-    assert spread.spread == pytest.approx((130 - 99) / 100.5)
-    assert rank_spread({0: 100.0, 1: 105.0}).stragglers == []
+    def spread(times: dict[int, float]):  # type: ignore[no-untyped-def]
+        return rank_verdict([TraceEntry({"step_time_us": t}, rank=r) for r, t in times.items()])
+
+    verdict = spread({0: 100.0, 1: 101.0, 2: 99.0, 3: 130.0})
+    assert verdict.straggler_ranks() == [3]
+    assert verdict.spread == pytest.approx((130 - 99) / 100.5)
+    assert spread({0: 100.0, 1: 105.0}).stragglers == []
 
 
 def test_plain_makes_json_safe_values() -> None:

@@ -8,8 +8,9 @@ Category sources (tb-profiler 0.4.3 conventions, with the deliberate differences
 - kernel: GPU kernels that are not communication.
 - memcpy / memset: GPU copies and fills.
 - communication: NCCL kernels plus host collective ops. tb-profiler matches kernels to the five
-  ``nccl:``/``gloo:`` collectives it knows by external id; we also take any kernel whose name starts
-  with ``nccl`` (``ncclKernel_*``, ``ncclDevKernel_*``) and any ``nccl:``/``gloo:`` op (all_to_all,
+  ``nccl:``/``gloo:`` collectives it knows by external id; we also take every collective kernel family
+  (NCCL/RCCL, MSCCL, NVSHMEM, DeepEP, custom all-reduce: ``collectives``), any kernel launched under a
+  collective host op (``c10d::``, ``record_param_comms``), and any ``nccl:``/``gloo:`` op (all_to_all,
   send/recv, ... which 0.4.3 counted as ordinary kernels/CPU ops).
 - runtime: CUDA/HIP runtime and driver calls (0.4.3 only recognised the legacy ``Runtime`` category).
 - dataloader: ``enumerate(DataLoader)#…__next__`` and ``enumerate(DataPipe)#…`` ranges, whether
@@ -25,6 +26,8 @@ import numpy as np
 
 from . import BREAKDOWN_CATEGORIES
 from . import intervals as iv
+from .collectives import is_collective_kernel_name
+from .collectives import is_collective_op_name as is_collective_call_name
 from .model import GpuKind, HostKind, Mask, RankTrace, Step
 from .steps import STEP_PREFIX, launching_call
 
@@ -68,7 +71,8 @@ def is_collective_op_name(s: str) -> bool:
 
 
 def is_comm_kernel_name(s: str) -> bool:
-    return s.startswith("nccl")
+    """NCCL/RCCL/MSCCL/NVSHMEM, expert-parallel and custom all-reduce kernels (``collectives``)."""
+    return is_collective_kernel_name(s)
 
 
 def communication_kernel_mask(trace: RankTrace) -> Mask:
@@ -80,7 +84,7 @@ def _communication_kernel_mask(trace: RankTrace) -> Mask:
     gpu, host = trace.gpu, trace.host
     kernels = trace.gpu_kind(GpuKind.KERNEL)
     mask = kernels & trace.gpu_named(is_comm_kernel_name, "comm.kernel")
-    comm_ops = collective_op_mask(trace)
+    comm_ops = collective_call_mask(trace)
     if comm_ops.any():
         ext = host.external_id[comm_ops]
         ext = ext[ext >= 0]
@@ -101,6 +105,21 @@ def computation_kernel_union(trace: RankTrace) -> iv.Intervals:
         return iv.union(gpu.ts[mask], gpu.end[mask])
 
     return trace.memo("compute_union", evaluate)
+
+
+def collective_call_mask(trace: RankTrace) -> Mask:
+    """Every host op that issues a collective (``c10d::``, ``record_param_comms``, backend ranges).
+
+    Broader than ``collective_op_mask``, which keeps TensorBoard's ``nccl:``/``gloo:`` ranges for the
+    breakdown; kernels launched under any of these are communication whatever their name.
+    """
+
+    def evaluate() -> Mask:
+        return trace.host_named(
+            is_collective_call_name, "comm.call", HostKind.CPU_OP, HostKind.USER_ANNOTATION
+        )
+
+    return trace.memo("collective_calls", evaluate)
 
 
 def collective_op_mask(trace: RankTrace) -> Mask:

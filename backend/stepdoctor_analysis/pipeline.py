@@ -15,8 +15,9 @@ from typing import Any
 from . import breakdown as bd
 from . import diagnose, gpu_metrics, parse, steps
 from . import hta_metrics as hta
+from . import ranks
 from . import timeline as tl
-from .comm import analyze_comm, rank_spread
+from .comm import analyze_comm
 from .errors import TraceError
 from .inputs import analyze_inputs, loader_settings
 from .memory import analyze_memory, memory_curves
@@ -213,36 +214,23 @@ def _host_memory(metadata: dict[str, Any] | None) -> int:
 
 
 def _job_report(path: Path, traces: list[RankTrace], reports: list[Report]) -> Report:
-    """A directory: per-rank summaries and spread; the top-level diagnosis is the slowest rank's."""
-    keyed = {
-        (t.rank if t.rank is not None else i): r for i, (t, r) in enumerate(zip(traces, reports, strict=True))
-    }
-    spread = rank_spread({k: r.step_time_us for k, r in keyed.items()})
-    slowest_key = max(keyed, key=lambda k: keyed[k].step_time_us)
-    top = keyed[slowest_key]
-    top.ranks = plain(
-        {
-            "count": len(reports),
-            "step_time_us": {str(k): v for k, v in spread.step_time_us.items()},
-            "median_us": spread.median_us,
-            "spread": spread.spread,
-            "stragglers": spread.stragglers,
-            "slowest": slowest_key,
-            "per_rank": [
-                {
-                    "rank": k,
-                    "source": r.source,
-                    "primary_kind": r.primary.kind,
-                    "primary_share": r.primary.share,
-                    "step_time_us": r.step_time_us,
-                }
-                for k, r in keyed.items()
-            ],
-        }
-    )
+    """A directory: ranks, windows and stragglers from ``ranks.rank_verdict`` (the server's run
+    diagnosis calls the same function). The top-level diagnosis is a straggler's when there is one
+    (the others wait for it), else the slowest rank's among those whose verdict is the job's."""
+    dicts = [r.to_dict() for r in reports]
+    verdict = ranks.rank_verdict([ranks.TraceEntry(d) for d in dicts])
+    job_kind = ranks.job_primary_kind(dicts)
+    lead = {s.rank for s in verdict.stragglers}
+    candidates = [i for i, r in enumerate(reports) if r.rank in lead] or [
+        i for i, r in enumerate(reports) if r.primary.kind == job_kind
+    ]
+    top = reports[max(candidates or range(len(reports)), key=lambda i: reports[i].step_time_us)]
+    top.ranks = plain(verdict.to_dict() | {"primary_kind": job_kind})
     top.source = str(path)
-    if spread.stragglers:
+    if verdict.count == 1 and len(reports) > 1:
         top.warnings.append(
-            f"straggler rank(s) {', '.join(map(str, spread.stragglers))}: the other ranks wait for them in collectives"
+            f"{len(reports)} traces of one rank: these are capture windows, averaged by step, not ranks"
         )
+    for st in verdict.stragglers:
+        top.warnings.append(f"straggler: {st.sentence()}; the other ranks wait for it in collectives")
     return top

@@ -21,9 +21,12 @@ stores). Times are microseconds; shares are fractions of the summed step wall ti
     steps            [{number, start_us, duration_us, kinds{kind: µs}}]
     metrics          {kinds_us, shares, transfers, sync, memory, communication, input, ops,
                       gpu (utilization, ...), hta (temporal/idle/launch), ...}
-    ranks            present for a directory: {count, step_time_us{rank: µs}, median_us, spread,
-                      stragglers[], per_rank[{rank, source, primary_kind, primary_share,
-                      step_time_us}]}; the top-level diagnosis is then the slowest rank's
+    ranks            present for a directory (``ranks.RankVerdict.to_dict``): {count (distinct ranks),
+                      windows (traces), basis, median_busy_us, spread, stragglers[rank],
+                      straggler_details[{rank, busy_us, over_median, arrival_late_us, cause, why, ...}],
+                      per_rank[{rank, worker, traces, steps, step_time_us, wait_us, busy_us,
+                      arrival_us, kinds_us, primary_kind, primary_share}], primary_kind}; the
+                      top-level diagnosis is then a straggler's, else a rank's whose verdict is the job's
     warnings         [str]
 """
 
@@ -196,8 +199,9 @@ def render_text(r: Report) -> str:
         rk = r.ranks
         lines += [
             "",
-            f"Ranks: {rk['count']}, step-time spread {100 * rk['spread']:.0f}% of the median "
-            f"({_fmt_us(rk['median_us'])}); stragglers: {', '.join(map(str, rk['stragglers'])) or 'none'}",
+            f"Ranks: {rk['count']} ({rk['windows']} traces), spread of {rk['basis']} "
+            f"{100 * rk['spread']:.0f}% of the median ({_fmt_us(rk['median_busy_us'])}); "
+            f"stragglers: {', '.join(map(str, rk['stragglers'])) or 'none'}",
         ]
     lines += [f"Warning: {w}" for w in r.warnings]
     return "\n".join(lines) + "\n"

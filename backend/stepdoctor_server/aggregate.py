@@ -10,8 +10,11 @@ Conventions:
   counts six times a 1-step one. A report without ``steps`` counts once.
 - The primary kind is the kind with the largest step-time-weighted share over all reports, i.e.
   the kind that owns the most wall time of the run, not the most frequent per-rank label.
-- A straggler is a rank whose mean step time exceeds the median rank by ``STRAGGLER_RATIO``
-  (the 10% slack HTA and gpuprof use for "noticeably slower").
+- Ranks, windows and stragglers come from ``stepdoctor_analysis.ranks.rank_verdict``, the function
+  ``stepdoctor analyze DIR`` calls too: traces group by rank (upload metadata, else the report's
+  ``distributedInfo`` rank), several traces of a rank are its windows, and a straggler is a rank whose
+  work before its collectives (step time minus exposed communication) exceeds the other ranks'
+  median by 10%, with the kind of work that made it slow.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from stepdoctor_analysis import BOTTLENECK_KINDS, BREAKDOWN_CATEGORIES
+from stepdoctor_analysis.ranks import RankVerdict, rank_verdict
+from stepdoctor_analysis.ranks import TraceEntry as RankEntry
 
-STRAGGLER_RATIO = 1.10
 # Breakdown categories in the TensorBoard plugin's priority order; unknown keys are kept after these.
 CATEGORIES = BREAKDOWN_CATEGORIES
 # The bottleneck vocabulary; a report's ``metrics.shares`` also carries unattributed time ("other"),
@@ -86,8 +90,10 @@ def aggregate_run(reports: Sequence[TraceReport], *, failed: int = 0, pending: i
     breakdown = _weighted_breakdown(reports, weights)
     shares = _weighted_shares(reports, weights, times)
     primary_kind = _primary_kind(shares)
-    ranks = _per_rank(reports, times)
-    spread, stragglers = _spread(ranks)
+    verdict = rank_verdict([RankEntry(r.report, rank=r.rank, window=r.window_index) for r in reports])
+    ranks = [asdict(s) for s in verdict.ranks]
+    spread = _spread(verdict)
+    stragglers = [asdict(st) | {"why": st.sentence()} for st in verdict.stragglers]
     return {
         "diagnosis_version": DIAGNOSIS_VERSION,
         "engine_version": _common(r.report.get("engine_version") for r in reports),
@@ -190,45 +196,21 @@ def _weighted_shares(
     return {k: v / total for k, v in owned.items()} if total else {}
 
 
-def _per_rank(reports: Sequence[TraceReport], times: Sequence[float]) -> list[dict[str, Any]]:
-    groups: dict[int | None, list[tuple[TraceReport, float]]] = defaultdict(list)
-    for tr, t in zip(reports, times, strict=True):
-        groups[tr.rank].append((tr, t))
-    out = []
-    for rank in sorted(groups, key=lambda r: (r is None, r if r is not None else 0)):
-        items = groups[rank]
-        weights = [step_count(tr.report) for tr, _ in items]
-        shares = _weighted_shares([tr for tr, _ in items], weights, [t for _, t in items])
-        out.append(
-            {
-                "rank": rank,
-                "traces": len(items),
-                "step_time_us": _weighted_mean([t for _, t in items], weights),
-                "primary_kind": _primary_kind(shares),
-            }
-        )
-    return out
-
-
-def _spread(ranks: Sequence[Mapping[str, Any]]) -> tuple[dict[str, float] | None, list[dict[str, Any]]]:
-    """Min/median/max of per-rank step time and the ranks slower than the median by the ratio."""
-    known = [r for r in ranks if r["rank"] is not None and r["step_time_us"] > 0]
+def _spread(verdict: RankVerdict) -> dict[str, Any] | None:
+    """Min/median/max of per-rank step time, and the busy-time spread stragglers are judged on."""
+    known = [r for r in verdict.ranks if (r.rank is not None or r.worker) and r.step_time_us > 0]
     if len(known) < 2:
-        return None, []
-    times = [float(r["step_time_us"]) for r in known]
-    median = statistics.median(times)
-    spread = {
+        return None
+    times = [r.step_time_us for r in known]
+    return {
         "min_us": min(times),
-        "median_us": median,
+        "median_us": statistics.median(times),
         "max_us": max(times),
         "max_over_min": max(times) / min(times),
+        "basis": verdict.basis,
+        "median_busy_us": verdict.median_busy_us,
+        "busy_spread": verdict.spread,
     }
-    stragglers = [
-        {"rank": r["rank"], "step_time_us": r["step_time_us"], "over_median": r["step_time_us"] / median}
-        for r in known
-        if r["step_time_us"] > median * STRAGGLER_RATIO
-    ]
-    return spread, stragglers
 
 
 def _weighted_mean(values: Sequence[float], weights: Sequence[int]) -> float:
