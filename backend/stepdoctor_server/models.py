@@ -24,6 +24,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
 )
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 NAMING_CONVENTION = {
@@ -41,6 +42,11 @@ DEEP_KINDS = ("critical_path",)
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
+
+
+# Client-supplied JSON (metadata, tags) is jsonb on PostgreSQL: validated on the way in, indexable,
+# and a bad value fails at insert (422) instead of breaking every later json -> jsonb cast.
+ClientJSON = JSON().with_variant(JSONB(), "postgresql")
 
 
 def _in(column: str, values: tuple[str, ...]) -> str:
@@ -82,6 +88,7 @@ class Token(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     last_used_at: Mapped[datetime | None]
     revoked_at: Mapped[datetime | None]
+    expires_at: Mapped[datetime | None]
 
     team: Mapped[Team] = relationship(back_populates="tokens", lazy="raise")
 
@@ -113,7 +120,7 @@ class Run(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
     name: Mapped[str] = mapped_column(String(128))
-    tags: Mapped[list[str]] = mapped_column(default=list)
+    tags: Mapped[list[str]] = mapped_column(ClientJSON, default=list)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
     primary_kind: Mapped[str | None] = mapped_column(String(32))
@@ -135,6 +142,7 @@ class Trace(Base):
         UniqueConstraint("team_id", "idempotency_key"),
         CheckConstraint(_in("status", TRACE_STATUSES), name="status"),
         Index("ix_traces_status_created_at", "status", "created_at"),
+        Index("ix_traces_status_priority_created_at", "status", "priority", "created_at"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -150,10 +158,13 @@ class Trace(Base):
     filename: Mapped[str] = mapped_column(String(255))
     idempotency_key: Mapped[str | None] = mapped_column(String(128))
     # ``metadata`` is reserved on declarative classes, hence the attribute name.
-    meta: Mapped[dict[str, Any]] = mapped_column("metadata", default=dict)
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", ClientJSON, default=dict)
     status: Mapped[str] = mapped_column(String(16), default="pending")
     status_reason: Mapped[str | None] = mapped_column(Text)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
+    # Claim order is (priority, created_at): fresh uploads 0, re-analyses 1, so a requeued backlog
+    # never delays another team's new upload by more than the jobs already running.
+    priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     claimed_by: Mapped[str | None] = mapped_column(String(255))
     claimed_at: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -210,3 +221,18 @@ class DeepAnalysis(Base):
     result: Mapped[dict[str, Any] | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class DashboardSession(Base):
+    """A dashboard login: the cookie holds a random id, the table its sha256 (never the API token).
+
+    The session acts with its token's team and scope, so revoking or expiring the token ends it.
+    """
+
+    __tablename__ = "dashboard_sessions"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    token_id: Mapped[int] = mapped_column(ForeignKey("tokens.id", ondelete="CASCADE"), index=True)
+    hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(index=True)
