@@ -31,7 +31,9 @@ CPU-only traces (the training thread decides):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -63,8 +65,7 @@ def account(
 ) -> Accounting:
     starts, ends = tl.step_windows(steps)
     step_ns = (ends - starts).astype(np.int64)
-    gpu_active = device_op_mask(trace) & tl.gpu_in_steps(trace, steps) if trace.has_gpu else None
-    if gpu_active is not None and gpu_active.any():
+    if uses_gpu_timeline(trace, steps):
         kinds = _account_gpu(trace, starts, ends, inputs, sync, memory)
     else:
         kinds = _account_cpu(trace, starts, ends, inputs, comm_host)
@@ -82,23 +83,39 @@ def _account_gpu(
     sync: SyncStats,
     memory: MemoryStats,
 ) -> dict[str, np.ndarray]:
-    busy = {
+    busy = gpu_busy_layers(trace, inputs, memory)
+    claimed = iv.claim_in_order(starts, ends, list(busy.values()))
+    out = dict(zip(busy, claimed.per_layer, strict=True))
+    for kind, stretches in charge_idle(trace, claimed.free, sync).items():
+        out[kind] = tl.per_step(stretches, starts, ends)
+    return out
+
+
+def uses_gpu_timeline(trace: RankTrace, steps: list[Step]) -> bool:
+    """Whether ``account`` partitions the steps by the device timeline (else by the host thread)."""
+    return bool(trace.has_gpu and (device_op_mask(trace) & tl.gpu_in_steps(trace, steps)).any())
+
+
+def gpu_busy_layers(trace: RankTrace, inputs: InputStats, memory: MemoryStats) -> dict[str, iv.Intervals]:
+    """The layers that claim a GPU step's time, in claim order (the step timeline draws the same)."""
+    return {
         "compute": computation_kernel_union(trace),
         "communication": tl.comm_union(trace),
         "transfer": tl.gpu_union(trace, tl.copy_mask(trace)),
         "input": inputs.intervals,
         "memory": memory.alloc_call_intervals,
     }
-    claimed = iv.claim_in_order(starts, ends, list(busy.values()))
-    out = dict(zip(busy, claimed.per_layer, strict=True))
-    # The rest of the idle time is charged by what happened around it: it depends on what is left.
-    idle = claimed.free
+
+
+def charge_idle(trace: RankTrace, idle: iv.Intervals, sync: SyncStats) -> dict[str, iv.Intervals]:
+    """Charge the GPU's unclaimed idle stretches to sync, launch (host wait) or other.
+
+    What an idle stretch is charged to depends on what happened around it, so this runs on what
+    the busy layers left.
+    """
     stalled = iv.intersect(idle, _sync_bubbles(idle, sync))
-    out["sync"] = tl.per_step(stalled, starts, ends)
     host_wait, other = _split_idle(trace, iv.subtract(idle, stalled))
-    out["launch"] = tl.per_step(host_wait, starts, ends)
-    out["other"] = tl.per_step(other, starts, ends)
-    return out
+    return {"sync": stalled, "launch": host_wait, "other": other}
 
 
 def _sync_bubbles(idle: iv.Intervals, sync: SyncStats) -> iv.Intervals:
@@ -138,6 +155,17 @@ def _split_idle(trace: RankTrace, idle: iv.Intervals) -> tuple[iv.Intervals, iv.
 def _account_cpu(
     trace: RankTrace, starts: np.ndarray, ends: np.ndarray, inputs: InputStats, comm_host: bool
 ) -> dict[str, np.ndarray]:
+    layers = cpu_layers(trace, inputs, comm_host)
+    claimed = iv.claim_in_order(starts, ends, [ivs for _, ivs in layers])
+    out: dict[str, np.ndarray] = {}
+    for (kind, _), per in zip(layers, claimed.per_layer, strict=True):
+        out[kind] = out[kind] + per if kind in out else per
+    out["other"] = claimed.unclaimed
+    return out
+
+
+def cpu_layers(trace: RankTrace, inputs: InputStats, comm_host: bool) -> list[tuple[str, iv.Intervals]]:
+    """The layers that claim a CPU-only step's time, in claim order (a kind may appear twice)."""
     h = trace.host
     ops = trace.host_kind(HostKind.CPU_OP)
     typical = median_dur_by_name(trace, ops)[h.name]
@@ -168,24 +196,37 @@ def _account_cpu(
             iv.union(np.concatenate([all_ops[0], gap_s[short]]), np.concatenate([all_ops[1], gap_e[short]])),
         ),
     ]
-    claimed = iv.claim_in_order(starts, ends, [ivs for _, ivs in layers])
-    out: dict[str, np.ndarray] = {}
-    for (kind, _), per in zip(layers, claimed.per_layer, strict=True):
-        out[kind] = out[kind] + per if kind in out else per
-    out["other"] = claimed.unclaimed
-    return out
+    return layers
 
 
 # --- classification and ranking ------------------------------------------------------------------
+
+# How the verdict is chosen (one function, ``choose_limiter``, shared with the run aggregate):
+# every kind gets the time its removal would save, per step. For the waits (input, transfer,
+# launch, memory, sync, exposed communication) that is the measured time; for compute it is the
+# precision rule's estimate of what cheaper arithmetic saves, counted at ``ESTIMATE_WEIGHT``.
+# The kind with the most weighted removable time limits the step. The device counts as
+# compute-bound when compute kernels keep it busy at least ``BUSY_SHARE`` of the step and no wait
+# would gain ``COMPARABLE_GAIN``; when nothing is removable at all the largest share is named.
+ESTIMATE_WEIGHT = 0.5
+BUSY_SHARE = 0.5
+COMPARABLE_GAIN = 1.2
+MIN_CARD_SPEEDUP = 1.02  # expected gains at or below this stay findings, never recommendation cards
+WAIT_KINDS = tuple(k for k in KINDS if k != "compute")
 
 
 @dataclass(frozen=True)
 class Bottleneck:
     kind: str
-    share: float
+    share: float  # fraction of step wall time charged to this kind
     us_per_step: float
     confidence: float
     evidence: dict[str, object] = field(default_factory=dict)
+    # Speedup if this kind's removable time went away, and whether that time is a measured wait or
+    # an estimate (compute); ``note`` says in one sentence why the next optimization is not about it.
+    gain: float = 1.0
+    basis: str = "measured"
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -200,6 +241,8 @@ class Recommendation:
     confidence: float
     caveats: list[str]
     evidence: dict[str, object]
+    basis: str = "measured"  # "measured" wait, "estimate", or "single-pass" (no iteration: no per-step gain)
+    expected_speedup_range: list[float] | None = None  # [low, high] for estimates
 
 
 @dataclass(frozen=True)
@@ -208,32 +251,154 @@ class Diagnosis:
     secondary: list[Bottleneck]
     recommendations: list[Recommendation]
     findings: list[Recommendation]  # every rule that fired, including those without a code change
+    # Per kind: {share, removable_share, basis, score}: what ``choose_limiter`` ranked.
+    limiter: dict[str, dict[str, object]] = field(default_factory=dict)
+
+
+def score(removable_share: float, basis: str) -> float:
+    """Removable fraction of the step, with estimates counting ``ESTIMATE_WEIGHT`` of a measured wait."""
+    return removable_share * (1.0 if basis == "measured" else ESTIMATE_WEIGHT)
+
+
+def choose_limiter(shares: dict[str, float], removable: dict[str, tuple[float, str]]) -> tuple[str, str]:
+    """The kind that limits the step, and why it was chosen ("busy", "removable", "largest share").
+
+    ``shares``: kind -> fraction of step time; ``removable``: kind -> (fraction of the step its
+    removal saves, basis). Pure, so a run's aggregate applies exactly the per-trace rule.
+    """
+    scores = {k: score(*removable.get(k, (0.0, "measured"))) for k in KINDS}
+    waits = {k: scores[k] for k in WAIT_KINDS}
+    best_wait = max(waits, key=lambda k: (waits[k], k))
+    if shares.get("compute", 0.0) >= BUSY_SHARE and speedup(1.0, waits[best_wait]) < COMPARABLE_GAIN:
+        return "compute", "busy"
+    best = max(scores, key=lambda k: (scores[k], k))
+    if speedup(1.0, scores[best]) > MIN_CARD_SPEEDUP:
+        return best, "removable"
+    return max(KINDS, key=lambda k: (shares.get(k, 0.0), k)), "largest share"
+
+
+def report_removable(report: Mapping[str, Any], shares: Mapping[str, float]) -> dict[str, float]:
+    """Kind -> removable fraction of the step from a stored report's ``limiter`` section.
+
+    Reports from before that section: the waits' shares count as measured removable time, and
+    compute has no estimate. Used by the run aggregate and the job (directory) verdict.
+    """
+    limiter = report.get("limiter")
+    out: dict[str, float] = {}
+    for kind in KINDS:
+        entry = limiter.get(kind) if isinstance(limiter, Mapping) else None
+        if isinstance(entry, Mapping):
+            value = entry.get("removable_share")
+            out[kind] = (
+                float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+            )
+        else:
+            out[kind] = float(shares.get(kind, 0.0)) if kind in WAIT_KINDS else 0.0
+    return out
+
+
+def basis_of(kind: str) -> str:
+    return "estimate" if kind == "compute" else "measured"
 
 
 def classify(ctx: Context) -> Diagnosis:
     shares = {k: ctx.accounting.share(k) for k in KINDS}
-    ranked = sorted(KINDS, key=lambda k: -shares[k])
     hits = [(rule, hit) for rule in RULES if (hit := rule.evaluate(ctx)) is not None]
     recs = sorted(
-        (_render(rule, hit, ctx) for rule, hit in hits), key=lambda r: (-r.expected_speedup, -r.confidence)
+        (_render(rule, hit, ctx) for rule, hit in hits),
+        key=lambda r: (-score(r.removable_us_per_step, r.basis), -r.confidence, r.id),
     )
     evidence = {rule.kind: hit.evidence for rule, hit in sorted(hits, key=lambda p: p[1].removable_ns)}
-    # Each kind's margin is over the largest of the others: the runner-up's share for the leader.
-    top, runner_up = shares[ranked[0]], shares[ranked[1]] if len(ranked) > 1 else 0.0
-    bottlenecks = [
+    removable = _removable_by_kind(ctx, recs)
+    kind, reason = choose_limiter(shares, removable)
+    limiter = {
+        k: {
+            "share": round(shares[k], 4),
+            "removable_share": round(removable[k][0], 4),
+            "basis": removable[k][1],
+            "score": round(score(*removable[k]), 4),
+        }
+        for k in KINDS
+    }
+    cards = [
+        r for r in recs if r.change and r.expected_speedup > MIN_CARD_SPEEDUP and r.basis != "single-pass"
+    ]
+    cards = _primary_first(kind, cards)
+    others = sorted((k for k in KINDS if k != kind), key=lambda k: -shares[k])
+    top_other = shares[others[0]] if others else 0.0
+    primary = Bottleneck(
+        kind=kind,
+        share=round(shares[kind], 4),
+        us_per_step=round(ctx.accounting.mean_ns(kind) / 1e3, 3),
+        confidence=_confidence(shares[kind], top_other, ctx),
+        evidence=evidence.get(kind, {}),
+        gain=round(speedup(1.0, removable[kind][0]), 3) if ctx.iterations_found else 1.0,
+        basis=removable[kind][1],
+        note=_note(kind, reason, cards, recs, ctx),
+    )
+    secondary = [
         Bottleneck(
             kind=k,
             share=round(shares[k], 4),
             us_per_step=round(ctx.accounting.mean_ns(k) / 1e3, 3),
-            confidence=_confidence(shares[k], runner_up if i == 0 else top, ctx),
+            confidence=_confidence(shares[k], shares[kind], ctx),
             evidence=evidence.get(k, {}),
+            gain=round(speedup(1.0, removable[k][0]), 3) if ctx.iterations_found else 1.0,
+            basis=removable[k][1],
         )
-        for i, k in enumerate(ranked)
+        for k in others
+        if shares[k] >= 0.05
     ]
-    primary = bottlenecks[0]
-    secondary = [b for b in bottlenecks[1:] if b.share >= 0.05]
-    with_change = [r for r in recs if r.change]
-    return Diagnosis(primary=primary, secondary=secondary, recommendations=with_change, findings=recs)
+    return Diagnosis(
+        primary=primary, secondary=secondary, recommendations=cards, findings=recs, limiter=limiter
+    )
+
+
+def _removable_by_kind(ctx: Context, recs: list[Recommendation]) -> dict[str, tuple[float, str]]:
+    """Kind -> (fraction of the step its removal saves, basis): measured waits; compute from its rule."""
+    step = ctx.step_ns or 1.0
+    out = {k: (ctx.accounting.share(k), "measured") for k in WAIT_KINDS}
+    compute_us = max((r.removable_us_per_step for r in recs if r.kind == "compute" and r.change), default=0.0)
+    out["compute"] = (min(1.0, compute_us * 1e3 / step), "estimate")
+    return out
+
+
+def _primary_first(kind: str, cards: list[Recommendation]) -> list[Recommendation]:
+    """The best card for the primary kind leads; the rest keep their ranking."""
+    own = next((r for r in cards if r.kind == kind), None)
+    return cards if own is None else [own, *(r for r in cards if r is not own)]
+
+
+def _note(
+    kind: str, reason: str, cards: list[Recommendation], recs: list[Recommendation], ctx: Context
+) -> str:
+    """One sentence on why the next optimization is not about the primary kind ("" when it is)."""
+    if not ctx.iterations_found:
+        return (
+            "The trace holds no repeated iteration, so its waits may be one-time costs (first-call "
+            "initialisation, autotuning, compilation): no per-step gain is claimed; profile several "
+            "iterations (prof.step() each iteration) for advice."
+        )
+    if cards and cards[0].kind == kind:
+        return ""
+    nxt = f" The next optimization targets {cards[0].kind} instead." if cards else ""
+    if kind == "compute":
+        if any(r.id == "compute.no_cheap_win" for r in recs):
+            return "No cheap compute win: the matmul kernels already run in reduced precision." + nxt
+        caps = ctx.caps
+        if ctx.has_gpu and (caps is None or caps.autocast_dtype is None):
+            return "No faster precision is known for this device, so no compute change is proposed." + nxt
+        return "The compute is busy with work no rule can make cheaper from the trace alone." + nxt
+    if kind == "communication" and ctx.ns("compute") < 0.1 * ctx.ns("communication"):
+        return (
+            "There is almost no compute to hide communication behind: send less (fewer, larger or "
+            "compressed collectives) or fix a straggler rank." + nxt
+        )
+    if reason == "largest share":
+        return (
+            f"Nothing in the step is removable at a meaningful gain; {kind} is only its largest part." + nxt
+        )
+    return f"No rule has a code change for {kind} waits in this trace." + nxt
 
 
 def _confidence(share: float, best_other: float, ctx: Context) -> float:
@@ -244,21 +409,33 @@ def _confidence(share: float, best_other: float, ctx: Context) -> float:
         conf -= 0.15
     if not ctx.has_step_markers:
         conf -= 0.1
+    if not ctx.iterations_found:
+        conf -= 0.15  # one span: warm-up and steady state cannot be told apart
     conf -= 0.5 * ctx.accounting.share("other")  # time we could not explain weakens every verdict
     return round(float(min(0.95, max(0.05, conf))), 2)
 
 
 def _render(rule: Rule, hit: Hit, ctx: Context) -> Recommendation:
     params = {"kind_pct": 100 * ctx.share(rule.kind)} | hit.params
+    basis = rule.basis if ctx.iterations_found else "single-pass"
+    gain = speedup(ctx.step_ns, hit.removable_ns)
+    span = None
+    if basis == "estimate":
+        lo, hi = hit.removable_range_ns or (0.5 * hit.removable_ns, hit.removable_ns)
+        span = [round(speedup(ctx.step_ns, lo), 3), round(speedup(ctx.step_ns, hi), 3)]
+    elif basis == "single-pass":
+        gain = 1.0  # a one-pass trace cannot tell a one-time cost from a per-step one
     return Recommendation(
         id=rule.id,
         title=rule.title,
         kind=rule.kind,
         change=rule.change.format(**params) if rule.change else "",
         why=rule.why.format(**params),
-        expected_speedup=round(speedup(ctx.step_ns, hit.removable_ns), 3),
+        expected_speedup=round(gain, 3),
         removable_us_per_step=round(hit.removable_ns / 1e3, 3),
         confidence=hit.confidence if hit.confidence is not None else 0.5,
         caveats=[caveat.format(**params) for caveat in rule.caveats],
         evidence=hit.evidence,
+        basis=basis,
+        expected_speedup_range=span,
     )

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import timeline as tl
 from .model import GpuKind, HostKind, RankTrace, Step
+from .precision import matmul_ns_by_precision, matmul_precision, trace_caps
 from .steps import launching_call
 from .transfers import small_htod_copies
 
@@ -35,13 +36,11 @@ _FOREACH_RE = re.compile(r"^aten::_foreach_|^aten::_fused_(adam|adamw|sgd|adagra
 _SINGLE_UPDATE_RE = re.compile(
     r"^aten::(add_|mul_|addcdiv_|addcmul_|lerp_|sqrt|div_|sub_|maximum|add|mul|div)$"
 )
-_FP32_GEMM_RE = re.compile(r"sgemm|gemm.*f32f32_f32f32|gemmSN_\w*_kernel<float", re.I)
 # Compiled at import, not on the first analysis (the timed path).
 _OPT_STEP_RE = re.compile("^" + re.escape("Optimizer.step#"))
 _OPT_ZERO_RE = re.compile("^" + re.escape("Optimizer.zero_grad#"))
 _ZERO_RE = re.compile(r"^aten::zero_$")
 _SELECT_RE = re.compile(r"^aten::(select|index|slice)$")
-_TENSOR_CORE_RE = re.compile(r"tensorop|tf32|s1688|s16816|h16816|bf16|fp16|i8816|xmma.*(bf16|f16)", re.I)
 
 
 @dataclass(frozen=True)
@@ -67,6 +66,9 @@ class OpStats:
     kernels_per_step: float = 0.0
     median_kernel_ns: float = 0.0
     patterns: list[AntiPattern] = field(default_factory=list)
+    # Matmul-class (GEMM/conv/attention) kernel time per step by precision, read from kernel names.
+    matmul_ns_by_precision: dict[str, float] = field(default_factory=dict)
+    kernel_ns_per_step: float = 0.0  # all kernels, summed (not a union)
 
 
 def analyze_ops(trace: RankTrace, steps: list[Step]) -> OpStats:
@@ -86,6 +88,10 @@ def analyze_ops(trace: RankTrace, steps: list[Step]) -> OpStats:
         "median_op_ns": tl.median(h.dur[ops]) if ops.any() else 0.0,
         "kernels_per_step": int(np.count_nonzero(kernels)) / n,
         "median_kernel_ns": tl.median(g.dur[kernels]) if kernels.any() else 0.0,
+        "matmul_ns_by_precision": {
+            k: v / n for k, v in (matmul_ns_by_precision(trace, kernels) if len(g) else {}).items()
+        },
+        "kernel_ns_per_step": float(g.dur[kernels].sum()) / n if len(g) else 0.0,
     }
     patterns = [
         p
@@ -170,10 +176,17 @@ def _single_tensor_optimizer(trace: RankTrace, in_steps: np.ndarray, n: int) -> 
         "single_tensor_optimizer",
         opt_ns * 0.8,
         {
-            "optimizer": trace.strings[int(h.name[steps_mask.nonzero()[0][0]])],
+            "optimizer": optimizer_class(trace.strings[int(h.name[steps_mask.nonzero()[0][0]])]),
+            "optimizer_span": trace.strings[int(h.name[steps_mask.nonzero()[0][0]])],
             "elementwise_ops_per_step": per_call,
         },
     )
+
+
+def optimizer_class(span: str) -> str:
+    """``Optimizer.step#SGD.step`` -> ``SGD``: the class the user constructed, for the advice to name."""
+    tail = span.split("#", 1)[-1]
+    return tail.rsplit(".", 1)[0] if "." in tail else tail
 
 
 def _zero_grad_fill(trace: RankTrace, in_steps: np.ndarray, n: int) -> AntiPattern | None:
@@ -193,7 +206,9 @@ def _zero_grad_fill(trace: RankTrace, in_steps: np.ndarray, n: int) -> AntiPatte
 
 
 def _fp32_gemm(trace: RankTrace, kernels: np.ndarray, n: int) -> AntiPattern | None:
-    if not trace.devices or max(d.compute_major for d in trace.devices) < 8 or not kernels.any():
+    """FP32 matmul kernels on a GPU with TF32 tensor cores (NVIDIA sm_80+)."""
+    caps = trace_caps(trace)
+    if caps is None or not caps.tf32 or not kernels.any():
         return None
     g = trace.gpu
     m = kernels & trace.gpu_named(_is_fp32_gemm, "fp32_gemm")
@@ -208,17 +223,13 @@ def _fp32_gemm(trace: RankTrace, kernels: np.ndarray, n: int) -> AntiPattern | N
         {
             "fp32_gemm_share_of_kernels": ns / total if total else 0.0,
             "kernels": [t.name for t in _top(trace, g.name[m], g.dur[m], 3)],
+            "device_arch": caps.arch,
         },
     )
 
 
 def _is_fp32_gemm(name: str) -> bool:
-    # Every alternative of the pattern contains "gemm": the substring test rejects the other (long,
-    # templated) kernel names far faster than the case-insensitive regex scan does.
-    # Most GEMM kernels are tensor-core ones, and that pattern is the cheaper to rule them out.
-    if "gemm" not in name.lower() or _TENSOR_CORE_RE.search(name):
-        return False
-    return _FP32_GEMM_RE.search(name) is not None
+    return matmul_precision(name) == "fp32"
 
 
 def _select_loop(trace: RankTrace, ops: np.ndarray, n: int) -> AntiPattern | None:

@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from . import breakdown as bd
-from . import diagnose, gpu_metrics, parse, steps
+from . import diagnose, gpu_metrics, parse, ranks, steps
 from . import hta_metrics as hta
-from . import ranks
 from . import timeline as tl
 from .comm import analyze_comm
 from .errors import TraceError
@@ -23,6 +22,7 @@ from .inputs import analyze_inputs, loader_settings
 from .memory import analyze_memory, memory_curves
 from .model import RankTrace
 from .ops import analyze_ops
+from .precision import DeviceCaps, trace_caps
 from .report import Report, StepRow, field_dict, plain
 from .rules import KINDS, Context
 from .sync import analyze_sync
@@ -62,7 +62,8 @@ def analyze_trace(
     trace: RankTrace, *, metadata: dict[str, Any] | None = None, host_memory: int = 0
 ) -> Report:
     """Diagnose one rank's parsed trace."""
-    step_list = steps.find_steps(trace)
+    iters = steps.find_iterations(trace)
+    step_list = iters.steps
     if not step_list:
         raise TraceError(f"{Path(trace.source).name}: the trace holds no activity to analyze")
     breakdown = bd.compute_breakdown(trace, step_list)
@@ -88,6 +89,8 @@ def analyze_trace(
         ops=analyze_ops(trace, step_list),
         loader=loader_settings(metadata),
         launch=hta.kernel_launch_stats(trace) if trace.has_gpu else None,
+        caps=trace_caps(trace),
+        iterations_found=iters.found,
     )
     dx = diagnose.classify(ctx)
     per_kind = {k: acc.kinds[k].tolist() for k in (*KINDS, "other")}
@@ -114,15 +117,47 @@ def analyze_trace(
         rank=trace.rank,
         world_size=trace.world_size,
         format=trace.format,
-        device=None
-        if dev is None
-        else {
-            "name": dev.name,
-            "memory_gb": round(dev.total_memory / 2**30, 2),
-            "compute_capability": f"{dev.compute_major}.{dev.compute_minor}",
-        },
-        warnings=_warnings(ctx),
+        device=_device(dev, ctx.caps) if ctx.has_gpu else None,
+        warnings=_warnings(ctx, iters),
+        iterations=_iterations(iters, step_list),
+        limiter=dx.limiter,
     )
+
+
+def _device(dev: Any, caps: DeviceCaps | None) -> dict[str, Any]:
+    """The GPU as the trace describes it; a GPU trace without ``deviceProperties`` is still a GPU."""
+    out: dict[str, Any] = {
+        "type": "gpu",
+        "name": (dev.name if dev is not None and dev.name else None),
+        "memory_gb": round(dev.total_memory / 2**30, 2) if dev is not None and dev.total_memory else None,
+        "compute_capability": f"{dev.compute_major}.{dev.compute_minor}" if dev is not None else None,
+    }
+    if caps is not None:
+        out |= {
+            "vendor": caps.vendor,
+            "arch": caps.arch,
+            "precisions": [p for p in ("fp16", "bf16", "tf32", "fp8") if getattr(caps, p)],
+        }
+    return out
+
+
+def _iterations(iters: steps.Iterations, step_list: list[Any]) -> dict[str, Any]:
+    """How the analysed steps were found, and the warm-up set apart from them."""
+    durs = sorted(s.end - s.start for s in step_list)
+    median = durs[len(durs) // 2] if durs else 0
+    warm_ns = sum(s.end - s.start for s in iters.warmup)
+    return {
+        "source": iters.source,
+        "anchor": iters.anchor,
+        "count": len(step_list),
+        "warmup": {
+            "count": len(iters.warmup),
+            "us": round(warm_ns / 1e3, 3),
+            "ratio_to_median": round(max(s.end - s.start for s in iters.warmup) / median, 2)
+            if iters.warmup and median
+            else None,
+        },
+    }
 
 
 def _metrics(trace: RankTrace, ctx: Context, step_list: list[Any]) -> dict[str, Any]:
@@ -182,11 +217,23 @@ def _engine_metrics(trace: RankTrace, step_list: list[Any], launch: hta.LaunchSt
     }
 
 
-def _warnings(ctx: Context) -> list[str]:
+def _warnings(ctx: Context, iters: steps.Iterations) -> list[str]:
     out = []
-    if not ctx.has_step_markers:
+    if not iters.found:
         out.append(
-            "no ProfilerStep markers: the whole trace is treated as one step (call prof.step() each iteration)"
+            "no ProfilerStep markers and no repeating iteration found: the whole trace is analysed as one span, "
+            "its waits may be one-time costs and no per-step gain is claimed (call prof.step() each iteration)"
+        )
+    elif not ctx.has_step_markers:
+        out.append(
+            f"no ProfilerStep markers: {len(iters.steps) + len(iters.warmup)} iterations found from "
+            f"{iters.source} ({iters.anchor[:80]})"
+        )
+    if iters.warmup:
+        ms = sum(s.end - s.start for s in iters.warmup) / 1e6
+        out.append(
+            f"{len(iters.warmup)} leading iteration(s) set apart as warm-up ({ms:.1f} ms: one-time costs such as "
+            "autotuning, lazy initialisation or compilation); the diagnosis covers the steady state"
         )
     if ctx.n_steps < 2:
         out.append("fewer than 2 steps: numbers are not averaged; profile more active steps")

@@ -150,20 +150,30 @@ def rank_verdict(entries: Sequence[TraceEntry]) -> RankVerdict:
 
 
 def job_primary_kind(reports: Sequence[Mapping[str, Any]]) -> str | None:
-    """The bottleneck kind owning the most profiled step time over every trace of the job.
-
-    Each report's kind shares are weighted by its steps × step time, as the server's run diagnosis
-    weights them, so a long window counts for its length.
+    """The job's limiter over every trace: ``diagnose.choose_limiter`` on the shares and removable
+    time of each report, weighted by its steps × step time as the server's run diagnosis weights them.
     """
+    from .diagnose import basis_of, choose_limiter, report_removable
+
     owned: dict[str, float] = {}
+    removable: dict[str, float] = {}
+    total = 0.0
     for r in reports:
         span = _steps(r) * (_step_time(r) or 1.0)
-        for kind, us in _kinds(r).items():
-            if kind in BOTTLENECK_KINDS:
-                step = _step_time(r)
-                owned[kind] = owned.get(kind, 0.0) + (_num(us) / step if step > 0 else 0.0) * span
-    best = max(owned, key=lambda k: (owned[k], k), default=None)
-    return best if best is not None and owned[best] > 0 else None
+        total += span
+        step = _step_time(r)
+        shares = {k: _num(us) / step if step > 0 else 0.0 for k, us in _kinds(r).items()}
+        for kind in BOTTLENECK_KINDS:
+            owned[kind] = owned.get(kind, 0.0) + shares.get(kind, 0.0) * span
+        for kind, frac in report_removable(r, shares).items():
+            removable[kind] = removable.get(kind, 0.0) + frac * span
+    if not total or not any(owned.values()):
+        return None
+    # The per-trace limiter rule (``diagnose.choose_limiter``) over the job's weighted figures.
+    kind, _ = choose_limiter(
+        {k: v / total for k, v in owned.items()}, {k: (v / total, basis_of(k)) for k, v in removable.items()}
+    )
+    return kind
 
 
 def _order(key: tuple[int | None, str | None]) -> tuple[int, int, str]:

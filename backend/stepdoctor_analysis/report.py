@@ -8,16 +8,28 @@ stores). Times are microseconds; shares are fractions of the summed step wall ti
     source           str            file (or directory) analysed
     rank             int | null     world_size: int | null
     format           str            trace generation the parser recognised
-    device           {name, memory_gb, compute_capability} | null   (null on CPU-only traces)
+    device           {type: "gpu", name (null when the trace does not say), memory_gb, compute_capability,
+                      vendor, arch, precisions[]} | null   (null on CPU-only traces)
     step_time_us     float          mean step wall time
-    primary          {kind, share, us_per_step, confidence, evidence{}}
+    primary          {kind, share, us_per_step, confidence, evidence{}, gain, basis, note}: the limiter,
+                     the kind whose removal gains most (``diagnose.choose_limiter``), not the
+                     largest share; ``gain`` the speedup if its removable time went, ``basis``
+                     "measured" (a wait) or "estimate" (compute), ``note`` one sentence when the
+                     first recommendation is not about this kind
                      kind ∈ input|transfer|launch|memory|sync|communication|compute
     secondary        [same shape as primary], kinds with share >= 5%, largest first
     breakdown        {kernel, memcpy, memset, communication, runtime, dataloader, cpu_exec, other}:
                      float µs per step, averaged (TensorBoard's categories, summing to the step)
     recommendations  [{id, title, kind, change, why, expected_speedup, removable_us_per_step,
                        confidence, caveats[], evidence{}}], best first; [0] is the next optimization
-    findings         [same shape as recommendations; also rules without a code change]
+                     + basis ("measured" | "estimate" | "single-pass") and expected_speedup_range
+                     ([low, high] for estimates, else null); cards only above 1.02×, the first
+                     one addresses the primary kind when any does
+    findings         [same shape as recommendations; also rules without a code change, tiny gains]
+    iterations       {source: markers|dataloader|optimizer|module|kernel-sequence|none, anchor,
+                      count, warmup{count, us, ratio_to_median}}: how steps were found; warm-up
+                      iterations are reported here and left out of every per-step figure
+    limiter          {kind: {share, removable_share, basis, score}}: what the verdict ranked
     steps            [{number, start_us, duration_us, kinds{kind: µs}}]
     metrics          {kinds_us, shares, transfers, sync, memory, communication, input, ops,
                       gpu (utilization, ...), hta (temporal/idle/launch), ...}
@@ -80,6 +92,10 @@ class Report:
     device: dict[str, Any] | None = None
     ranks: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
+    # How steps were found and the warm-up set apart (``pipeline._iterations``), and what the
+    # verdict ranked (``diagnose.Diagnosis.limiter``).
+    iterations: dict[str, Any] | None = None
+    limiter: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -100,6 +116,10 @@ class Report:
             "metrics": self.metrics,
             "warnings": self.warnings,
         }
+        if self.iterations is not None:
+            d["iterations"] = self.iterations
+        if self.limiter is not None:
+            d["limiter"] = self.limiter
         if self.ranks is not None:
             d["ranks"] = self.ranks
         out: dict[str, Any] = plain(d)
@@ -151,12 +171,22 @@ def _fmt_us(us: float) -> str:
     return f"{us:.1f} µs"
 
 
+def _gain_text(rec: Recommendation) -> str:
+    """The expected gain with its basis: an upper bound for a measured wait, a range for an estimate."""
+    if rec.basis == "single-pass":
+        return "single pass: no per-step gain claimed"
+    if rec.expected_speedup_range:
+        lo, hi = rec.expected_speedup_range
+        return f"estimate: {lo:.2f}–{hi:.2f}× faster steps"
+    return f"measured wait: up to {rec.expected_speedup:.2f}× faster steps"
+
+
 def render_text(r: Report) -> str:
     """Plain-words terminal report: the primary bottleneck, the next change, the breakdown, findings."""
     lines: list[str] = []
     where = [f"{len(r.steps)} step{'s' if len(r.steps) != 1 else ''}", f"mean step {_fmt_us(r.step_time_us)}"]
     if r.device:
-        where.insert(0, str(r.device.get("name")))
+        where.insert(0, str(r.device.get("name") or "GPU (name unknown)"))
     else:
         where.insert(0, "CPU only")
     if r.rank is not None:
@@ -164,23 +194,29 @@ def render_text(r: Report) -> str:
     lines += [f"stepdoctor {ENGINE_VERSION} — {r.source}", "  " + ", ".join(where), ""]
     p = r.primary
     lines += [
-        f"Primary bottleneck: {p.kind.upper()} — {100 * p.share:.0f}% of step time "
+        f"Primary bottleneck (limiter): {p.kind.upper()} — {100 * p.share:.0f}% of step time "
         f"({_fmt_us(p.us_per_step)} per step, confidence {p.confidence:.2f})",
         f"  {KIND_WORDS[p.kind]}.",
     ]
+    if p.note:
+        lines.append(f"  Note: {p.note}")
     if r.secondary:
         lines.append("  Also: " + ", ".join(f"{b.kind} {100 * b.share:.0f}%" for b in r.secondary))
     lines.append("")
     if r.recommendations:
         rec = r.recommendations[0]
         lines += [
-            f"Next optimization: {rec.title} (up to {rec.expected_speedup:.2f}× faster steps)",
+            f"Next optimization: {rec.title} ({_gain_text(rec)})",
             f"  Change: {rec.change}",
             f"  Why:    {rec.why}",
         ]
         lines += [f"  Caveat: {c}" for c in rec.caveats]
     else:
-        lines.append("Next optimization: none of the rules fired; the step looks balanced.")
+        lines.append(
+            "Next optimization: none proposed (see the note above)."
+            if p.note
+            else "Next optimization: none of the rules fired; the step looks balanced."
+        )
     lines += ["", "Step time breakdown (µs per step, averaged; TensorBoard categories):"]
     total = sum(r.breakdown.get(k, 0.0) for k in BREAKDOWN_KEYS) or 1.0
     for k in BREAKDOWN_KEYS:
@@ -194,7 +230,7 @@ def render_text(r: Report) -> str:
     if others:
         lines += ["", "Other findings:"]
         for f in others:
-            lines.append(f"  - [{f.kind}] {f.title}: {f.why} (up to {f.expected_speedup:.2f}×)")
+            lines.append(f"  - [{f.kind}] {f.title}: {f.why} ({_gain_text(f)})")
     if r.ranks:
         rk = r.ranks
         lines += [

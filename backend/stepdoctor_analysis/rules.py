@@ -14,16 +14,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import BOTTLENECK_KINDS
+from . import BOTTLENECK_KINDS, advice
 from .comm import CommStats
 from .hta_metrics import LaunchStats
 from .inputs import InputStats, LoaderSettings, suggested_workers
 from .memory import PRESSURE, MemoryStats
 from .model import DeviceInfo
 from .ops import AntiPattern, OpStats
+from .precision import LOW_PRECISION, DeviceCaps
 from .sync import SyncStats
 from .timeline import Accounting
 from .transfers import TransferStats
+from .workload import Workload
 
 KINDS = BOTTLENECK_KINDS
 
@@ -46,6 +48,9 @@ class Context:
     ops: OpStats
     loader: LoaderSettings
     launch: LaunchStats | None = None  # HTA kernel-launch statistics (GPU traces)
+    caps: DeviceCaps | None = None  # reduced-precision units of the GPU (None on CPU traces)
+    iterations_found: bool = True  # False: no markers and nothing repeats, the trace is one span
+    workload: Workload | None = None  # training or inference (``workload.detect_workload``)
 
     def ns(self, kind: str) -> float:
         return self.accounting.mean_ns(kind)
@@ -68,6 +73,9 @@ class Hit:
     evidence: dict[str, Any]
     params: dict[str, Any] = field(default_factory=dict)  # for the templates
     confidence: float | None = None  # None: derived from how far the metric exceeds the threshold
+    # Estimated gains (``Rule.basis == "estimate"``): low and high removable time per step; the
+    # point estimate ``removable_ns`` lies between them. Measured waits leave it None.
+    removable_range_ns: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -81,8 +89,14 @@ class Rule:
     change: str  # code change template ("" for a finding without a direct change)
     why: str  # evidence template
     caveats: tuple[str, ...] = ()  # templates, formatted like ``change`` and ``why``
+    # "measured": the removable time is a wait the trace shows (input stall, sync bubble, exposed
+    # copy or collective, launch gap); "estimate": a modelled speedup of work that still has to run.
+    basis: str = "measured"
+    workloads: tuple[str, ...] = ("training", "inference")  # where the advice applies (``advice``)
 
     def evaluate(self, ctx: Context) -> Hit | None:
+        if ctx.workload is not None and ctx.workload.kind not in self.workloads:
+            return None
         hit = self.query(ctx)
         if hit is None or hit.metric < self.threshold:
             return None
@@ -94,6 +108,7 @@ class Rule:
                 hit.evidence,
                 hit.params,
                 round(0.5 + 0.45 * min(1.0, excess), 2),
+                hit.removable_range_ns,
             )
         return hit
 
@@ -284,31 +299,143 @@ def _comm(ctx: Context) -> Hit | None:
     c = ctx.comm
     if c.kernel_ns_per_step <= 0 and c.host_collective_ns_per_step <= 0:
         return None
+    exposed, compute = ctx.ns("communication"), ctx.ns("compute")
     evidence = {
         "collective_us_per_step": _us(c.kernel_ns_per_step or c.host_collective_ns_per_step),
-        "exposed_us_per_step": _us(ctx.ns("communication")),
+        "exposed_us_per_step": _us(exposed),
+        "compute_us_per_step": _us(compute),
         "overlap_fraction": round(c.overlap_fraction, 3),
         "top_collectives": [{"name": n, "count": k, "total_us": _us(t)} for n, k, t in c.top_kernels[:3]],
     }
-    return Hit(ctx.share("communication"), ctx.ns("communication"), evidence)
+    # Overlap can hide communication only behind compute that exists: at most the step's compute time.
+    return Hit(ctx.share("communication"), min(exposed, compute), evidence)
+
+
+# Fraction of FP32 (SIMT) and TF32 matmul time that lower precision removes: low, point, high.
+_PRECISION_GAIN = {"fp32": (0.4, 0.6, 0.8), "tf32": (0.2, 0.35, 0.5)}
+MIN_FP32_WORK = 0.05  # FP32 matmul time below this share of the step leaves no precision win worth a change
+
+
+def _fp32_matmul_work(ctx: Context) -> dict[str, float]:
+    """FP32/TF32 matmul-class time per step, scaled to the exposed compute (kernels may overlap)."""
+    o = ctx.ops
+    scale = min(1.0, ctx.ns("compute") / o.kernel_ns_per_step) if o.kernel_ns_per_step > 0 else 0.0
+    return {p: o.matmul_ns_by_precision.get(p, 0.0) * scale for p in _PRECISION_GAIN}
 
 
 def _compute(ctx: Context) -> Hit | None:
-    if ctx.ns("compute") <= 0:
+    compute = ctx.ns("compute")
+    if compute <= 0:
         return None
-    fp32 = ctx.pattern("fp32_matmul")
     top = [k.name for k in (ctx.ops.top_kernels if ctx.has_gpu else ctx.ops.top_ops)[:3]]
-    evidence = {"compute_us_per_step": _us(ctx.ns("compute")), "top": top}
-    # Mixed precision roughly halves matmul time on tensor-core GPUs; on CPUs only with bf16 units.
-    removable = ctx.ns("compute") * (0.5 if ctx.has_gpu else 0.3)
-    if fp32:
-        evidence |= fp32.evidence
-    hardware = (
-        "bf16 needs compute capability >= 8.0; on older GPUs use dtype=torch.float16 with a GradScaler."
-        if ctx.has_gpu
-        else "On CPUs without bf16 units (AVX512-BF16/AMX) bf16 can be slower."
+    evidence: dict[str, Any] = {"compute_us_per_step": _us(compute), "top": top}
+    if not ctx.has_gpu:
+        # CPUs: bf16 helps only with AVX512-BF16/AMX units; a modest estimate.
+        change = 'with torch.autocast(device_type="cpu", dtype=torch.bfloat16): loss = model(batch)'
+        hardware = "On CPUs without bf16 units (AVX512-BF16/AMX) bf16 can be slower."
+        return Hit(
+            ctx.share("compute"),
+            0.3 * compute,
+            evidence,
+            {"change": change, "hardware": hardware, "work": "arithmetic", "dtype": "bfloat16"},
+            removable_range_ns=(0.1 * compute, 0.3 * compute),
+        )
+    caps = ctx.caps
+    dtype = caps.autocast_dtype if caps else None
+    work = _fp32_matmul_work(ctx)
+    if dtype is None or sum(work.values()) < MIN_FP32_WORK * ctx.step_ns:
+        return None  # already low precision, no matmul work, or no faster dtype on this device
+    lo = sum(work[p] * _PRECISION_GAIN[p][0] for p in work)
+    mid = sum(work[p] * _PRECISION_GAIN[p][1] for p in work)
+    hi = sum(work[p] * _PRECISION_GAIN[p][2] for p in work)
+    evidence |= {
+        "fp32_matmul_us_per_step": _us(work["fp32"]),
+        "tf32_matmul_us_per_step": _us(work["tf32"]),
+        "matmul_us_by_precision": {k: _us(v) for k, v in ctx.ops.matmul_ns_by_precision.items()},
+        "device_arch": caps.arch if caps else None,
+        "autocast_dtype": dtype,
+    }
+    if dtype == "bfloat16":
+        change = (
+            'with torch.autocast(device_type="cuda", dtype=torch.bfloat16): loss = model(batch)  '
+            '# or first torch.set_float32_matmul_precision("high") (TF32)'
+            if caps and caps.tf32
+            else 'with torch.autocast(device_type="cuda", dtype=torch.bfloat16): loss = model(batch)'
+        )
+        hardware = f"{caps.arch if caps else 'This GPU'} has bf16 units; bf16 keeps FP32's range, no loss scaling needed."
+    else:
+        change = (
+            'scaler = torch.amp.GradScaler("cuda"); with torch.autocast(device_type="cuda", dtype=torch.float16): '
+            "loss = model(batch); scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()"
+        )
+        hardware = (
+            f"{caps.arch if caps else 'This GPU'} has FP16 tensor cores but no bf16: use float16 with a GradScaler "
+            "(inference needs no scaler)."
+        )
+    params = {
+        "change": change,
+        "hardware": hardware,
+        "dtype": dtype,
+        "work": "FP32 matmul/conv/attention",
+        "fp32_pct": 100 * sum(work.values()) / ctx.step_ns if ctx.step_ns else 0.0,
+    }
+    return Hit(ctx.share("compute"), mid, evidence, params, removable_range_ns=(lo, hi))
+
+
+def _no_cheap_compute_win(ctx: Context) -> Hit | None:
+    """Matmuls already in reduced precision (or FP32 work too small): say so instead of advising it again."""
+    if not ctx.has_gpu or ctx.ns("compute") <= 0:
+        return None
+    by = ctx.ops.matmul_ns_by_precision
+    matmul = sum(by.values())
+    low = sum(v for k, v in by.items() if k in LOW_PRECISION)
+    if matmul <= 0 or sum(_fp32_matmul_work(ctx).values()) >= MIN_FP32_WORK * ctx.step_ns:
+        return None
+    dtypes = ", ".join(k for k, v in sorted(by.items(), key=lambda kv: -kv[1]) if v >= 0.05 * matmul)
+    evidence = {
+        "matmul_us_by_precision": {k: _us(v) for k, v in by.items()},
+        "low_precision_fraction": round(low / matmul, 3),
+    }
+    return Hit(ctx.share("compute"), 0.0, evidence, {"dtypes": dtypes, "low_pct": 100 * low / matmul}, 0.7)
+
+
+_TORCH_OPTIMIZERS = {
+    "Adam",
+    "AdamW",
+    "SGD",
+    "Adagrad",
+    "Adadelta",
+    "Adamax",
+    "ASGD",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
+    "Rprop",
+}
+_FUSED_OPTIMIZERS = {"Adam", "AdamW", "SGD"}  # fused=True on CUDA (torch >= 2.4 for SGD)
+
+
+def _foreach(ctx: Context) -> Hit | None:
+    """Name the optimizer the trace shows (``Optimizer.step#SGD.step``), not a default one."""
+    p = ctx.pattern("single_tensor_optimizer")
+    if p is None:
+        return None
+    opt = str(p.evidence.get("optimizer") or "")
+    if opt in _TORCH_OPTIMIZERS:
+        change = f"torch.optim.{opt}(model.parameters(), lr=..., foreach=True)"
+        if opt in _FUSED_OPTIMIZERS and ctx.has_gpu:
+            change += "  # or fused=True (one kernel for all parameters)"
+    else:
+        change = f"Update all parameters at once in {opt or 'the optimizer'}.step with torch._foreach_* ops"
+    removable = min(p.removable_ns_per_step, ctx.step_ns)
+    return Hit(
+        1.0,
+        removable,
+        dict(p.evidence),
+        {"change": change, "optimizer": opt or "the optimizer"},
+        0.8,
+        (0.5 * removable, removable),
     )
-    return Hit(ctx.share("compute"), removable, evidence, {"dev": ctx.device_type, "hardware": hardware})
 
 
 def _pattern(pid: str) -> Callable[[Context], Hit | None]:
@@ -317,7 +444,9 @@ def _pattern(pid: str) -> Callable[[Context], Hit | None]:
         if p is None:
             return None
         removable = min(p.removable_ns_per_step, ctx.step_ns)
-        return Hit(1.0, removable, dict(p.evidence), confidence=0.8)
+        return Hit(
+            1.0, removable, dict(p.evidence), confidence=0.8, removable_range_ns=(0.5 * removable, removable)
+        )
 
     return query
 
@@ -459,7 +588,8 @@ RULES: list[Rule] = [
         "DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=True, static_graph=True); "
         "with model.no_sync() for gradient-accumulation micro-steps; "
         "or ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)",
-        "Collectives run with no compute to hide them for {kind_pct:.0f}% of the step.",
+        "Collectives run with no compute to hide them for {kind_pct:.0f}% of the step; overlap can hide at most "
+        "the step's compute time.",
         (
             "If one rank is a straggler, the others' exposed time is waiting, not bandwidth: fix the straggler.",
         ),
@@ -468,16 +598,29 @@ RULES: list[Rule] = [
         "compute.mixed_precision",
         "compute",
         "Make the compute itself cheaper: mixed precision",
-        "compute > 30% of the step",
+        "FP32 matmul/conv/attention kernels >= 5% of the step, on a device with faster reduced-precision units",
         0.30,
         _compute,
-        'with torch.autocast(device_type="{dev}", dtype=torch.bfloat16): loss = model(batch)  '
-        '# and torch.set_float32_matmul_precision("high")',
-        "The device is busy with arithmetic {kind_pct:.0f}% of the step; lower precision shortens matmuls.",
+        "{change}",
+        "The device is busy with arithmetic {kind_pct:.0f}% of the step; its {work} work can run in {dtype}.",
         (
             "Check the loss curve after switching precision.",
             "{hardware}",
         ),
+        basis="estimate",
+    ),
+    Rule(
+        "compute.no_cheap_win",
+        "compute",
+        "No cheap compute win: the matmuls already run in reduced precision",
+        "compute > 30% of the step with < 5% of it in FP32 matmuls",
+        0.30,
+        _no_cheap_compute_win,
+        "",
+        "GEMM/conv/attention kernels already run in {dtypes} ({low_pct:.0f}% of their time in reduced precision): "
+        "lower precision has nothing cheap left. Gains must come from doing less work (fused kernels such as "
+        "scaled_dot_product_attention, torch.compile) or from the waits around the compute.",
+        basis="estimate",
     ),
     Rule(
         "launch.foreach_optimizer",
@@ -485,10 +628,11 @@ RULES: list[Rule] = [
         "Use the multi-tensor optimizer",
         "optimizer step runs >= 20 single-tensor update ops and no _foreach_ ops",
         1.0,
-        _pattern("single_tensor_optimizer"),
-        "torch.optim.AdamW(model.parameters(), lr=..., foreach=True)  # or fused=True on CUDA",
-        "The optimizer updates each parameter tensor with separate ops.",
+        _foreach,
+        "{change}",
+        "{optimizer}.step updates each parameter tensor with separate ops.",
         (),
+        basis="estimate",
     ),
     Rule(
         "memory.zero_grad_set_to_none",
@@ -500,6 +644,7 @@ RULES: list[Rule] = [
         "optimizer.zero_grad(set_to_none=True)",
         "zero_grad writes zeros into every gradient tensor each step.",
         ("Code that reads .grad before backward must handle None.",),
+        basis="estimate",
     ),
     Rule(
         "compute.tf32",
@@ -511,6 +656,7 @@ RULES: list[Rule] = [
         'torch.set_float32_matmul_precision("high")  # TF32 tensor cores; or autocast to bf16',
         "FP32 GEMMs run on CUDA cores although the GPU has tensor cores.",
         ("TF32 keeps FP32 range with a 10-bit mantissa.",),
+        basis="estimate",
     ),
     Rule(
         "launch.select_loop",
@@ -522,6 +668,7 @@ RULES: list[Rule] = [
         "Replace Python loops over tensor elements with one vectorized op (index_select, gather, masks)",
         "Thousands of select/index ops per step indicate a Python loop over tensor elements.",
         (),
+        basis="estimate",
     ),
     Rule(
         "transfer.small_copies",
@@ -533,5 +680,10 @@ RULES: list[Rule] = [
         "Create tensors directly on the device (torch.zeros(..., device=device)) or stack them and copy once",
         "Many tiny HtoD copies each pay the launch and synchronization cost.",
         (),
+        basis="estimate",
     ),
 ]
+
+# Advice beyond single-node DDP training (``advice``): existing rules scoped to the workloads and
+# collective types they fit, then the rules for collectives by type, the allocator and inference.
+RULES[:] = [advice.scoped(rule) for rule in RULES] + [Rule(**spec) for spec in advice.RULE_SPECS]

@@ -16,6 +16,9 @@ without step markers is one step over all host and GPU activity (tb-profiler spa
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import numpy as np
 
 from .model import I64, GpuKind, HostKind, Mask, RankTrace, Step
@@ -92,10 +95,13 @@ def find_steps(trace: RankTrace) -> list[Step]:
         return _whole_trace_step(trace)
     marks = marks[host.ts[marks].argsort(kind="stable")]
     numbers = [int(trace.strings[n][len(STEP_PREFIX) :]) for n in host.name[marks].tolist()]
-    starts = host.ts[marks]
-    ends = host.end[marks]
-    n = starts.size
+    return _steps_from_ranges(trace, numbers, host.ts[marks], host.end[marks])
 
+
+def _steps_from_ranges(trace: RankTrace, numbers: list[int], starts: I64, ends: I64) -> list[Step]:
+    """tb-profiler's step windows from host ranges: extended to the GPU work they launched."""
+    host = trace.host
+    n = starts.size
     linked, calls = launched_ops(trace)
     # The step whose host range wholly contains the launch call (tb-profiler's two-way merge).
     c_start = host.ts[calls]
@@ -162,3 +168,224 @@ def _whole_trace_step(trace: RankTrace) -> list[Step]:
     if not lo:
         return []
     return [Step(0, min(lo), max(hi))]
+
+
+# --- iterations without step markers ------------------------------------------------------------
+
+WARMUP_RATIO = 3.0  # a leading iteration this many times the steady median is warm-up (gpuprof: 3×)
+MODULE_COVERAGE = 0.5  # a repeated top-level op must cover this much of the host span to be "the step"
+REST_COVERAGE = 0.2  # ... and its instances other than the longest this much
+_MAX_PERIODS = 64  # candidate kernel-sequence periods tried
+_PERIOD_MATCH = 0.9  # fraction of kernels that must repeat one period later
+_DATALOADER_NAMES = ("DataLoader", "DataPipe")
+
+
+@dataclass(frozen=True)
+class Iterations:
+    """The steady-state steps to analyse, the warm-up set apart, and how they were found.
+
+    ``source``: ``markers`` (ProfilerStep#), ``dataloader`` (each ``DataLoader.__next__`` starts
+    one), ``optimizer`` (each ``Optimizer.step`` ends one), ``module`` (a repeated top-level op,
+    e.g. the model's forward or a server request), ``kernel-sequence`` (the GPU repeats the same
+    kernel sequence), or ``none`` (one span over the whole trace: nothing repeats).
+    """
+
+    steps: list[Step]
+    warmup: list[Step] = field(default_factory=list)
+    source: str = "markers"
+    anchor: str = ""
+
+    @property
+    def found(self) -> bool:
+        return self.source != "none"
+
+
+def find_iterations(trace: RankTrace) -> Iterations:
+    """Steps from markers, else from the trace's own repeating structure; leading warm-up set apart."""
+    if step_marker_mask(trace).any():
+        steps, warmup = split_warmup(find_steps(trace))
+        return Iterations(steps, warmup, "markers", STEP_PREFIX + "N")
+    for source, finder in (
+        ("dataloader", _dataloader_ranges),
+        ("optimizer", _optimizer_ranges),
+        ("module", _top_level_ranges),
+    ):
+        found = finder(trace)
+        if found is None:
+            continue
+        starts, ends, anchor = found
+        steps = _steps_from_ranges(trace, list(range(starts.size)), starts, ends)
+        if len(steps) >= 2:
+            steady, warmup = split_warmup(steps)
+            return Iterations(steady, warmup, source, anchor)
+    by_kernels = _kernel_sequence_steps(trace)
+    if by_kernels is not None:
+        pre, steps, anchor = by_kernels
+        steady, warmup = split_warmup(steps)
+        return Iterations(steady, pre + warmup, "kernel-sequence", anchor)
+    return Iterations(_whole_trace_step(trace), [], "none")
+
+
+def split_warmup(steps: list[Step]) -> tuple[list[Step], list[Step]]:
+    """Leading steps longer than ``WARMUP_RATIO`` × the median of the rest (at least two stay)."""
+    warm: list[Step] = []
+    rest = list(steps)
+    while len(rest) >= 3:
+        durs = np.array([s.end - s.start for s in rest[1:]], dtype=np.float64)
+        if rest[0].end - rest[0].start <= WARMUP_RATIO * float(np.median(durs)):
+            break
+        warm.append(rest.pop(0))
+    return rest, warm
+
+
+def _activity_span(trace: RankTrace) -> tuple[int, int] | None:
+    host = trace.host
+    real = ~trace.host_kind(HostKind.OTHER, HostKind.OVERHEAD)
+    if not real.any():
+        return None
+    return int(host.ts[real].min()), int(host.end[real].max())
+
+
+def _outermost(ts: I64, end: I64) -> tuple[I64, I64]:
+    """Drop ranges nested in an earlier one (the same call seen as annotation and python frame)."""
+    order = ts.argsort(kind="stable")
+    ts, end = ts[order], end[order]
+    keep = np.ones(ts.size, dtype=np.bool_)
+    reach = np.maximum.accumulate(end)
+    keep[1:] = ts[1:] >= reach[:-1]
+    return ts[keep], end[keep]
+
+
+def _named_ranges(trace: RankTrace, predicate: Any, key: str) -> tuple[I64, I64]:
+    m = trace.host_named(
+        predicate, ("iter", key), HostKind.USER_ANNOTATION, HostKind.CPU_OP, HostKind.PYTHON_FUNCTION
+    )
+    return _outermost(trace.host.ts[m], trace.host.end[m])
+
+
+def _dataloader_ranges(trace: RankTrace) -> tuple[I64, I64, str] | None:
+    """Each fetch of a batch starts an iteration; the last runs to the end of host activity."""
+    ts, _ = _named_ranges(
+        trace, lambda s: "__next__" in s and any(d in s for d in _DATALOADER_NAMES), "dataloader"
+    )
+    span = _activity_span(trace)
+    if ts.size < 2 or span is None:
+        return None
+    ends = np.append(ts[1:], max(span[1], int(ts[-1]) + 1))
+    return ts, ends, "DataLoader.__next__"
+
+
+def _optimizer_ranges(trace: RankTrace) -> tuple[I64, I64, str] | None:
+    """Each optimizer step ends an iteration; the first starts with host activity."""
+    _, end = _named_ranges(trace, lambda s: s.startswith("Optimizer.step#"), "optimizer")
+    span = _activity_span(trace)
+    if end.size < 2 or span is None:
+        return None
+    starts = np.concatenate([[min(span[0], int(end[0]) - 1)], end[:-1]]).astype(np.int64)
+    return starts, end, "Optimizer.step"
+
+
+def _top_level_ranges(trace: RankTrace) -> tuple[I64, I64, str] | None:
+    """The outermost host op that repeats, never overlaps itself and covers most of the host span.
+
+    Walks down the nesting levels: a single op wrapping everything (``<module>``, a benchmark
+    harness) is not an iteration, so its children are tried next, up to ``_MAX_DEPTH`` levels.
+    """
+    span = _activity_span(trace)
+    h = trace.host
+    kinds = trace.host_kind(HostKind.USER_ANNOTATION, HostKind.CPU_OP, HostKind.PYTHON_FUNCTION)
+    if span is None or not kinds.any():
+        return None
+    total = max(span[1] - span[0], 1)
+    remaining = kinds.nonzero()[0]
+    for _ in range(_MAX_DEPTH):
+        if remaining.size == 0:
+            return None
+        level = _outermost_per_thread(trace, remaining)
+        found = _repeated_at(trace, level, total)
+        if found is not None:
+            return found
+        # Go one level down only below an op that wraps most of the span (a harness, not a loop).
+        if not (h.dur[level] >= MODULE_COVERAGE * total).any():
+            return None
+        keep = np.ones(remaining.size, dtype=np.bool_)
+        keep[np.isin(remaining, level)] = False
+        remaining = remaining[keep]
+    return None
+
+
+_MAX_DEPTH = 6
+
+
+def _outermost_per_thread(trace: RankTrace, idx: I64) -> I64:
+    """Indices (into the host table) of the events in ``idx`` not nested in another one of ``idx``."""
+    h = trace.host
+    order = idx[np.lexsort((-h.end[idx], h.ts[idx], h.tid[idx]))]
+    tid, ts, end = h.tid[order], h.ts[order], h.end[order]
+    keep = np.zeros(order.size, dtype=np.bool_)
+    bounds = np.flatnonzero(np.diff(tid)) + 1
+    for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, order.size], strict=True):
+        e = end[lo:hi]
+        reach = np.maximum.accumulate(e)
+        k = np.ones(hi - lo, dtype=np.bool_)
+        k[1:] = ts[lo + 1 : hi] >= reach[:-1]
+        keep[lo:hi] = k
+    return order[keep]
+
+
+def _repeated_at(trace: RankTrace, level: I64, total: int) -> tuple[I64, I64, str] | None:
+    """Among one nesting level, the name repeating most (>= 2 instances covering most of the span)."""
+    h = trace.host
+    n = len(trace.strings)
+    names = h.name[level]
+    counts = np.bincount(names, minlength=n)
+    cover = np.bincount(names, weights=h.dur[level].astype(np.float64), minlength=n) / total
+    longest = np.zeros(n, dtype=np.float64)
+    np.maximum.at(longest, names, h.dur[level].astype(np.float64) / total)
+    # The instances besides the longest must still cover a good part of the span: one long call
+    # (a blocking wait, a warm-up) next to a few tiny ones is not a loop.
+    candidates = (
+        (counts >= 2) & (cover >= MODULE_COVERAGE) & (cover <= 1.0) & (cover - longest >= REST_COVERAGE)
+    ).nonzero()[0]
+    if candidates.size == 0:
+        return None
+    name_id = int(max(candidates.tolist(), key=lambda i: (cover[i], counts[i])))
+    sel = level[names == name_id]
+    sel = sel[h.ts[sel].argsort(kind="stable")]
+    ts, end = h.ts[sel], h.end[sel]
+    return ts, np.append(ts[1:], end[-1]), trace.strings[name_id]
+
+
+def _kernel_sequence_steps(trace: RankTrace) -> tuple[list[Step], list[Step], str] | None:
+    """The GPU repeats one kernel sequence: each repetition is an iteration, what precedes it warm-up.
+
+    The period is found from the last kernel (an iteration ends the same way each time): candidate
+    periods are its distances to earlier kernels of the same name, and the shortest one with which
+    ``_PERIOD_MATCH`` of the tail repeats wins.
+    """
+    g = trace.gpu
+    k = trace.gpu_kind(GpuKind.KERNEL).nonzero()[0]
+    if k.size < 4:
+        return None
+    k = k[g.ts[k].argsort(kind="stable")]
+    a = g.name[k]
+    n = a.size
+    pos = (a == a[-1]).nonzero()[0]
+    for p in (n - 1 - pos[::-1][1 : _MAX_PERIODS + 1]).tolist():
+        if p < 2 or 2 * p > n:
+            continue
+        if np.mean(a[n - p :] == a[n - 2 * p : n - p]) < _PERIOD_MATCH:
+            continue
+        reps = 2
+        while (reps + 1) * p <= n and np.mean(
+            a[n - (reps + 1) * p : n - reps * p] == a[n - p :]
+        ) >= _PERIOD_MATCH:
+            reps += 1
+        first = n - reps * p
+        bounds = [first + i * p for i in range(reps)]
+        starts = [int(g.ts[k[b]]) for b in bounds]
+        ends = [*starts[1:], int(g.end[k].max())]
+        steps = [Step(i, s, e) for i, (s, e) in enumerate(zip(starts, ends, strict=True))]
+        pre = [Step(-1, int(g.ts[k[0]]), starts[0])] if first > 0 else []
+        return pre, steps, f"{p} kernels ending with {trace.strings[int(a[-1])][:80]}"
+    return None

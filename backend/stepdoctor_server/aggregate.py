@@ -8,8 +8,11 @@ Conventions:
   partition each step's wall time (TensorBoard's priority walk), so they add up to the average step.
 - Breakdown and bottleneck shares are weighted by each report's step count, so a 6-step window
   counts six times a 1-step one. A report without ``steps`` counts once.
-- The primary kind is the kind with the largest step-time-weighted share over all reports, i.e.
-  the kind that owns the most wall time of the run, not the most frequent per-rank label.
+- The primary kind is the run's limiter, chosen by ``stepdoctor_analysis.diagnose.choose_limiter``
+  (the per-trace rule) from the step-time-weighted shares and removable time of every report: a
+  measured wait outranks an estimated compute speedup, compute-bound only when the device is busy
+  and no wait gains as much. Recommendations are re-ranked on the same run-level removable time, so
+  the verdict, shares and first recommendation all come from one aggregate, never from one trace.
 - Ranks, windows and stragglers come from ``stepdoctor_analysis.ranks.rank_verdict``, the function
   ``stepdoctor analyze DIR`` calls too: traces group by rank (upload metadata, else the report's
   ``distributedInfo`` rank), several traces of a rank are its windows, and a straggler is a rank whose
@@ -26,6 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from stepdoctor_analysis import BOTTLENECK_KINDS, BREAKDOWN_CATEGORIES
+from stepdoctor_analysis.diagnose import MIN_CARD_SPEEDUP, basis_of, choose_limiter, report_removable, score
 from stepdoctor_analysis.ranks import RankVerdict, rank_verdict
 from stepdoctor_analysis.ranks import TraceEntry as RankEntry
 
@@ -89,7 +93,9 @@ def aggregate_run(reports: Sequence[TraceReport], *, failed: int = 0, pending: i
     times = [step_time_us(r.report) for r in reports]
     breakdown = _weighted_breakdown(reports, weights)
     shares = _weighted_shares(reports, weights, times)
-    primary_kind = _primary_kind(shares)
+    removable = _weighted_removable(reports, weights, times, shares)
+    primary_kind, reason = choose_limiter(shares, removable) if shares else (None, "")
+    recommendations = merge_recommendations(reports, weights, times, primary_kind)
     verdict = rank_verdict([RankEntry(r.report, rank=r.rank, window=r.window_index) for r in reports])
     ranks = [asdict(s) for s in verdict.ranks]
     spread = _spread(verdict)
@@ -107,9 +113,17 @@ def aggregate_run(reports: Sequence[TraceReport], *, failed: int = 0, pending: i
         "breakdown": breakdown,
         "primary": None
         if primary_kind is None
-        else {"kind": primary_kind, "share": round(shares[primary_kind], 6)},
+        else {
+            "kind": primary_kind,
+            "share": round(shares.get(primary_kind, 0.0), 6),
+            "gain": round(1.0 / max(1.0 - removable[primary_kind][0], 0.05), 3),
+            "basis": removable[primary_kind][1],
+            "reason": reason,
+            "note": _note(primary_kind, recommendations, reports),
+        },
         "shares": {k: round(v, 6) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
-        "recommendations": merge_recommendations(reports),
+        "removable": {k: {"share": round(v[0], 6), "basis": v[1]} for k, v in removable.items()},
+        "recommendations": recommendations,
         "findings": merge_findings(reports),
         "ranks": ranks,
         "rank_spread": spread,
@@ -117,29 +131,106 @@ def aggregate_run(reports: Sequence[TraceReport], *, failed: int = 0, pending: i
     }
 
 
-def merge_recommendations(reports: Sequence[TraceReport]) -> list[dict[str, Any]]:
-    """One entry per recommendation id, ranked by how often it was a trace's *first* advice.
+def merge_recommendations(
+    reports: Sequence[TraceReport],
+    weights: Sequence[int] | None = None,
+    times: Sequence[float] | None = None,
+    primary_kind: str | None = None,
+) -> list[dict[str, Any]]:
+    """One entry per recommendation id, its gain recomputed over the whole run.
 
-    Ties go to how many traces gave it at all, then to the largest expected speedup.
+    Each id's removable time is averaged over every report's profiled time (a report without it
+    contributes nothing), so one window's optimistic figure does not stand for the run; cards are
+    ranked like the per-trace ones (measured waits before estimates), those gaining no more than
+    ``MIN_CARD_SPEEDUP`` are dropped, and the primary kind's best card leads.
     """
+    weights = weights or [step_count(r.report) for r in reports]
+    times = times or [step_time_us(r.report) for r in reports]
+    total = sum((t if t > 0 else 1.0) * w for t, w in zip(times, weights, strict=True)) or 1.0
     merged: dict[str, dict[str, Any]] = {}
-    for tr in reports:
+    for tr, w, t in zip(reports, weights, times, strict=True):
+        span = (t if t > 0 else 1.0) * w
         for pos, rec in enumerate(tr.report.get("recommendations") or []):
             if not isinstance(rec, Mapping) or not rec.get("id"):
                 continue
-            entry = merged.setdefault(str(rec["id"]), {**rec, "traces": 0, "first_in": 0, "ranks": []})
+            entry = merged.setdefault(
+                str(rec["id"]),
+                {**rec, "traces": 0, "first_in": 0, "ranks": [], "_removable": 0.0, "_span": None},
+            )
             entry["traces"] += 1
             entry["first_in"] += pos == 0
             if tr.rank is not None and tr.rank not in entry["ranks"]:
                 entry["ranks"].append(tr.rank)
-            if _num(rec.get("expected_speedup")) > _num(entry.get("expected_speedup")):
-                entry["expected_speedup"] = rec.get("expected_speedup")
+            removable = _removable_fraction(rec, t)
+            entry["_removable"] += removable * span
+            lo_hi = rec.get("expected_speedup_range")
+            if isinstance(lo_hi, list) and len(lo_hi) == 2 and removable > 0:
+                entry["_span"] = entry["_span"] or [0.0, 0.0]
+                for i in (0, 1):
+                    entry["_span"][i] += _fraction_of(_num(lo_hi[i])) * span
+    out = []
     for entry in merged.values():
         entry["ranks"].sort()
-    return sorted(
-        merged.values(),
-        key=lambda e: (-e["first_in"], -e["traces"], -_num(e.get("expected_speedup")), str(e["id"])),
+        frac = entry.pop("_removable") / total
+        rng = entry.pop("_span")
+        entry["removable_share"] = round(frac, 6)
+        entry["expected_speedup"] = round(1.0 / max(1.0 - frac, 0.05), 3)
+        entry["expected_speedup_range"] = (
+            [round(1.0 / max(1.0 - v / total, 0.05), 3) for v in rng] if rng is not None else None
+        )
+        if entry.get("change") and entry["expected_speedup"] > MIN_CARD_SPEEDUP:
+            out.append(entry)
+    out.sort(
+        key=lambda e: (
+            -score(e["removable_share"], str(e.get("basis") or "measured")),
+            -e["traces"],
+            str(e["id"]),
+        )
     )
+    own = next((e for e in out if e.get("kind") == primary_kind), None)
+    return out if own is None else [own, *(e for e in out if e is not own)]
+
+
+def _fraction_of(speedup: float) -> float:
+    """The removable fraction of the step behind a speedup ``1 / (1 - f)``."""
+    return 1.0 - 1.0 / speedup if speedup > 1.0 else 0.0
+
+
+def _removable_fraction(rec: Mapping[str, Any], step_us: float) -> float:
+    """A recommendation's removable share of its trace's step (µs figure, else from the speedup)."""
+    us = _num(rec.get("removable_us_per_step"))
+    if us > 0 and step_us > 0:
+        return min(us / step_us, 0.95)
+    return _fraction_of(_num(rec.get("expected_speedup")))
+
+
+def _weighted_removable(
+    reports: Sequence[TraceReport],
+    weights: Sequence[int],
+    times: Sequence[float],
+    shares: Mapping[str, float],
+) -> dict[str, tuple[float, str]]:
+    """Kind -> (run-level removable fraction, basis): each report's ``limiter``, time-weighted."""
+    owned: dict[str, float] = defaultdict(float)
+    total = 0.0
+    for tr, w, t in zip(reports, weights, times, strict=True):
+        span = (t if t > 0 else 1.0) * w
+        total += span
+        for kind, frac in report_removable(tr.report, kind_shares(tr.report)).items():
+            owned[kind] += frac * span
+    return {k: (owned[k] / total if total else 0.0, basis_of(k)) for k in KINDS}
+
+
+def _note(kind: str, recs: Sequence[Mapping[str, Any]], reports: Sequence[TraceReport]) -> str:
+    """Why the run's first recommendation is not about its primary kind ("" when it is)."""
+    if recs and recs[0].get("kind") == kind:
+        return ""
+    for tr in reports:
+        p = tr.report.get("primary") or {}
+        if p.get("kind") == kind and p.get("note"):
+            return str(p["note"])
+    nxt = f" The next optimization targets {recs[0].get('kind')} instead." if recs else ""
+    return f"No recommendation in this run's traces changes its {kind} time." + nxt
 
 
 def merge_findings(reports: Sequence[TraceReport]) -> list[dict[str, Any]]:
@@ -163,12 +254,6 @@ def finding_id(finding: Any) -> str | None:
         if finding.get(key):
             return str(finding[key])
     return None
-
-
-def _primary_kind(shares: Mapping[str, float]) -> str | None:
-    """The bottleneck kind owning the most time (ties broken by name, so the result is stable)."""
-    candidates = [k for k in shares if k in KINDS] or list(shares)
-    return max(candidates, key=lambda k: (shares[k], k)) if candidates else None
 
 
 def _weighted_breakdown(reports: Sequence[TraceReport], weights: Sequence[int]) -> dict[str, float]:

@@ -1,0 +1,166 @@
+"""What precision the heavy kernels run in, and what the device supports (anchors §9).
+
+Advice to "use mixed precision" is only worth giving for matmul-class work (GEMM, convolution,
+attention) still in FP32, in a dtype the device has fast units for. Both facts are in the trace:
+kernel names carry the precision (cuBLAS/CUTLASS/cuDNN and ROCm Tensile/hipBLASLt conventions), and
+``deviceProperties`` the compute capability; when that is missing or ambiguous (AMD reports gfx
+versions as 9.x, old traces have no properties at all) the device name and the launch API decide.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from .model import DeviceInfo, GpuKind, RankTrace
+
+# Kernels doing matmul-class arithmetic, where precision decides speed.
+_MATMUL_RE = re.compile(
+    r"gemm|Cijk_|conv(?!ert)|cudnn|xmma|cutlass|wgrad|dgrad|fprop|flash|fmha|attn|attention|sdpa|winograd|"
+    r"matmul|bmm|cublas|hipblas|rocblas",
+    re.I,
+)
+# Ordered: the first match wins (a bf16 GEMM accumulating in f32 names both).
+_PRECISION_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("fp8", re.compile(r"e4m3|e5m2|fp8|f8f8|_f8_", re.I)),
+    ("int8", re.compile(r"i8816|imma|int8|i8i8|s8s8", re.I)),
+    ("bf16", re.compile(r"bf16|bfloat16|BFloat16", re.I)),
+    ("fp16", re.compile(r"h884|h1688|h16816|hgemm|hcudnn|fp16|f16f16|_f16|__half|c10::Half|\bhalf\b", re.I)),
+    ("tf32", re.compile(r"tf32|xf32", re.I)),
+    ("fp64", re.compile(r"dgemm|fp64|f64f64|double", re.I)),
+    ("fp32", re.compile(r"sgemm|scudnn|f32f32_f32f32|gemm\w*<float|fmha\w*f32|_fp32|<float", re.I)),
+)
+# ROCm Tensile names: Cijk_<A layout>_<B layout>_<dtype token>_..., first letter of the dtype token.
+_TENSILE_DTYPE = {"H": "fp16", "B": "bf16", "S": "fp32", "D": "fp64", "I": "int8", "F": "fp8", "X": "tf32"}
+_TENSOR_CORE_FP32_RE = re.compile(r"tensorop_s\d+gemm|s1688gemm|s16816gemm", re.I)
+
+LOW_PRECISION = ("fp8", "int8", "fp16", "bf16")
+
+
+def matmul_precision(name: str) -> str | None:
+    """Precision of a matmul-class kernel ("fp32", "tf32", "bf16", ..., "unknown"); None if not matmul-class."""
+    if not _MATMUL_RE.search(name):
+        return None
+    if name.startswith("Cijk_"):
+        tokens = name.split("_")
+        if len(tokens) > 3 and tokens[3]:
+            return _TENSILE_DTYPE.get(tokens[3][0], "unknown")
+    for precision, pattern in _PRECISION_PATTERNS:
+        if pattern.search(name):
+            return precision
+    # CUTLASS tensor-core GEMMs with FP32 accumulation and no input dtype in the name take TF32 inputs.
+    if _TENSOR_CORE_FP32_RE.search(name):
+        return "tf32"
+    return "unknown"
+
+
+def matmul_ns_by_precision(trace: RankTrace, kernels: np.ndarray) -> dict[str, float]:
+    """Total kernel time (ns) of the selected kernels per matmul precision (non-matmul kernels left out)."""
+    g = trace.gpu
+    if not kernels.any():
+        return {}
+    n = len(trace.strings)
+    sums = np.bincount(g.name[kernels], weights=g.dur[kernels].astype(np.float64), minlength=n)
+    out: dict[str, float] = {}
+    for i in sums.nonzero()[0].tolist():
+        p = matmul_precision(trace.strings[i])
+        if p is not None:
+            out[p] = out.get(p, 0.0) + float(sums[i])
+    return out
+
+
+@dataclass(frozen=True)
+class DeviceCaps:
+    """The reduced-precision units a GPU has; what precision advice may recommend."""
+
+    vendor: str  # "nvidia" | "amd" | "unknown"
+    arch: str  # e.g. "sm_80", "cdna3", "unknown"
+    fp16: bool
+    bf16: bool
+    tf32: bool
+    fp8: bool
+    source: str  # "deviceProperties" | "name" | "unknown"
+
+    @property
+    def autocast_dtype(self) -> str | None:
+        """The dtype to autocast FP32 matmuls to: bf16 where supported, fp16 (with a GradScaler) on Volta/Turing."""
+        if self.bf16:
+            return "bfloat16"
+        if self.fp16:
+            return "float16"
+        return None
+
+
+_NVIDIA_NAMES: tuple[tuple[str, tuple[int, int]], ...] = (
+    (r"B200|B100|GB200|B300", (10, 0)),
+    (r"H100|H200|H800|GH200|H20\b", (9, 0)),
+    (r"L40|L4\b|RTX 40\d\d|RTX 6000 Ada|\bAda\b", (8, 9)),
+    (r"A100|A800|A30\b|A10\b|A10G|A40|A16|A2\b|RTX 30\d\d|RTX A\d000", (8, 0)),
+    (r"T4\b|RTX 20\d\d|Quadro RTX|TITAN RTX|GTX 16\d\d", (7, 5)),
+    (r"V100|TITAN V", (7, 0)),
+    (r"P100|P40|P4\b|GTX 10\d\d|K80|M60|M40", (6, 0)),
+)
+_AMD_NAMES: tuple[tuple[str, str], ...] = (
+    (r"MI3[0-2]\d|MI35\d", "cdna3"),
+    (r"MI2\d\d", "cdna2"),
+    (r"MI100", "cdna1"),
+)
+_AMD_RE = re.compile(r"AMD|Instinct|Radeon|\bMI\d{3}", re.I)
+
+
+def device_caps(device: DeviceInfo | None, *, amd: bool = False) -> DeviceCaps:
+    """Precision support of a GPU from its properties, else its name; ``amd`` when the trace launched via HIP."""
+    name = device.name if device else ""
+    if amd or _AMD_RE.search(name):
+        arch = next((a for pat, a in _AMD_NAMES if re.search(pat, name)), "")
+        if not arch and device and device.compute_major >= 9:
+            # gfx9xx: 9.4 is MI300 (gfx94x), 9.0 with a 90a-class part is MI200; both have bf16.
+            arch = "cdna3" if device.compute_minor >= 4 else "cdna2"
+        arch = arch or "unknown"
+        modern = arch in ("cdna2", "cdna3")
+        src = "name" if name else ("deviceProperties" if device else "unknown")
+        return DeviceCaps("amd", arch, True, modern, False, arch == "cdna3", src)
+    cc: tuple[int, int] | None = None
+    source = "unknown"
+    if device and device.compute_major > 0:
+        cc, source = (device.compute_major, device.compute_minor), "deviceProperties"
+    elif name:
+        cc = next((v for pat, v in _NVIDIA_NAMES if re.search(pat, name, re.I)), None)
+        source = "name" if cc else "unknown"
+    if cc is None:
+        return DeviceCaps(
+            "unknown" if not name else "nvidia", "unknown", False, False, False, False, "unknown"
+        )
+    major, minor = cc
+    return DeviceCaps(
+        "nvidia",
+        f"sm_{major}{minor}",
+        fp16=major >= 7,
+        bf16=major >= 8,
+        tf32=major >= 8,
+        fp8=(major, minor) >= (8, 9),
+        source=source,
+    )
+
+
+def trace_caps(trace: RankTrace) -> DeviceCaps | None:
+    """The trace's first GPU's capabilities (cached); None on CPU-only traces."""
+
+    def evaluate() -> DeviceCaps | None:
+        if not trace.has_gpu or not len(trace.gpu):
+            return None
+        device = trace.devices[0] if trace.devices else None
+        return device_caps(device, amd=_launched_via_hip(trace))
+
+    return trace.memo("precision.caps", evaluate)
+
+
+def _launched_via_hip(trace: RankTrace) -> bool:
+    kernels = trace.gpu_kind(GpuKind.KERNEL)
+    if kernels.any() and any(
+        trace.strings[i].startswith("Cijk_") for i in np.unique(trace.gpu.name[kernels][:5000]).tolist()
+    ):
+        return True
+    return any(s.startswith("hip") for s in trace.strings[:20000])
