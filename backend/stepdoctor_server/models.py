@@ -126,6 +126,10 @@ class Run(Base):
     primary_kind: Mapped[str | None] = mapped_column(String(32))
     diagnosis: Mapped[dict[str, Any] | None]
     diagnosis_engine_version: Mapped[str | None] = mapped_column(String(32))
+    # Digest of the trace states and analysis ids the diagnosis was built from (skip redundant
+    # re-aggregation), and how many times it was computed (operations, tests).
+    diagnosis_basis: Mapped[str | None] = mapped_column(String(64))
+    aggregations: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     project: Mapped[Project] = relationship(back_populates="runs", lazy="raise")
     traces: Mapped[list[Trace]] = relationship(back_populates="run", lazy="raise")
