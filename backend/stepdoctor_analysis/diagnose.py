@@ -9,7 +9,7 @@ GPU traces (the device timeline decides; a busy GPU is not waiting on anything):
   transfer       memcpy/memset running while no kernel runs (exposed copies);
   then each idle stretch of the GPU is charged to what the host was doing:
   input          the host was inside ``DataLoader.__next__``;
-  memory         the host was inside ``cudaMalloc``/``cudaFree`` after the first step;
+  memory         the host was inside an allocator call (``cudaMalloc``/``hipFree``, ...), in any step;
   sync           the idle stretch began when a blocking call returned (the drained queue's refill
                  bubble) or the host was blocked while the GPU idled;
   launch         the GPU waited for the host to issue the next op (HTA's "host wait");

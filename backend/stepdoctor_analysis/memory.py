@@ -5,6 +5,16 @@ CUDA; host RAM, passed in by the pipeline, for CPU), allocations per step (count
 churn (bytes allocated per step / peak allocated: how often the working set is re-allocated),
 ``cudaMalloc``/``cudaFree`` after the first step (the caching allocator missing in steady state),
 and ``[OutOfMemory]`` events. TensorBoard warns at peak > 90% of device memory; so do we.
+
+Allocator calls (``cudaMalloc``/``cudaFree``/``hipMalloc``/``hipFree``, ...) are memory time in
+every step, the first included: a trace of one or two steps whose host sits in ``hipFree`` while
+the GPU idles is memory-bound, whatever else the first step does. The allocator's state is named:
+- ``disabled``: the caching allocator is off (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``): every tensor's
+  allocation and free reaches the driver, ``DISABLED_CALLS_PER_STEP`` or more calls per step, or
+  ``[memory]`` events whose reserved total always equals the allocated total (nothing is cached);
+- ``thrashing``: the cache keeps missing after warm-up (fragmentation, ``empty_cache()`` in the
+  loop, varying shapes): allocator calls in steady state, fewer than the disabled case;
+- ``ok``: no allocator calls after the first step.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ _ALLOC_API_RE = re.compile(
     r"^(cuda|hip)(Malloc|Free|MallocAsync|FreeAsync|MallocHost|FreeHost)$|^cuMem(Alloc|Free)(_v2)?$"
 )
 PRESSURE = 0.90
+DISABLED_CALLS_PER_STEP = 50  # a cached allocator misses a few times per step at most
 
 
 @dataclass(frozen=True)
@@ -47,8 +58,12 @@ class MemoryStats:
     steady_alloc_call_ns_per_step: float = 0.0
     alloc_call_intervals: tuple[np.ndarray, np.ndarray] = field(
         default_factory=lambda: (np.empty(0, np.int64), np.empty(0, np.int64))
-    )
+    )  # every allocator call inside a step, the first step's included
     out_of_memory: int = 0
+    alloc_calls_per_step: float = 0.0  # all steps
+    alloc_call_ns_per_step: float = 0.0
+    allocator: str | None = None  # "disabled" | "thrashing" | "ok"; None without GPU allocator calls
+    allocator_evidence: dict[str, object] = field(default_factory=dict)
 
     def worst(self) -> DeviceMemory | None:
         return max(self.devices, key=lambda d: d.peak_fraction, default=None)
@@ -82,21 +97,60 @@ def analyze_memory(trace: RankTrace, steps: list[Step], *, host_memory: int = 0)
                 )
             )
     h = trace.host
-    steady = np.zeros(len(h), dtype=np.bool_)
-    if len(h) and len(steps) > 1:
-        steady = tl.host_name_mask(trace, _ALLOC_API_RE, "alloc_api", HostKind.RUNTIME, HostKind.DRIVER)
-        steady = steady & tl.in_windows(h.ts, starts[1:], ends[1:])
+    calls = np.zeros(len(h), dtype=np.bool_)
+    steady = calls
+    if len(h) and steps:
+        api = tl.host_name_mask(trace, _ALLOC_API_RE, "alloc_api", HostKind.RUNTIME, HostKind.DRIVER)
+        calls = api & tl.in_windows(h.ts, starts, ends)
+        if len(steps) > 1:
+            steady = api & tl.in_windows(h.ts, starts[1:], ends[1:])
     steady_steps = max(1, len(steps) - 1)
+    per_step = int(np.count_nonzero(calls)) / n
+    steady_per_step = int(np.count_nonzero(steady)) / steady_steps
+    state, evidence = _allocator_state(
+        trace, calls, per_step, steady_per_step if len(steps) > 1 else per_step
+    )
     return MemoryStats(
         devices=devices,
         has_events=bool(len(m)),
-        steady_alloc_calls_per_step=int(np.count_nonzero(steady)) / steady_steps,
+        steady_alloc_calls_per_step=steady_per_step,
         steady_alloc_call_ns_per_step=int(h.dur[steady].sum()) / steady_steps if len(h) else 0.0,
-        alloc_call_intervals=tl.host_union(trace, steady)
+        alloc_call_intervals=tl.host_union(trace, calls)
         if len(h)
         else (np.empty(0, np.int64), np.empty(0, np.int64)),
         out_of_memory=trace.out_of_memory,
+        alloc_calls_per_step=per_step,
+        alloc_call_ns_per_step=int(h.dur[calls].sum()) / n if len(h) else 0.0,
+        allocator=state,
+        allocator_evidence=evidence,
     )
+
+
+def _allocator_state(
+    trace: RankTrace, calls: np.ndarray, per_step: float, steady_per_step: float
+) -> tuple[str | None, dict[str, object]]:
+    """``disabled``/``thrashing``/``ok`` (module docstring) and the numbers that say so."""
+    if not calls.any():
+        return None, {}
+    h, m = trace.host, trace.memory
+    names = h.name[calls]
+    by_api = {
+        trace.strings[int(i)]: int(c) for i, c in zip(*np.unique(names, return_counts=True), strict=True)
+    }
+    evidence: dict[str, object] = {
+        "calls_per_step": round(per_step, 2),
+        "steady_calls_per_step": round(steady_per_step, 2),
+        "by_api": by_api,
+    }
+    cuda = (m.device_type == 1) & (m.total_allocated != NONE) & (m.total_reserved != NONE) if len(m) else None
+    uncached = False
+    if cuda is not None and int(np.count_nonzero(cuda)) >= 20:
+        same = m.total_reserved[cuda] == m.total_allocated[cuda]
+        evidence["reserved_equals_allocated"] = round(float(same.mean()), 3)
+        uncached = bool(same.mean() >= 0.95)
+    if per_step >= DISABLED_CALLS_PER_STEP or uncached:
+        return "disabled", evidence
+    return ("thrashing" if steady_per_step > 0 else "ok"), evidence
 
 
 def _device_keys(trace: RankTrace) -> list[tuple[int, int]]:

@@ -27,6 +27,7 @@ from .report import Report, StepRow, field_dict, plain
 from .rules import KINDS, Context
 from .sync import analyze_sync
 from .transfers import analyze_transfers
+from .workload import detect_workload
 
 Progress = Callable[[str], None]
 
@@ -91,6 +92,7 @@ def analyze_trace(
         launch=hta.kernel_launch_stats(trace) if trace.has_gpu else None,
         caps=trace_caps(trace),
         iterations_found=iters.found,
+        workload=detect_workload(trace, step_list, metadata),
     )
     dx = diagnose.classify(ctx)
     per_kind = {k: acc.kinds[k].tolist() for k in (*KINDS, "other")}
@@ -119,6 +121,7 @@ def analyze_trace(
         format=trace.format,
         device=_device(dev, ctx.caps) if ctx.has_gpu else None,
         warnings=_warnings(ctx, iters),
+        workload=plain(ctx.workload),
         iterations=_iterations(iters, step_list),
         limiter=dx.limiter,
     )
@@ -182,6 +185,10 @@ def _metrics(trace: RankTrace, ctx: Context, step_list: list[Any]) -> dict[str, 
         "memory": {
             "devices": [field_dict(d) | {"peak_fraction": d.peak_fraction} for d in ctx.memory.devices],
             "steady_alloc_calls_per_step": ctx.memory.steady_alloc_calls_per_step,
+            "alloc_calls_per_step": ctx.memory.alloc_calls_per_step,
+            "alloc_call_us_per_step": ctx.memory.alloc_call_ns_per_step / 1e3,
+            "allocator": ctx.memory.allocator,  # disabled | thrashing | ok (``memory``)
+            "allocator_evidence": ctx.memory.allocator_evidence,
             "out_of_memory": ctx.memory.out_of_memory,
             # For drawing: totals over time, µs from the first step's start (``origin_us``).
             "series": {

@@ -40,6 +40,9 @@ stores). Times are microseconds; shares are fractions of the summed step wall ti
                       arrival_us, kinds_us, primary_kind, primary_share}], primary_kind}; the
                       top-level diagnosis is then a straggler's, else a rank's whose verdict is the job's
     warnings         [str]
+    workload         {kind: training|inference, phase: decode|prefill|prefill+decode|null, source,
+                      evidence[], grad_disabled, with_stack, cuda_graphs, kernels_per_step,
+                      median_kernel_us}: inference traces get inference advice only
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class Report:
     device: dict[str, Any] | None = None
     ranks: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
+    workload: dict[str, Any] | None = None  # ``workload.Workload``: training/inference, decode/prefill
     # How steps were found and the warm-up set apart (``pipeline._iterations``), and what the
     # verdict ranked (``diagnose.Diagnosis.limiter``).
     iterations: dict[str, Any] | None = None
@@ -115,6 +119,7 @@ class Report:
             "steps": self.steps,
             "metrics": self.metrics,
             "warnings": self.warnings,
+            "workload": self.workload,
         }
         if self.iterations is not None:
             d["iterations"] = self.iterations

@@ -32,8 +32,10 @@ class TraceBuilder:
         gpu: bool = True,
         rank: int | None = None,
         world_size: int | None = None,
+        training: bool = True,
     ) -> None:
         self.events: list[dict[str, Any]] = []
+        self.training = training  # each step then ends with a (1 µs) backward op, as training steps do
         self._corr = 1000
         self._ext = 1
         self.devices: list[dict[str, Any]] = []
@@ -69,6 +71,8 @@ class TraceBuilder:
 
     def step(self, number: int, ts: float, dur: float) -> None:
         self.annotation(f"ProfilerStep#{number}", ts, dur)
+        if self.training:  # what tells a training step from an inference one (``workload``)
+            self.cpu_op("autograd::engine::evaluate_function: MmBackward0", ts + dur - 2, 1)
 
     def runtime(self, name: str, ts: float, dur: float) -> int:
         """A CUDA runtime call; returns its correlation id (for a GPU op it launches)."""

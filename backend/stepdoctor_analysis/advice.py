@@ -1,0 +1,420 @@
+"""Advice beyond single-node DDP training: by collective type, for the allocator, for inference.
+
+Rules here are data like those in ``rules.py`` (which appends them to ``RULES``): keyword specs of
+``rules.Rule`` whose queries read ``Context``. Two tables scope the existing rules:
+- ``TRAINING_ONLY``: advice that only means something with a backward pass and an optimizer, never
+  given to an inference trace (``workload``);
+- ``COLLECTIVE_SCOPE``: the communication advice that fits each collective type. DDP's bucket size
+  and compression hook fix an exposed gradient all-reduce, not an MoE all-to-all or an FSDP
+  all-gather: the advice follows the collective the step actually waits for (``comm.dominant``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .rules import Context, Hit, Rule
+
+TRAINING = ("training",)
+INFERENCE = ("inference",)
+
+# Rule id -> why it is training advice.
+TRAINING_ONLY: dict[str, str] = {
+    "launch.foreach_optimizer": "an optimizer step exists only in training",
+    "memory.zero_grad_set_to_none": "gradients exist only in training",
+    "communication.overlap": "DDP gradient buckets and compression hooks exist only in training",
+    "sync.host_sync": "its advice (accumulate the loss on the device) is a training loop's",
+    "launch.cuda_graphs": "inference gets inference.cuda_graphs (static KV cache, batching)",
+    "launch.cpu_overhead": "inference gets inference.cpu_overhead (inference_mode, batching)",
+    "compute.mixed_precision": "its autocast-around-the-loss change is a training step's",
+}
+# Rule id -> the dominant collective types its advice addresses (None: no typed collective seen).
+COLLECTIVE_SCOPE: dict[str, tuple[str | None, ...]] = {
+    "communication.overlap": ("all_reduce", "broadcast", "reduce", "other", None),
+}
+# Rule id -> allocator states in which it applies (``memory.allocator``).
+ALLOCATOR_SCOPE: dict[str, tuple[str | None, ...]] = {
+    "memory.allocator_steady_state": ("thrashing", "ok", None),
+}
+
+
+def scoped(rule: Rule) -> Rule:
+    """``rule`` limited to the workloads, collective types and allocator states it fits."""
+    if rule.id in TRAINING_ONLY:
+        rule = dataclasses.replace(rule, workloads=TRAINING)
+    if rule.id in COLLECTIVE_SCOPE:
+        rule = dataclasses.replace(rule, query=_when_dominant(COLLECTIVE_SCOPE[rule.id], rule.query))
+    if rule.id in ALLOCATOR_SCOPE:
+        rule = dataclasses.replace(rule, query=_when_allocator(ALLOCATOR_SCOPE[rule.id], rule.query))
+    return rule
+
+
+def _when_dominant(
+    types: tuple[str | None, ...], query: Callable[[Context], Hit | None]
+) -> Callable[[Context], Hit | None]:
+    def scoped_query(ctx: Context) -> Hit | None:
+        dom = ctx.comm.dominant
+        return query(ctx) if (dom.type if dom else None) in types else None
+
+    return scoped_query
+
+
+def _when_allocator(
+    states: tuple[str | None, ...], query: Callable[[Context], Hit | None]
+) -> Callable[[Context], Hit | None]:
+    def scoped_query(ctx: Context) -> Hit | None:
+        return query(ctx) if ctx.memory.allocator in states else None
+
+    return scoped_query
+
+
+def _hit(*args: Any, **kwargs: Any) -> Hit:
+    from .rules import Hit  # rules.py imports this module: resolve at call time
+
+    return Hit(*args, **kwargs)
+
+
+def _us(ns: float) -> float:
+    return round(ns / 1e3, 1)
+
+
+def _is_inference(ctx: Context) -> bool:
+    return ctx.workload is not None and ctx.workload.inference
+
+
+# --- communication by collective type ----------------------------------------------------------
+
+
+def _collective(types: tuple[str, ...], *, workload: str | None = None) -> Callable[[Context], Hit | None]:
+    """Fires when the step waits mostly for one of ``types``; removable: that type's exposed time."""
+
+    def query(ctx: Context) -> Hit | None:
+        dom = ctx.comm.dominant
+        if dom is None or dom.type not in types or dom.exposed_ns_per_step <= 0:
+            return None
+        if workload is not None and (ctx.workload is None or ctx.workload.kind != workload):
+            return None
+        evidence = {
+            "collective": dom.type,
+            "exposed_us_per_step": _us(dom.exposed_ns_per_step),
+            "overlapped_us_per_step": _us(dom.overlapped_ns_per_step),
+            "calls_per_step": dom.calls_per_step,
+            "libraries": dom.libraries,
+            "top": dom.top,
+            "by_type": {
+                c.type: {
+                    "exposed_us": _us(c.exposed_ns_per_step),
+                    "overlapped_us": _us(c.overlapped_ns_per_step),
+                }
+                for c in ctx.comm.by_type
+            },
+        }
+        params = {
+            "type": dom.type.replace("_", "-"),
+            "exposed_us": dom.exposed_ns_per_step / 1e3,
+            "hidden_pct": 100 * dom.overlap_fraction,
+            "libs": ", ".join(dom.libraries) or "unknown",
+        }
+        removable = min(dom.exposed_ns_per_step, ctx.ns("communication"))
+        return _hit(ctx.share("communication"), removable, evidence, params)
+
+    return query
+
+
+# --- allocator ---------------------------------------------------------------------------------
+
+
+def _allocator_disabled(ctx: Context) -> Hit | None:
+    m = ctx.memory
+    if m.allocator != "disabled":
+        return None
+    evidence = dict(m.allocator_evidence) | {
+        "allocator_us_per_step": _us(m.alloc_call_ns_per_step),
+        "gpu_idle_in_allocator_us_per_step": _us(ctx.ns("memory")),
+    }
+    params = {"calls": m.alloc_calls_per_step, "ms": m.alloc_call_ns_per_step / 1e6}
+    return _hit(ctx.share("memory"), ctx.ns("memory"), evidence, params, 0.9)
+
+
+# --- inference ---------------------------------------------------------------------------------
+
+
+def _inference_mode(ctx: Context) -> Hit | None:
+    w = ctx.workload
+    if w is None or not w.inference or w.grad_disabled or w.server:
+        return None
+    evidence = {"workload": w.kind, "evidence": w.evidence, "stack_recorded": w.with_stack}
+    # Autograd bookkeeping is a part of each op's dispatch cost: a modest share of the overhead.
+    overhead = ctx.ns("launch")
+    conf = 0.75 if w.with_stack else 0.55  # without Python frames the trace cannot show grad mode
+    return _hit(1.0, 0.15 * overhead, evidence, {}, conf, (0.05 * overhead, 0.3 * overhead))
+
+
+def _inference_graphs(ctx: Context) -> Hit | None:
+    w = ctx.workload
+    if not ctx.has_gpu or w is None or not w.inference:
+        return None
+    evidence = {
+        "host_wait_us_per_step": _us(ctx.ns("launch")),
+        "kernels_per_step": w.kernels_per_step,
+        "median_kernel_us": w.median_kernel_us,
+        "phase": w.phase,
+        "cuda_graphs_already": w.cuda_graphs,
+    }
+    if w.cuda_graphs:
+        change = (
+            "CUDA graphs are already replayed: batch more requests per forward (vLLM max_num_seqs, SGLang "
+            "--max-running-requests, or a larger eval batch_size) and move the remaining per-step Python "
+            "(sampling, scheduling) off the critical path (overlap scheduling, async output processing)"
+        )
+    elif w.phase in ("decode", "prefill+decode"):
+        change = (
+            'model.generation_config.cache_implementation = "static"; '
+            'model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)  '
+            "# static KV cache + CUDA graphs for the decode loop; or serve with vLLM/SGLang, which graph decode"
+        )
+    else:
+        change = (
+            'model = torch.compile(model, mode="reduce-overhead")  # CUDA graphs; and batch more inputs '
+            "per forward (a larger batch_size, or dynamic batching in the server)"
+        )
+    params = {"kernels": w.kernels_per_step, "median_us": w.median_kernel_us, "change": change}
+    return _hit(ctx.share("launch"), ctx.ns("launch"), evidence, params)
+
+
+def _inference_cpu_overhead(ctx: Context) -> Hit | None:
+    w = ctx.workload
+    if ctx.has_gpu or w is None or not w.inference:
+        return None
+    o = ctx.ops
+    evidence = {
+        "overhead_us_per_step": _us(ctx.ns("launch")),
+        "ops_per_step": round(o.ops_per_step, 1),
+        "median_op_us": _us(o.median_op_ns),
+    }
+    conf = 0.85 if o.median_op_ns < 50_000 and o.ops_per_step >= 100 else 0.5
+    params = {"ops": o.ops_per_step, "median_us": o.median_op_ns / 1e3}
+    return _hit(ctx.share("launch"), ctx.ns("launch"), evidence, params, conf)
+
+
+def _inference_sync(ctx: Context) -> Hit | None:
+    w, s = ctx.workload, ctx.sync
+    if w is None or not w.inference or s.calls_per_step <= 0:
+        return None
+    top = s.triggers[0].op if s.triggers else "a blocking call"
+    evidence = {
+        "sync_calls_per_step": round(s.calls_per_step, 2),
+        "gpu_idle_after_sync_us_per_step": _us(ctx.ns("sync")),
+        "triggers": [{"op": t.op, "calls": t.count, "blocked_us": _us(t.blocked_ns)} for t in s.triggers[:5]],
+        "phase": w.phase,
+    }
+    return _hit(ctx.share("sync"), ctx.ns("sync"), evidence, {"trigger": top, "calls": s.calls_per_step})
+
+
+def _inference_compute(ctx: Context) -> Hit | None:
+    w = ctx.workload
+    compute = ctx.ns("compute")
+    if w is None or not w.inference or compute <= 0:
+        return None
+    names = [k.name for k in (ctx.ops.top_kernels if ctx.has_gpu else ctx.ops.top_ops)[:5]]
+    conv = any("conv" in n.lower() for n in names)
+    if ctx.has_gpu:
+        fp32 = sum(ctx.ops.matmul_ns_by_precision.get(p, 0.0) for p in ("fp32", "tf32"))
+        if fp32 < 0.05 * ctx.step_ns:  # matmuls already in 16 bits or less: no precision win left
+            return None
+        change = (
+            "model = model.to(torch.bfloat16)  # bf16 weights and activations (torch.float16 before "
+            "compute capability 8.0); or weight-only int8/fp8 quantization (torchao.quantization.quantize_)"
+        )
+        frac = 0.35
+    else:
+        change = (
+            "model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)  "
+            "# int8 weights for Linear/LSTM layers on CPU"
+        )
+        frac = 0.3
+    if conv:
+        change += (
+            "; model = model.to(memory_format=torch.channels_last) and inputs "
+            "x.to(memory_format=torch.channels_last) for the convolutions"
+        )
+    evidence = {"compute_us_per_step": _us(compute), "top": names[:3], "convolutions": conv}
+    removable = compute * frac
+    return _hit(
+        ctx.share("compute"), removable, evidence, {"change": change}, None, (compute * 0.15, compute * 0.5)
+    )
+
+
+RULE_SPECS: list[dict[str, Any]] = [
+    {
+        "id": "communication.all_to_all",
+        "kind": "communication",
+        "title": "Balance and overlap the all-to-all (MoE experts, embedding tables)",
+        "trigger": "an exposed all-to-all is the collective the step waits for most, > 10% of the step",
+        "threshold": 0.10,
+        "query": _collective(("all_to_all",)),
+        "change": "MoE: balance expert load (auxiliary load-balancing loss or capacity factor; EPLB / redundant "
+        "experts when serving) and overlap dispatch/combine with expert compute (DeepEP's async mode, "
+        "two-micro-batch overlap); embedding tables (TorchRec): rebalance the sharding plan "
+        "(EmbeddingShardingPlanner with the real topology, row-/column-wise for hot tables) and use "
+        "TrainPipelineSparseDist so the all-to-all overlaps the dense part; across nodes, hierarchical "
+        "all-to-all (NVLink within the node first)",
+        "why": "The step waits {exposed_us:.0f} µs per step in exposed {type} ({libs}); only {hidden_pct:.0f}% of "
+        "it runs under compute. Uneven token or id counts per rank make every rank wait for the fullest one.",
+        "caveats": (
+            "DDP bucket sizes and gradient compression do not touch an all-to-all.",
+            "If one rank is a straggler, the others' exposed time is waiting: fix the straggler first.",
+        ),
+    },
+    {
+        "id": "communication.fsdp_prefetch",
+        "kind": "communication",
+        "title": "Prefetch FSDP's all-gathers and shard within the node",
+        "trigger": "exposed all-gather/reduce-scatter (FSDP, ZeRO) is the collective the step waits for most, "
+        "> 10% of the step",
+        "threshold": 0.10,
+        "query": _collective(("all_gather", "reduce_scatter")),
+        "change": "FSDP(model, forward_prefetch=True, backward_prefetch=BackwardPrefetch.BACKWARD_PRE, "
+        "limit_all_gathers=True) with larger wrap units (auto_wrap_policy per transformer block); "
+        "sharding_strategy=ShardingStrategy.HYBRID_SHARD (or SHARD_GRAD_OP) keeps the all-gathers on the "
+        "node's NVLink; FSDP2: fully_shard(..., reshard_after_forward=False) for the last blocks and "
+        "block.set_modules_to_forward_prefetch([next_block])",
+        "why": "The step waits {exposed_us:.0f} µs per step in exposed {type} ({libs}); only {hidden_pct:.0f}% of "
+        "it overlaps compute, so parameters arrive after the layer that needs them is ready to run.",
+        "caveats": (
+            "Prefetching and reshard_after_forward=False hold more parameters in memory.",
+            "HYBRID_SHARD replicates the model across nodes: each node must fit one sharded copy.",
+        ),
+    },
+    {
+        "id": "communication.pipeline_bubbles",
+        "kind": "communication",
+        "title": "Shrink the pipeline bubbles",
+        "trigger": "exposed send/recv (pipeline parallelism) is the collective the step waits for most, > 10%",
+        "threshold": 0.10,
+        "query": _collective(("send_recv",)),
+        "change": "More micro-batches per step (n_microbatches >= 4 x the number of stages) with an interleaved "
+        "schedule (torch.distributed.pipelining.ScheduleInterleaved1F1B or ScheduleInterleavedZeroBubble), "
+        "and split the layers so every stage takes the same time",
+        "why": "Stages wait {exposed_us:.0f} µs per step in exposed send/recv for their neighbours: pipeline "
+        "bubbles, or a stage slower than the others.",
+        "caveats": ("More micro-batches mean smaller ones: keep each large enough to fill the GPU.",),
+    },
+    {
+        "id": "communication.tensor_parallel",
+        "kind": "communication",
+        "title": "Cheaper tensor-parallel all-reduce for serving",
+        "trigger": "inference: exposed all-reduce > 10% of the step",
+        "threshold": 0.10,
+        "query": _collective(("all_reduce",), workload="inference"),
+        "change": "Keep the custom all-reduce on (vLLM: disable_custom_all_reduce=False; SGLang: without "
+        "--disable-custom-all-reduce), fuse all-reduce with the following RMSNorm where the server supports "
+        "it, and keep tensor parallelism inside one NVLink domain (lower tensor_parallel_size, add data or "
+        "pipeline parallelism across nodes)",
+        "why": "Each forward waits {exposed_us:.0f} µs in exposed all-reduce ({libs}): tensor-parallel layers "
+        "synchronise twice per transformer block.",
+        "caveats": ("Custom all-reduce kernels need peer-to-peer access between the GPUs (NVLink or xGMI).",),
+        "workloads": INFERENCE,
+    },
+    {
+        "id": "memory.allocator_disabled",
+        "kind": "memory",
+        "title": "Turn the caching allocator back on",
+        "trigger": "every allocation reaches the driver (>= 50 cudaMalloc/cudaFree per step, or nothing "
+        "cached) and the GPU idles in them > 5% of the step",
+        "threshold": 0.05,
+        "query": _allocator_disabled,
+        "change": "Unset PYTORCH_NO_CUDA_MEMORY_CACHING (PYTORCH_NO_HIP_MEMORY_CACHING on ROCm); if it was set "
+        "to fight fragmentation, use PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True instead",
+        "why": "{calls:.0f} allocator calls per step ({ms:.1f} ms) go to the driver: the caching allocator is "
+        "off, so every tensor's allocation and free synchronises the device and the GPU idles "
+        "{kind_pct:.0f}% of the step.",
+        "caveats": ("Memory debugging tools (compute-sanitizer) need caching off; profile without them.",),
+    },
+    {
+        "id": "inference.inference_mode",
+        "kind": "launch",
+        "title": "Run inference under torch.inference_mode()",
+        "trigger": "inference without a no_grad/inference_mode context in the trace",
+        "threshold": 1.0,
+        "query": _inference_mode,
+        "change": "with torch.inference_mode(): output = model(batch)  # model.eval() alone still records "
+        "autograd state for every op",
+        "why": "The trace runs a forward pass with no backward or optimizer, and no grad-disabling context: "
+        "every op pays for autograd bookkeeping it never uses.",
+        "caveats": (
+            "The trace shows grad mode only when recorded with with_stack=True; if torch.no_grad() is "
+            "already used, inference_mode() saves a little more.",
+            "Tensors created under inference_mode cannot be used in autograd later.",
+        ),
+        "workloads": INFERENCE,
+        "basis": "estimate",
+    },
+    {
+        "id": "inference.cuda_graphs",
+        "kind": "launch",
+        "title": "Launch the forward as one CUDA graph, batch more per forward",
+        "trigger": "inference: GPU waiting for the host to launch work > 10% of the step",
+        "threshold": 0.10,
+        "query": _inference_graphs,
+        "change": "{change}",
+        "why": "The GPU waits for the host {kind_pct:.0f}% of the step ({kernels:.0f} kernels per forward, "
+        "median {median_us:.1f} µs): at small batch every kernel is too short to hide its launch.",
+        "caveats": (
+            "CUDA graphs need static shapes (pad to bucketed batch sizes and sequence lengths).",
+            "A static KV cache preallocates memory for the maximum sequence length.",
+        ),
+        "workloads": INFERENCE,
+    },
+    {
+        "id": "inference.cpu_overhead",
+        "kind": "launch",
+        "title": "Fewer, bigger ops per request",
+        "trigger": "inference on CPU: framework overhead > 20% of the step",
+        "threshold": 0.20,
+        "query": _inference_cpu_overhead,
+        "change": "with torch.inference_mode(): out = model(torch.stack(requests))  # batch requests per "
+        "forward; and model = torch.compile(model) to fuse the small ops",
+        "why": "{kind_pct:.0f}% of each forward is dispatch overhead: {ops:.0f} ops with a median of "
+        "{median_us:.1f} µs, too small to amortise their dispatch at this batch size.",
+        "caveats": ("Batching adds queueing latency per request; bound it with a maximum wait.",),
+        "workloads": INFERENCE,
+    },
+    {
+        "id": "inference.host_sync",
+        "kind": "sync",
+        "title": "Keep the decode loop off the host",
+        "trigger": "inference: GPU idle after host syncs > 5% of the step",
+        "threshold": 0.05,
+        "query": _inference_sync,
+        "change": "Do not read tokens back per step ({trigger}: .item(), .tolist(), .cpu()): keep stopping "
+        "criteria on the device (an eos mask with torch.where), copy generated ids out every N steps with "
+        "non_blocking=True into pinned memory",
+        "why": "{calls:.0f} blocking syncs per step drain the GPU queue; it idles {kind_pct:.0f}% of the step "
+        "while the host decides what to launch next.",
+        "caveats": (
+            "Streaming servers must emit tokens as they come: overlap the copy, do not block on it.",
+        ),
+        "workloads": INFERENCE,
+    },
+    {
+        "id": "inference.low_precision",
+        "kind": "compute",
+        "title": "Cheaper arithmetic for inference: lower precision, quantization, channels_last",
+        "trigger": "inference: compute > 30% of the step",
+        "threshold": 0.30,
+        "query": _inference_compute,
+        "change": "{change}",
+        "why": "The forward is busy with arithmetic {kind_pct:.0f}% of the step; inference tolerates lower "
+        "precision weights without a loss scale.",
+        "caveats": (
+            "Check accuracy on a validation set after quantizing.",
+            "Dynamic int8 quantization speeds up Linear/LSTM layers on x86/ARM CPUs, not convolutions.",
+        ),
+        "workloads": INFERENCE,
+        "basis": "estimate",
+    },
+]

@@ -1,0 +1,142 @@
+"""Is this trace training or inference, and for inference, decoding or prefilling?
+
+The advice depends on it: ``zero_grad(set_to_none=True)``, a foreach optimizer or DDP bucket sizes
+mean nothing to a model server, and CUDA graphs, a static KV cache, batching or
+``torch.inference_mode()`` are what an inference loop needs.
+
+Evidence, strongest first:
+- run metadata ``workload`` ("training"/"inference"), e.g. ``stepdoctor.profile(..., metadata=...)``;
+- training: autograd backward ops (``autograd::engine::evaluate_function``, ``*Backward0``),
+  backward kernels, optimizer steps (``Optimizer.step#``, fused/foreach updates), DDP's reducer;
+- inference: none of those; a grad-disabling context (``torch/autograd/grad_mode.py`` frames of
+  ``no_grad``/``inference_mode``, recorded ``with_stack``), serving frameworks (vLLM, SGLang, TGI,
+  TensorRT-LLM) and their ``DECODE``/``prefill`` annotations.
+Decode vs prefill: annotations and attention kernels that name the phase (``DECODE bs=32``,
+``BatchPrefill``, ``paged_attention``, ``splitkv``), else the shape of the work: a decode step runs
+many tiny kernels per token (``DECODE_MIN_KERNELS`` kernels with a median under ``DECODE_MAX_MEDIAN_NS``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from .model import GpuKind, HostKind, RankTrace, Step
+
+DECODE_MIN_KERNELS = 200  # kernels per step (per token) in a decode step of an LLM
+DECODE_MAX_MEDIAN_NS = 10_000  # ... each shorter than this: weights streamed at batch 1-64
+
+_TRAINING_RE = re.compile(
+    r"autograd::engine::evaluate_function|Backward\d*\b|Backward\d*$|^Optimizer\.(?:step|zero_grad)#|"
+    r"^optimizer\.(?:step|zero_grad)|_fused_(?:adam|adamw|sgd)|_foreach_(?:add|mul|addcmul|lerp)_|"
+    r"DistributedDataParallel\.(?:forward|_pre_forward)|torch/autograd/__init__\.py\(\d+\): backward|"
+    r"torch/_tensor\.py\(\d+\): backward|Reducer::|lightning.*training_step"
+)
+_BACKWARD_KERNEL_RE = re.compile(r"backward|_bwd_|bwd_kernel|dgrad|wgrad", re.IGNORECASE)
+_GRAD_OFF_RE = re.compile(r"torch/autograd/grad_mode\.py\(\d+\): __enter__|inference_mode")
+_SERVER_RE = re.compile(
+    r"(?:^|/)(?:vllm|sglang|text_generation_server|tensorrt_llm|lmdeploy|llama_cpp)/|"
+    r"cuda_graph_runner|model_runner|execute_model|forward_batch|generate\b|\.generate\(",
+)
+_DECODE_RE = re.compile(
+    r"\bDECODE\b|decode_attention|BatchDecode|paged_attention|splitkv|_is_uniform_decode|"
+    r"forward_decode|decode_step|fmha.*decode|flash_decoding",
+)
+_PREFILL_RE = re.compile(r"[Pp]refill|PREFILL|\bEXTEND\b|forward_extend|context_attention")
+_GRAD_SYNC_RE = re.compile(r"^(?:nccl|gloo):all_reduce$|^c10d::allreduce_$")
+_GRAPH_RE = re.compile(r"^(?:cuda|hip)GraphLaunch|^cuGraphLaunch")
+
+
+@dataclass(frozen=True)
+class Workload:
+    kind: str  # "training" | "inference"
+    phase: str | None = None  # inference: "decode", "prefill", "prefill+decode"; else None
+    source: str = "trace"  # "metadata" or "trace"
+    evidence: list[str] = field(default_factory=list)
+    grad_disabled: bool = False  # a no_grad/inference_mode context was seen (needs with_stack)
+    with_stack: bool = False  # Python frames recorded: grad_disabled=False then means "not used"
+    server: bool = False  # a serving framework (vLLM, SGLang, ...): grad mode was set at start-up
+    cuda_graphs: bool = False  # the trace already replays CUDA graphs
+    kernels_per_step: float = 0.0
+    median_kernel_us: float = 0.0
+
+    @property
+    def inference(self) -> bool:
+        return self.kind == "inference"
+
+
+def detect_workload(trace: RankTrace, steps: list[Step], metadata: dict[str, Any] | None = None) -> Workload:
+    """Training or inference, from metadata, then from the ops the trace holds (module docstring)."""
+    host_names = _names(trace, trace.host.name)
+    kernel_mask = trace.gpu_kind(GpuKind.KERNEL) if len(trace.gpu) else np.zeros(0, np.bool_)
+    kernel_names = _names(trace, trace.gpu.name[kernel_mask]) if len(trace.gpu) else []
+    per_step, median_us = _kernel_shape(trace, kernel_mask, steps)
+    graphs = any(
+        _GRAPH_RE.search(n)
+        for n in _names(trace, trace.host.name[trace.host_kind(HostKind.RUNTIME, HostKind.DRIVER)])
+    )
+    grad_off = any(_GRAD_OFF_RE.search(n) for n in host_names)
+    base = Workload(
+        "inference",
+        grad_disabled=grad_off,
+        with_stack=bool(trace.host_kind(HostKind.PYTHON_FUNCTION).any()),
+        cuda_graphs=graphs,
+        kernels_per_step=per_step,
+        median_kernel_us=median_us,
+    )
+    declared = str((metadata or {}).get("workload") or "").lower()
+    if declared in ("training", "inference"):
+        phase = _phase(host_names, kernel_names, per_step, median_us) if declared == "inference" else None
+        return replace(
+            base,
+            kind=declared,
+            phase=phase,
+            source="metadata",
+            evidence=[f"run metadata workload={declared}"],
+        )
+    training = [n for n in host_names if _TRAINING_RE.search(n)][:3]
+    training += [n for n in kernel_names if _BACKWARD_KERNEL_RE.search(n)][: 3 - len(training)]
+    if training:
+        return replace(base, kind="training", evidence=[f"training op: {n[:80]}" for n in training])
+    evidence = ["no backward or optimizer ops"]
+    if grad_off:
+        evidence.append("a no_grad/inference_mode context is entered")
+    server = next((n for n in host_names if _SERVER_RE.search(n)), None)
+    if server:
+        evidence.append(f"serving code: {server[:80]}")
+    phase = _phase(host_names, kernel_names, per_step, median_us)
+    sync_grads = next((n for n in host_names if _GRAD_SYNC_RE.search(n)), None)
+    if sync_grads and not (grad_off or server or phase or graphs):
+        # A process-group all-reduce and nothing that says "serving": a capture window of a
+        # data-parallel job that missed the backward pass, more likely than an inference job.
+        return replace(base, kind="training", evidence=[f"gradient all-reduce: {sync_grads}"])
+    return replace(base, phase=phase, evidence=evidence, server=server is not None)
+
+
+def _names(trace: RankTrace, ids: np.ndarray) -> list[str]:
+    return [trace.strings[int(i)] for i in np.unique(ids)] if ids.size else []
+
+
+def _kernel_shape(trace: RankTrace, kernels: np.ndarray, steps: list[Step]) -> tuple[float, float]:
+    if not kernels.size or not kernels.any() or not steps:
+        return 0.0, 0.0
+    durs = trace.gpu.dur[kernels]
+    return round(int(kernels.sum()) / len(steps), 1), round(float(np.median(durs)) / 1e3, 3)
+
+
+def _phase(host: list[str], kernels: list[str], per_step: float, median_us: float) -> str | None:
+    names = host + kernels
+    decode = any(_DECODE_RE.search(n) for n in names)
+    prefill = any(_PREFILL_RE.search(n) for n in names)
+    if decode and prefill:
+        return "prefill+decode"
+    if decode:
+        return "decode"
+    if prefill:
+        return "prefill"
+    if per_step >= DECODE_MIN_KERNELS and 0 < median_us * 1e3 < DECODE_MAX_MEDIAN_NS:
+        return "decode"
+    return None
