@@ -118,7 +118,7 @@ def test_run_trace_and_compare_pages(app: FastAPI, analysed_runs: dict[str, Any]
         page = browser.get(f"/runs/{run_id}")
         assert page.status_code == 200
         kind = api_run["diagnosis"]["primary"]["kind"]
-        assert f"{kind}-bound" in page.text
+        assert f"Bound by <strong>{kind}</strong>" in page.text
         first = api_run["diagnosis"]["recommendations"][0]["title"]
         assert "Next optimization" in page.text and first.split()[0] in page.text
         plots = _plots(page.text)
@@ -205,7 +205,7 @@ def test_dashboard_in_chromium(tmp_path: Path) -> None:
             page.click("button[type=submit]")
             page.wait_for_selector("#plot-breakdown .main-svg", timeout=20_000)
             verdict = page.inner_text("#verdict")
-            assert "-bound" in verdict
+            assert "Bound by" in verdict
             bars = page.locator("#plot-breakdown .trace.bars").count()
             assert bars >= 2
             page.screenshot(path=str(tmp_path / "run.png"), full_page=True)

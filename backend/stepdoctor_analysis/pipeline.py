@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from . import breakdown as bd
-from . import diagnose, gpu_metrics, parse, ranks, steps
+from . import diagnose, gpu_metrics, parse, ranks, step_timeline, steps, tables
 from . import hta_metrics as hta
 from . import timeline as tl
 from .comm import analyze_comm
@@ -124,6 +124,12 @@ def analyze_trace(
         workload=plain(ctx.workload),
         iterations=_iterations(iters, step_list),
         limiter=dx.limiter,
+        tables=plain(tables.build_tables(trace, step_list)),
+        timeline=plain(
+            step_timeline.build_timeline(
+                trace, step_list, inputs, sync, memory, comm_host=comm.host_collective_ns_per_step > 0
+            )
+        ),
     )
 
 

@@ -43,6 +43,10 @@ stores). Times are microseconds; shares are fractions of the summed step wall ti
     workload         {kind: training|inference, phase: decode|prefill|prefill+decode|null, source,
                       evidence[], grad_disabled, with_stack, cuda_graphs, kernels_per_step,
                       median_kernel_us}: inference traces get inference advice only
+    tables           {ops[], kernels[]: {name, calls, total_us, mean_us, share}, tensor_core_share}
+                     (``tables.build_tables``)
+    timeline         {steps[{number, why, duration_us, lanes[{label, kind, boxes[[start_us, end_us,
+                     label, count]]}]}], names[]}: representative steps drawn (``step_timeline``)
 """
 
 from __future__ import annotations
@@ -96,6 +100,9 @@ class Report:
     ranks: dict[str, Any] | None = None
     warnings: list[str] = field(default_factory=list)
     workload: dict[str, Any] | None = None  # ``workload.Workload``: training/inference, decode/prefill
+    # Operator/kernel tables and a drawn step (``tables``, ``step_timeline``): for the dashboard.
+    tables: dict[str, Any] | None = None
+    timeline: dict[str, Any] | None = None
     # How steps were found and the warm-up set apart (``pipeline._iterations``), and what the
     # verdict ranked (``diagnose.Diagnosis.limiter``).
     iterations: dict[str, Any] | None = None
@@ -127,6 +134,10 @@ class Report:
             d["limiter"] = self.limiter
         if self.ranks is not None:
             d["ranks"] = self.ranks
+        if self.tables is not None:
+            d["tables"] = self.tables
+        if self.timeline is not None:
+            d["timeline"] = self.timeline
         out: dict[str, Any] = plain(d)
         return out
 

@@ -115,6 +115,11 @@ class Run(Base):
         Index("ix_runs_project_id_created_at", "project_id", "created_at"),
         Index("ix_runs_created_at", "created_at"),
         Index("ix_runs_primary_kind", "primary_kind"),
+        # The dashboard's run-list sorts (migration 2026_11_22_1800).
+        Index("ix_runs_updated_at", "updated_at"),
+        Index("ix_runs_name", "name"),
+        Index("ix_runs_project_id_updated_at", "project_id", "updated_at"),
+        Index("ix_runs_project_id_primary_kind_updated_at", "project_id", "primary_kind", "updated_at"),
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)

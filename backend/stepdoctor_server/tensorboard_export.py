@@ -20,6 +20,7 @@ import zipfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Protocol
 
 CHUNK = 1 << 20
 GZIP_MAGIC = b"\x1f\x8b"
@@ -28,11 +29,17 @@ WORKER_PATTERN = re.compile(r"^(.*?)(\.\d+)?\.pt\.trace\.json(?:\.gz)?$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 
 
+class Openable(Protocol):
+    """A stored trace that is not a local file (an object in S3): anything with ``open("rb")``."""
+
+    def open(self, mode: str = "rb") -> IO[bytes]: ...
+
+
 @dataclass(frozen=True)
 class ExportItem:
     """One stored trace file and where it came from."""
 
-    path: Path
+    path: Path | Openable
     rank: int | None
     window_index: int | None
     host: str | None
@@ -40,19 +47,21 @@ class ExportItem:
 
 
 def worker_name(host: str | None, rank: int | None, trace_id: int) -> str:
-    """``{host}_{rank}``; a trace without rank gets its trace id so workers never collide.
+    """``{host}_{rank}``; without a rank, ``{host}``: a rank-less run is one process, so its capture
+    windows (and repeated uploads) become spans of that one worker, as the plugin shows one process
+    profiled several times. ``trace_id`` is unused now and kept for callers.
 
     Other characters than ``[A-Za-z0-9_-]`` in host names become ``-``: a dot would be read as the
     span separator.
     """
     node = _UNSAFE.sub("-", host).strip("-") if host else ""
     node = node or "node"
-    return f"{node}_{rank}" if rank is not None else f"{node}-trace{trace_id}_0"
+    return f"{node}_{rank}" if rank is not None else node
 
 
-def archive_names(run_name: str, items: Iterable[ExportItem]) -> list[tuple[str, Path]]:
+def archive_names(run_name: str, items: Iterable[ExportItem]) -> list[tuple[str, Path | Openable]]:
     """Zip member name for each item; a rank's windows become the spans of one worker."""
-    out = []
+    out: list[tuple[str, Path | Openable]] = []
     used: dict[str, set[int]] = {}
     for item in sorted(items, key=lambda i: (i.rank is None, i.rank or 0, i.window_index or 0, i.trace_id)):
         worker = worker_name(item.host, item.rank, item.trace_id)
@@ -66,7 +75,7 @@ def archive_names(run_name: str, items: Iterable[ExportItem]) -> list[tuple[str,
     return out
 
 
-def stream_zip(members: Iterable[tuple[str, Path]]) -> Iterator[bytes]:
+def stream_zip(members: Iterable[tuple[str, Path | Openable]]) -> Iterator[bytes]:
     """Yield a zip archive of ``(name, file)`` pairs in ~1 MiB chunks, without seeking."""
     sink = _Sink()
     with zipfile.ZipFile(sink, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
@@ -79,7 +88,7 @@ def stream_zip(members: Iterable[tuple[str, Path]]) -> Iterator[bytes]:
     yield from sink.drain()
 
 
-def _is_gzip(path: Path) -> bool:
+def _is_gzip(path: Path | Openable) -> bool:
     with path.open("rb") as fh:
         return fh.read(2) == GZIP_MAGIC
 

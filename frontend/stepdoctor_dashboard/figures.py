@@ -34,6 +34,8 @@ KIND_COLORS = {
     "other": "#bab0ac",
 }
 _LAYOUT = {"margin": {"l": 60, "r": 20, "t": 40, "b": 40}, "template": "plotly_white", "height": 320}
+# Legends go under the plot, in rows: eight categories fit a half-width figure without clipping.
+_LEGEND_BELOW = {"orientation": "h", "yanchor": "top", "y": -0.25, "x": 0, "xanchor": "left"}
 
 
 def to_json(fig: go.Figure) -> str:
@@ -56,7 +58,13 @@ def breakdown_figure(breakdown: Mapping[str, Any], title: str = "Average step ti
             marker_color=CATEGORY_COLORS.get(category),
             hovertemplate=f"{category}: %{{x:.3f}} ms<extra></extra>",
         )
-    fig.update_layout(barmode="stack", title=title, xaxis_title="ms per step", **{**_LAYOUT, "height": 220})
+    fig.update_layout(
+        barmode="stack",
+        title=title,
+        xaxis_title="ms per step (TensorBoard's categories)",
+        legend=_LEGEND_BELOW,
+        **{**_LAYOUT, "height": 260, "margin": {"l": 50, "r": 20, "t": 40, "b": 90}},
+    )
     return fig
 
 
@@ -87,7 +95,15 @@ def steps_figure(report: Mapping[str, Any], title: str = "Where each step's time
             name=kind,
             marker_color=KIND_COLORS[kind],
         )
-    fig.update_layout(barmode="stack", title=title, xaxis_title="step", yaxis_title="ms", **_LAYOUT)
+    fig.update_layout(
+        barmode="stack",
+        title=title,
+        xaxis_title="step",
+        xaxis_type="category",
+        yaxis_title="ms",
+        legend=_LEGEND_BELOW,
+        **{**_LAYOUT, "height": 360, "margin": {"l": 60, "r": 20, "t": 40, "b": 100}},
+    )
     return fig
 
 
@@ -173,3 +189,104 @@ def critical_path_figure(result: Mapping[str, Any], title: str = "Critical path 
 def _ordered(values: Mapping[str, Any]) -> list[tuple[str, Any]]:
     known = [(k, values[k]) for k in CATEGORY_COLORS if k in values]
     return known + sorted((k, v) for k, v in values.items() if k not in CATEGORY_COLORS)
+
+
+# GPU box colours by what the op is (the step figure's host and stream lanes).
+_OP_COLORS = {
+    "host": "#9aa5b8",
+    "kernel": "#4c78a8",
+    "memcpy": "#f58518",
+    "memset": "#e45756",
+    "nccl": "#72b7b2",
+}
+
+
+def _op_color(lane_kind: str, name: str) -> str:
+    if lane_kind == "host":
+        return _OP_COLORS["host"]
+    low = name.lower()
+    if low.startswith("memcpy"):
+        return _OP_COLORS["memcpy"]
+    if low.startswith("memset"):
+        return _OP_COLORS["memset"]
+    if "nccl" in low:
+        return _OP_COLORS["nccl"]
+    return _OP_COLORS["kernel"]
+
+
+def step_figure(step: Mapping[str, Any], names: Sequence[str]) -> go.Figure:
+    """One step on a time axis: a row per host thread and GPU stream, and a bottom row with every
+    stretch coloured by the bottleneck kind it was charged to (from the report's ``timeline``)."""
+    lanes = [lane for lane in step.get("lanes") or [] if isinstance(lane, Mapping)]
+    rows = [str(lane.get("label")) for lane in lanes]
+    fig = go.Figure()
+    for lane in lanes:
+        if lane.get("kind") == "charged":
+            continue
+        boxes = lane.get("boxes") or []
+        labels = [names[b[2]] if 0 <= b[2] < len(names) else "?" for b in boxes]
+        fig.add_bar(
+            y=[str(lane.get("label"))] * len(boxes),
+            base=[b[0] / 1000.0 for b in boxes],
+            x=[(b[1] - b[0]) / 1000.0 for b in boxes],
+            orientation="h",
+            marker_color=[_op_color(str(lane.get("kind")), n) for n in labels],
+            customdata=[[_short(n), b[3]] for n, b in zip(labels, boxes, strict=True)],
+            hovertemplate="%{customdata[0]}<br>%{base:.3f} ms + %{x:.3f} ms"
+            "<br>%{customdata[1]} event(s)<extra></extra>",
+            showlegend=False,
+            name=str(lane.get("label")),
+        )
+    charged = next((lane for lane in lanes if lane.get("kind") == "charged"), None)
+    if charged is not None:
+        label = str(charged.get("label"))
+        boxes = charged.get("boxes") or []
+        for kind in [k for k in KIND_COLORS if any(b[2] == k for b in boxes)]:
+            mine = [b for b in boxes if b[2] == kind]
+            fig.add_bar(
+                y=[label] * len(mine),
+                base=[b[0] / 1000.0 for b in mine],
+                x=[(b[1] - b[0]) / 1000.0 for b in mine],
+                orientation="h",
+                marker_color=KIND_COLORS[kind],
+                name=kind,
+                legendgroup=kind,
+                hovertemplate=f"{kind}: %{{x:.3f}} ms at %{{base:.3f}} ms<extra></extra>",
+            )
+    height = 120 + 34 * len(rows)
+    fig.update_layout(
+        barmode="overlay",
+        bargap=0.25,
+        title=f"Step {step.get('number')} ({step.get('why', '')}): host threads, GPU streams, charged time",
+        xaxis_title="ms since the step began",
+        yaxis={"categoryorder": "array", "categoryarray": list(reversed(rows)), "automargin": True},
+        legend={**_LEGEND_BELOW, "y": -0.35 if len(rows) < 4 else -0.2, "title": {"text": "charged to: "}},
+        **{**_LAYOUT, "height": max(300, height + 60), "margin": {"l": 20, "r": 20, "t": 40, "b": 90}},
+    )
+    return fig
+
+
+def kind_delta_figure(kinds: Mapping[str, Any]) -> go.Figure:
+    """µs per step each bottleneck kind gained (+) or lost (−) from base to other run."""
+    items = [(k, _num(v.get("delta_us"))) for k, v in kinds.items() if isinstance(v, Mapping)]
+    items = [(k, d) for k, d in items if abs(d) > 0]
+    items.sort(key=lambda kv: kv[1])
+    fig = go.Figure(
+        go.Bar(
+            y=[k for k, _ in items],
+            x=[d / 1000.0 for _, d in items],
+            orientation="h",
+            marker_color=["#12b76a" if d < 0 else "#f04438" for _, d in items],
+            hovertemplate="%{y}: %{x:+.3f} ms per step<extra></extra>",
+        )
+    )
+    fig.update_layout(
+        title="Which bottleneck shrank (green) or grew (red)",
+        xaxis_title="change in ms per step",
+        **{**_LAYOUT, "height": 120 + 28 * max(1, len(items))},
+    )
+    return fig
+
+
+def _short(name: str, limit: int = 90) -> str:
+    return name if len(name) <= limit else name[: limit - 1] + "…"

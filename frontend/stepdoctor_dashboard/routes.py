@@ -2,13 +2,16 @@
 
 Pages read through the same loaders and permission checks as the REST API (a team sees only its own
 objects; others' ids are 404), and downloads call the API's own handlers so bytes are identical.
+Every verdict, share and recommendation comes from the stored run diagnosis or trace report, the
+same JSON the API returns; templates only format it.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlencode
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -17,19 +20,35 @@ from fastapi.templating import Jinja2Templates
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from stepdoctor_dashboard import figures
-from stepdoctor_server import api_analysis, api_traces, compare
+from stepdoctor_analysis import BOTTLENECK_KINDS
+from stepdoctor_dashboard import assets, figures, formatting
+from stepdoctor_server import api_analysis, api_traces, compare, sessions
 from stepdoctor_server.api_catalog import load_run
 from stepdoctor_server.auth import Principal, authenticate
 from stepdoctor_server.db import DatabaseDep, SessionDep
-from stepdoctor_server.errors import ApiError, not_found
+from stepdoctor_server.errors import ApiError, check_id, not_found
 from stepdoctor_server.models import Analysis, Project, Run, Trace
 
-COOKIE = "stepdoctor_token"
+COOKIE = sessions.COOKIE  # a random session id (sessions.py), never the API token
 HERE = Path(__file__).parent
 templates = Jinja2Templates(directory=str(HERE / "templates"))
+formatting.register(templates.env)
 router = APIRouter(include_in_schema=False)
+
+PAGE_SIZE = 50
+# Paths for programs, not people: their errors stay JSON.
+_MACHINE_PATHS = ("/api", "/docs", "/openapi", "/redoc", "/metrics", "/healthz", "/readyz", "/static/")
+MAX_TRACES_LISTED = 500
+REFRESH_S = 5  # pages with traces still being analysed reload themselves this often
+# Run-list sorts: every one is served by an index (migration 2026_11_22_0014_dashboard_indexes).
+RUN_SORTS: dict[str, tuple[Any, ...]] = {
+    "updated": (Run.updated_at.desc(), Run.id.desc()),
+    "created": (Run.created_at.desc(), Run.id.desc()),
+    "name": (Run.name.asc(), Run.id.asc()),
+    "bottleneck": (Run.primary_kind.asc(), Run.updated_at.desc(), Run.id.desc()),
+}
 
 
 class LoginRequired(Exception):
@@ -41,7 +60,7 @@ def page_principal(request: Request, db: DatabaseDep) -> Principal:
     if not raw:
         raise LoginRequired
     with db.session() as session:
-        principal = authenticate(session, raw)
+        principal = sessions.resolve(session, raw)
     if principal is None or not principal.allows("read"):
         raise LoginRequired
     return principal
@@ -51,18 +70,52 @@ Viewer = Annotated[Principal, Depends(page_principal)]
 
 
 def install(app: FastAPI) -> None:
-    """Mount the pages and their static files (plotly.js from the installed plotly package: offline)."""
+    """Mount the pages, their static files and HTML error pages for everything outside the API."""
+    assets.install(app, HERE / "static")
+    # Unversioned plotly path kept for old bookmarks and pages; the templates use the versioned one.
     app.mount("/static/plotly", StaticFiles(packages=[("plotly", "package_data")]), name="plotly")
-    app.mount("/static/app", StaticFiles(directory=str(HERE / "static")), name="dashboard-static")
     app.include_router(router)
 
     @app.exception_handler(LoginRequired)
     async def _login(request: Request, _: LoginRequired) -> Response:
         return RedirectResponse(f"/login?next={request.url.path}", status_code=303)
 
+    _html_errors(app)
+
+
+def _html_errors(app: FastAPI) -> None:
+    """Browsers get an HTML page for errors on dashboard paths; the API keeps its JSON errors."""
+    json_api_error = app.exception_handlers.get(ApiError)
+    json_http_error = app.exception_handlers.get(StarletteHTTPException)
+
+    def wants_html(request: Request) -> bool:
+        return not request.url.path.startswith(_MACHINE_PATHS)
+
+    def page(request: Request, status: int, message: str) -> Response:
+        response = _render(request, "error.html", None, status=status, message=message)
+        response.status_code = status
+        return response
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        if wants_html(request) or json_api_error is None:
+            return page(request, exc.status, exc.message)
+        answer: Any = json_api_error(request, exc)
+        return await answer
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        if wants_html(request) or json_http_error is None:
+            message = "No such page." if exc.status_code == 404 else str(exc.detail)
+            return page(request, exc.status_code, message)
+        answer: Any = json_http_error(request, exc)
+        return await answer
+
 
 def _render(request: Request, name: str, viewer: Principal | None, **context: Any) -> HTMLResponse:
-    return templates.TemplateResponse(request, name, {"viewer": viewer, **context})
+    return templates.TemplateResponse(
+        request, name, {"viewer": viewer, "asset": assets.url, "refresh_s": None, **context}
+    )
 
 
 # -- login ---------------------------------------------------------------------------------------
@@ -78,8 +131,11 @@ async def login(request: Request, db: DatabaseDep) -> Response:
     form = parse_qs((await request.body()).decode("utf-8", "replace"))
     raw = (form.get("token") or [""])[0].strip()
     target = _safe_next((form.get("next") or ["/"])[0])
+    session_id = ""
     with db.session() as session:
         principal = authenticate(session, raw) if raw else None
+        if principal is not None and principal.allows("read"):
+            session_id = sessions.start(session, principal)
     if principal is None or not principal.allows("read"):
         message = (
             "Unknown or revoked token." if principal is None else "This token cannot read (upload scope)."
@@ -88,14 +144,18 @@ async def login(request: Request, db: DatabaseDep) -> Response:
         response.status_code = 401
         return response
     redirect = RedirectResponse(target, status_code=303)
-    redirect.set_cookie(COOKIE, raw, httponly=True, samesite="strict", max_age=30 * 86400)
+    sessions.set_cookie(redirect, request, session_id)
     return redirect
 
 
+@router.post("/logout")
 @router.get("/logout")
-def logout() -> Response:
+def logout(request: Request, db: DatabaseDep) -> Response:
+    """End the session server-side (the cookie alone is worthless afterwards) and clear it."""
+    with db.session() as session:
+        sessions.end(session, request.cookies.get(COOKIE))
     redirect = RedirectResponse("/login", status_code=303)
-    redirect.delete_cookie(COOKIE)
+    sessions.clear_cookies(redirect, request)
     return redirect
 
 
@@ -104,30 +164,114 @@ def _safe_next(target: str) -> str:
     return target if target.startswith("/") and not target.startswith("//") else "/"
 
 
-# -- pages ---------------------------------------------------------------------------------------
+# -- lists ---------------------------------------------------------------------------------------
 
 
 @router.get("/", response_class=HTMLResponse)
 def home(request: Request, viewer: Viewer, session: SessionDep) -> HTMLResponse:
+    # Per project: run count and last activity, both read from the (project_id, updated_at) index.
     projects = session.execute(
         select(Project, func.count(Run.id), func.max(Run.updated_at))
         .outerjoin(Run, Run.project_id == Project.id)
         .where(Project.team_id == viewer.team_id)
         .group_by(Project.id)
-        .order_by(func.max(Run.updated_at).desc().nulls_last(), Project.name)
+        .order_by(Project.name)
     ).all()
-    recent = _runs(session, viewer, None, limit=20)
-    return _render(request, "home.html", viewer, projects=projects, runs=recent)
+    projects = sorted(projects, key=lambda row: (row[2] is None, -(row[2].timestamp() if row[2] else 0)))
+    recent = _runs_query(viewer, None, RunFilter()).limit(20)
+    return _render(request, "home.html", viewer, projects=projects, runs=session.execute(recent).all())
+
+
+class RunFilter:
+    """The run list's search, filters, sort and page, read from the query string."""
+
+    def __init__(
+        self, q: str = "", kind: str = "", tag: str = "", sort: str = "updated", page: int = 1
+    ) -> None:
+        self.q = q.strip()[:128]
+        self.kind = kind if kind in (*BOTTLENECK_KINDS, "pending") else ""
+        self.tag = tag.strip()[:128]
+        self.sort = sort if sort in RUN_SORTS else "updated"
+        self.page = max(1, min(page, 10**6))
+
+    def link(self, **change: Any) -> str:
+        values = {"q": self.q, "kind": self.kind, "tag": self.tag, "sort": self.sort, "page": self.page}
+        values.update(change)
+        return "?" + urlencode({k: v for k, v in values.items() if v not in ("", None, 1, "updated")})
+
+
+def run_filter(
+    q: Annotated[str, Query(max_length=256)] = "",
+    kind: Annotated[str, Query(max_length=32)] = "",
+    tag: Annotated[str, Query(max_length=256)] = "",
+    sort: Annotated[str, Query(max_length=32)] = "updated",
+    page: Annotated[int, Query(ge=1, le=10**6)] = 1,
+) -> RunFilter:
+    return RunFilter(q, kind, tag, sort, page)
+
+
+Filters = Annotated[RunFilter, Depends(run_filter)]
 
 
 @router.get("/projects/{project_id}", response_class=HTMLResponse)
-def project_page(request: Request, project_id: int, viewer: Viewer, session: SessionDep) -> HTMLResponse:
-    project = session.get(Project, project_id)
+def project_page(
+    request: Request, project_id: int, viewer: Viewer, session: SessionDep, f: Filters
+) -> HTMLResponse:
+    project = session.get(Project, check_id("project", project_id))
     if project is None or project.team_id != viewer.team_id:
         raise not_found("project", project_id)
-    return _render(
-        request, "project.html", viewer, project=project, runs=_runs(session, viewer, project.id, 500)
+    listing = _paged_runs(session, viewer, project.id, f)
+    return _render(request, "project.html", viewer, project=project, f=f, **listing)
+
+
+@router.get("/runs", response_class=HTMLResponse)
+def runs_page(request: Request, viewer: Viewer, session: SessionDep, f: Filters) -> HTMLResponse:
+    return _render(request, "runs.html", viewer, f=f, **_paged_runs(session, viewer, None, f))
+
+
+def _runs_query(viewer: Principal, project_id: int | None, f: RunFilter) -> Any:
+    query = (
+        select(Run, Project.name)
+        .join(Project, Project.id == Run.project_id)
+        .where(Project.team_id == viewer.team_id)
+        .order_by(*RUN_SORTS[f.sort])
     )
+    if project_id is not None:
+        query = query.where(Run.project_id == project_id)
+    if f.q:
+        query = query.where(Run.name.ilike(f"%{_like_escape(f.q)}%", escape="\\"))
+    if f.kind == "pending":
+        query = query.where(Run.primary_kind.is_(None))
+    elif f.kind:
+        query = query.where(Run.primary_kind == f.kind)
+    return query
+
+
+def _paged_runs(session: Session, viewer: Principal, project_id: int | None, f: RunFilter) -> dict[str, Any]:
+    query = _runs_query(viewer, project_id, f)
+    if f.tag:
+        from stepdoctor_server.api_catalog import _has_tag
+
+        query = query.where(_has_tag(session, f.tag))
+    total = int(session.scalar(select(func.count()).select_from(query.order_by(None).subquery())) or 0)
+    pages = max(1, math.ceil(total / PAGE_SIZE))
+    page = min(f.page, pages)
+    rows = session.execute(query.offset((page - 1) * PAGE_SIZE).limit(PAGE_SIZE)).all()
+    return {
+        "runs": rows,
+        "total": total,
+        "page": page,
+        "pages": pages,
+        "first_index": (page - 1) * PAGE_SIZE + 1 if rows else 0,
+        "kinds": BOTTLENECK_KINDS,
+    }
+
+
+def _like_escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+# -- run -----------------------------------------------------------------------------------------
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
@@ -135,11 +279,15 @@ def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep)
     run, project = load_run(session, viewer, run_id)
     diagnosis = run.diagnosis or {}
     traces = session.execute(
-        select(Trace, Analysis.primary_kind)
+        select(Trace, Analysis.primary_kind, Analysis.report["steps"].as_json())
         .outerjoin(Analysis, Analysis.trace_id == Trace.id)
         .where(Trace.run_id == run.id)
         .order_by(Trace.rank, Trace.window_index, Trace.id)
+        .limit(MAX_TRACES_LISTED)
     ).all()
+    trace_count = int(session.scalar(select(func.count(Trace.id)).where(Trace.run_id == run.id)) or 0)
+    rep_id, warnings = _run_facts(session, run.id)
+    report = _report(session, rep_id) if rep_id is not None else {}
     figs = {}
     if diagnosis.get("breakdown"):
         figs["breakdown"] = figures.to_json(figures.breakdown_figure(diagnosis["breakdown"]))
@@ -148,8 +296,12 @@ def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep)
     if len(diagnosis.get("ranks") or []) > 1:
         figs["ranks"] = figures.to_json(figures.ranks_figure(diagnosis["ranks"]))
     others = session.execute(
-        select(Run.id, Run.name).where(Run.project_id == project.id, Run.id != run.id).order_by(Run.name)
+        select(Run.id, Run.name)
+        .where(Run.project_id == project.id, Run.id != run.id)
+        .order_by(Run.updated_at.desc())
+        .limit(200)
     ).all()
+    waiting = any(t.status in ("pending", "running") for t, _, _ in traces)
     return _render(
         request,
         "run.html",
@@ -157,17 +309,94 @@ def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep)
         run=run,
         project=project,
         d=diagnosis,
-        traces=traces,
+        traces=[(t, kind, _steps_label(t, steps)) for t, kind, steps in traces],
+        trace_count=trace_count,
         figs=figs,
         others=others,
+        warnings=diagnosis.get("warnings") or warnings,
+        facts=_device_facts(report),
+        tables=report.get("tables") or {},
+        rep_trace=rep_id,
+        refresh_s=REFRESH_S if waiting else None,
     )
 
 
+def _run_facts(session: Session, run_id: int) -> tuple[int | None, list[str]]:
+    """The trace whose report stands for the run in the facts (its slowest analysed one), and every
+    trace's analysis warnings, deduplicated; read as JSON fields, not whole reports."""
+    rows = session.execute(
+        select(Analysis.trace_id, Analysis.report["step_time_us"].as_float(), Analysis.report["warnings"])
+        .join(Trace, Trace.id == Analysis.trace_id)
+        .where(Trace.run_id == run_id)
+    ).all()
+    if not rows:
+        return None, []
+    slowest = max(rows, key=lambda r: (r[1] or 0.0, -r[0]))[0]
+    warnings: list[str] = []
+    for _, _, ws in rows:
+        for w in ws or []:
+            if isinstance(w, str) and w not in warnings:
+                warnings.append(w)
+    return slowest, warnings
+
+
+def _report(session: Session, trace_id: int) -> dict[str, Any]:
+    report = session.scalar(select(Analysis.report).where(Analysis.trace_id == trace_id))
+    return report if isinstance(report, dict) else {}
+
+
+def _device_facts(report: dict[str, Any]) -> dict[str, Any]:
+    """Device summary from a report: GPU name and memory, TensorBoard's GPU figures, memory peak."""
+    metrics = report.get("metrics") or {}
+    gpu = metrics.get("gpu") or {}
+    device = report.get("device") or {}
+    memory = [
+        m
+        for m in ((metrics.get("memory") or {}).get("devices") or [])
+        if isinstance(m, dict) and str(m.get("device", "")).startswith("cuda")
+    ]
+    peak = max(memory, key=lambda m: m.get("peak_fraction") or 0.0, default=None)
+    return {
+        "device": device.get("name") if device else None,
+        "capability": device.get("compute_capability") if device else None,
+        "memory_gb": device.get("memory_gb") if device else None,
+        "utilization": gpu.get("utilization"),
+        "sm_efficiency": gpu.get("sm_efficiency"),
+        "occupancy": gpu.get("occupancy"),
+        "tensor_core_share": (report.get("tables") or {}).get("tensor_core_share"),
+        "memory_peak": max(peak.get("peak_allocated") or 0, peak.get("peak_reserved") or 0) if peak else None,
+        "memory_capacity": peak.get("capacity") if peak else None,
+        "memory_fraction": peak.get("peak_fraction") if peak else None,
+        "cpu_only": bool(report) and not device and not gpu,
+    }
+
+
+def _steps_label(trace: Trace, steps: Any) -> str:
+    """The trace's step numbers: from the upload metadata, else from its report."""
+    if trace.first_step is not None:
+        last = trace.last_step if trace.last_step is not None else trace.first_step
+        return str(trace.first_step) if last == trace.first_step else f"{trace.first_step}–{last}"
+    numbers: list[int] = [
+        s["number"] for s in steps or [] if isinstance(s, dict) and isinstance(s.get("number"), int)
+    ]
+    if not numbers:
+        return ""
+    return str(numbers[0]) if len(numbers) == 1 else f"{min(numbers)}–{max(numbers)}"
+
+
+# -- trace ---------------------------------------------------------------------------------------
+
+
 @router.get("/traces/{trace_id}", response_class=HTMLResponse)
-def trace_page(request: Request, trace_id: int, viewer: Viewer, session: SessionDep) -> HTMLResponse:
+def trace_page(
+    request: Request,
+    trace_id: int,
+    viewer: Viewer,
+    session: SessionDep,
+    step: Annotated[int | None, Query(ge=0, lt=2**31)] = None,
+) -> HTMLResponse:
     trace, run, project = api_traces.load_trace(session, viewer, trace_id)
-    analysis = session.scalar(select(Analysis).where(Analysis.trace_id == trace.id))
-    report: dict[str, Any] = analysis.report if analysis is not None else {}
+    report = _report(session, trace.id)
     figs = {}
     if report.get("breakdown"):
         figs["breakdown"] = figures.to_json(figures.breakdown_figure(report["breakdown"]))
@@ -176,11 +405,17 @@ def trace_page(request: Request, trace_id: int, viewer: Viewer, session: Session
     memory = figures.memory_figure(((report.get("metrics") or {}).get("memory") or {}).get("series") or {})
     if memory is not None:
         figs["memory"] = figures.to_json(memory)
+    timeline = report.get("timeline") or {}
+    drawn = [s for s in timeline.get("steps") or [] if isinstance(s, dict)]
+    shown_step = next((s for s in drawn if s.get("number") == step), drawn[0] if drawn else None)
+    if shown_step is not None:
+        figs["step"] = figures.to_json(figures.step_figure(shown_step, timeline.get("names") or []))
     jobs = [j for j in api_analysis.deep_analyses(session, trace.id) if j.kind == "critical_path"]
     latest = jobs[0] if jobs else None
     shown = next((j for j in jobs if j.status == "done" and j.result), None)
     if shown is not None and shown.result is not None:
         figs["critical_path"] = figures.to_json(figures.critical_path_figure(shown.result))
+    step_numbers = [s.get("number") for s in report.get("steps") or [] if isinstance(s, dict)]
     return _render(
         request,
         "trace.html",
@@ -190,10 +425,24 @@ def trace_page(request: Request, trace_id: int, viewer: Viewer, session: Session
         project=project,
         r=report,
         figs=figs,
+        facts=_device_facts(report),
+        drawn=drawn,
+        shown_step=shown_step,
+        step_numbers=[n for n in step_numbers if isinstance(n, int)],
         cp_latest=latest,
         cp=shown.result if shown is not None else None,
-        can_request=viewer.allows("upload"),
+        can_request=viewer.allows("upload") and _hta_available(),
+        hta=_hta_available(),
+        refresh_s=REFRESH_S
+        if trace.status in ("pending", "running") or (latest and latest.status in ("pending", "running"))
+        else None,
     )
+
+
+def _hta_available() -> bool:
+    from stepdoctor_analysis.deep import available
+
+    return bool(available())
 
 
 @router.post("/traces/{trace_id}/deep/critical-path")
@@ -207,6 +456,10 @@ async def request_critical_path(trace_id: int, request: Request, viewer: Viewer,
     force = (form.get("force") or [""])[0] in ("1", "true", "on")
     if not viewer.allows("upload"):
         raise ApiError(403, "forbidden", "requesting an analysis needs an upload or admin token")
+    if not _hta_available():
+        raise ApiError(
+            501, "hta_missing", "this server cannot run HTA analyses (stepdoctor[hta] not installed)"
+        )
     if step_text and not (step_text.isdigit() and int(step_text) < 2**31):
         raise ApiError(422, "invalid_step", f"step must be a non-negative integer, got {step_text[:40]!r}")
     step = int(step_text) if step_text else None
@@ -217,6 +470,9 @@ async def request_critical_path(trace_id: int, request: Request, viewer: Viewer,
 
     await run_in_threadpool(queue_it)
     return RedirectResponse(f"/traces/{trace_id}#critical-path", status_code=303)
+
+
+# -- compare -------------------------------------------------------------------------------------
 
 
 @router.get("/compare", response_class=HTMLResponse)
@@ -230,43 +486,74 @@ def compare_page(
     base_run, _ = load_run(session, viewer, base)
     other_run, _ = load_run(session, viewer, other)
     try:
-        comparison = compare.compare_diagnoses(
-            api_analysis.run_diagnosis(base_run), api_analysis.run_diagnosis(other_run)
-        )
+        base_d = api_analysis.run_diagnosis(base_run)
+        other_d = api_analysis.run_diagnosis(other_run)
     except ApiError as exc:  # a run without analysed traces yet
         return _render(
             request, "compare.html", viewer, base=base_run, other=other_run, c=None, error=exc.message
         )
-    fig = figures.to_json(figures.compare_figure(comparison, base_run.name, other_run.name))
-    return _render(
-        request, "compare.html", viewer, base=base_run, other=other_run, c=comparison, fig=fig, error=None
+    comparison = compare.compare_diagnoses(base_d, other_d)
+    differences = compare.context_differences(
+        _run_context(session, base_run), _run_context(session, other_run)
     )
+    fig = figures.to_json(figures.compare_figure(comparison, base_run.name, other_run.name))
+    kinds_fig = figures.to_json(figures.kind_delta_figure(comparison.get("kinds") or {}))
+    return _render(
+        request,
+        "compare.html",
+        viewer,
+        base=base_run,
+        other=other_run,
+        c=comparison,
+        fig=fig,
+        kinds_fig=kinds_fig,
+        differences=differences,
+        error=None,
+    )
+
+
+def _run_context(session: Session, run: Run) -> dict[str, Any]:
+    """What must match for two runs to compare fairly: devices, batch size, world size."""
+    row = session.execute(
+        select(Trace.meta, Analysis.report["device"], Analysis.report["world_size"])
+        .outerjoin(Analysis, Analysis.trace_id == Trace.id)
+        .where(Trace.run_id == run.id)
+        .order_by(Analysis.id.is_(None), Trace.id)
+        .limit(1)
+    ).first()
+    if row is None:
+        return {}
+    meta, device, world = row
+    meta = meta if isinstance(meta, dict) else {}
+    loader = meta.get("loader") if isinstance(meta.get("loader"), dict) else {}
+    names = [d.get("name") for d in meta.get("devices") or [] if isinstance(d, dict) and d.get("name")]
+    if not names and isinstance(device, dict) and device.get("name"):
+        names = [device["name"]]
+    return {
+        "devices": ", ".join(sorted(set(map(str, names))))
+        or ("CPU only" if meta or device is None else None),
+        "batch_size": (loader or {}).get("batch_size"),
+        "world_size": meta.get("world_size") if meta.get("world_size") is not None else world,
+    }
 
 
 # -- downloads (the API's handlers, with the page's cookie principal) -----------------------------
 
 
 @router.get("/traces/{trace_id}/download")
-def download(trace_id: int, request: Request, viewer: Viewer, session: SessionDep) -> Response:
-    return api_traces.download_trace(trace_id, request, viewer, session)
+def download(
+    trace_id: int,
+    request: Request,
+    viewer: Viewer,
+    session: SessionDep,
+    steps: Annotated[str | None, Query(max_length=32)] = None,
+) -> Response:
+    return api_traces.download_trace(trace_id, request, viewer, session, steps=steps or None)
 
 
 @router.get("/runs/{run_id}/tensorboard.zip")
 def tensorboard(run_id: int, request: Request, viewer: Viewer, session: SessionDep) -> Any:
     return api_analysis.tensorboard_zip(run_id, request, viewer, session)
-
-
-def _runs(session: Session, viewer: Principal, project_id: int | None, limit: int) -> list[Any]:
-    query = (
-        select(Run, Project.name)
-        .join(Project, Project.id == Run.project_id)
-        .where(Project.team_id == viewer.team_id)
-        .order_by(Run.updated_at.desc(), Run.id.desc())
-        .limit(limit)
-    )
-    if project_id is not None:
-        query = query.where(Run.project_id == project_id)
-    return list(session.execute(query).all())
 
 
 __all__ = ["ApiError", "install", "router"]

@@ -1,0 +1,247 @@
+"""A few representative steps, drawn as lanes: host threads, GPU streams, and what each stretch was charged to.
+
+The dashboard draws one step from this without opening the trace, so pages stay fast whatever the
+trace's size: the worker computes it once, next to the report. Pure: trace and analyzer results in,
+a compact JSON-ready dict out.
+
+- Steps: the median-duration step, the slowest, and the first when it is a warm-up outlier
+  (over ``WARMUP_RATIO`` × the median), at most three.
+- Lanes: the busiest ``MAX_THREADS`` host threads (their outermost ops, runtime calls and
+  annotations other than the step marker), the busiest ``MAX_STREAMS`` GPU streams (kernels, copies,
+  memsets), and a ``charged`` lane: the step partitioned into bottleneck kinds with exactly the
+  layers and idle-charging rules of ``diagnose.account`` (compute / communication / transfer while
+  the device is busy; input, memory, sync, launch, other for the stretches it idles).
+- Size: each lane holds at most ``MAX_BOXES`` boxes; beyond that, neighbours closer than a growing
+  gap merge into one box labelled by its longest member and counting how many it holds.
+
+Box: ``[start_us, end_us, label, count]``, times relative to the step's start, ``label`` an index
+into ``names`` (host and GPU lanes) or a bottleneck kind (the charged lane).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import intervals as iv
+from .diagnose import charge_idle, cpu_layers, gpu_busy_layers, uses_gpu_timeline
+from .inputs import InputStats
+from .memory import MemoryStats
+from .model import GpuKind, HostKind, RankTrace, Step
+from .steps import step_marker_mask
+from .sync import SyncStats
+
+MAX_BOXES = 400
+MAX_THREADS = 3
+MAX_STREAMS = 6
+MAX_STEPS = 3
+WARMUP_RATIO = 1.5
+_BUSY_KINDS = ("compute", "communication", "transfer")
+
+
+def representative_steps(steps: list[Step]) -> list[tuple[Step, str]]:
+    """(step, why it was chosen), in step order: median, slowest, and a warm-up outlier first step."""
+    if not steps:
+        return []
+    durs = np.array([s.end - s.start for s in steps], dtype=np.int64)
+    order = durs.argsort(kind="stable")
+    chosen: dict[int, str] = {int(order[(len(order) - 1) // 2]): "median step"}
+    chosen.setdefault(int(order[-1]), "slowest step")
+    median = float(np.median(durs))
+    if len(steps) > 2 and durs[0] > WARMUP_RATIO * median:
+        chosen.setdefault(0, "first step (warm-up)")
+    return [(steps[i], chosen[i]) for i in sorted(chosen)[:MAX_STEPS]]
+
+
+def build_timeline(
+    trace: RankTrace,
+    steps: list[Step],
+    inputs: InputStats,
+    sync: SyncStats,
+    memory: MemoryStats,
+    comm_host: bool,
+) -> dict[str, Any]:
+    """Lanes of the representative steps (see the module docstring)."""
+    names: dict[str, int] = {}
+    on_gpu = uses_gpu_timeline(trace, steps)
+    layers = (
+        list(gpu_busy_layers(trace, inputs, memory).items())
+        if on_gpu
+        else cpu_layers(trace, inputs, comm_host)
+    )
+    out = []
+    for step, why in representative_steps(steps):
+        lanes = _host_lanes(trace, step, names) + _gpu_lanes(trace, step, names)
+        lanes.append(_charged_lane(trace, step, layers, sync, on_gpu))
+        out.append(
+            {
+                "number": step.number,
+                "why": why,
+                "duration_us": round((step.end - step.start) / 1e3, 3),
+                "lanes": lanes,
+            }
+        )
+    return {"steps": out, "names": list(names)}
+
+
+def _charged_lane(
+    trace: RankTrace, step: Step, layers: list[tuple[str, iv.Intervals]], sync: SyncStats, on_gpu: bool
+) -> dict[str, Any]:
+    """The step partitioned into kinds, claimed in ``diagnose.account``'s order."""
+    free: iv.Intervals = (np.array([step.start], np.int64), np.array([step.end], np.int64))
+    parts: list[tuple[str, iv.Intervals]] = []
+    for kind, layer in layers:
+        owned = iv.intersect(free, iv.clip(layer, step.start, step.end))
+        free = iv.subtract(free, owned)
+        parts.append((kind, owned))
+    parts += list(charge_idle(trace, free, sync).items()) if on_gpu else [("other", free)]
+    idle = sum(iv.total(ivs) for kind, ivs in parts if kind not in _BUSY_KINDS)
+    return {
+        "label": "device time charged to" if on_gpu else "step time charged to",
+        "kind": "charged",
+        "boxes": _charged_boxes(parts, step),
+        "idle_us": _us(idle),
+    }
+
+
+def _charged_boxes(parts: list[tuple[str, iv.Intervals]], step: Step) -> list[list[Any]]:
+    """The partition as boxes; adjacent stretches of one kind merge into one box.
+
+    A step with more stretches than a figure can show is cut into ``2 × MAX_BOXES`` equal bins,
+    each given to the kind owning most of it, so no time disappears from the picture.
+    """
+    kinds = [kind for kind, ivs in parts for _ in range(ivs[0].size)]
+    starts = np.concatenate([ivs[0] for _, ivs in parts])
+    ends = np.concatenate([ivs[1] for _, ivs in parts])
+    order = starts.argsort(kind="stable")
+    pieces = [(int(starts[i]), int(ends[i]), kinds[i]) for i in order.tolist() if ends[i] > starts[i]]
+    if len(pieces) > 2 * MAX_BOXES:
+        pieces = _dominant_bins(parts, step, 2 * MAX_BOXES)
+    merged: list[list[Any]] = []
+    for lo, hi, kind in pieces:
+        if merged and merged[-1][2] == kind and merged[-1][1] == lo:
+            merged[-1][1] = hi
+            merged[-1][3] += 1
+        else:
+            merged.append([lo, hi, kind, 1])
+    return [[_us(lo - step.start), _us(hi - step.start), kind, n] for lo, hi, kind, n in merged]
+
+
+def _dominant_bins(
+    parts: list[tuple[str, iv.Intervals]], step: Step, bins: int
+) -> list[tuple[int, int, str]]:
+    edges = np.linspace(step.start, step.end, bins + 1).astype(np.int64)
+    names = sorted({kind for kind, _ in parts})
+    owned = np.zeros((len(names), bins), np.int64)
+    for kind, (s, e) in parts:
+        if s.size:
+            owned[names.index(kind)] += np.diff(_covered_until(s, e, edges))
+    best = owned.argmax(axis=0)
+    return [(int(edges[i]), int(edges[i + 1]), names[int(best[i])]) for i in range(bins)]
+
+
+def _covered_until(s: np.ndarray, e: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """For each time in ``t``, how much of the disjoint sorted set (s, e) lies before it."""
+    cum = np.concatenate([[0], np.cumsum(e - s)])
+    i = e.searchsorted(t, side="right")  # intervals wholly before t
+    partial = np.zeros(t.size, np.int64)
+    inside = i < s.size
+    partial[inside] = np.clip(t[inside] - s[i[inside]], 0, None)
+    return np.asarray(cum[i] + partial, dtype=np.int64)
+
+
+def _host_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dict[str, Any]]:
+    h = trace.host
+    if not len(h):
+        return []
+    shown = trace.host_kind(HostKind.CPU_OP, HostKind.USER_ANNOTATION, HostKind.RUNTIME, HostKind.DRIVER)
+    sel = (shown & ~step_marker_mask(trace) & (h.ts < step.end) & (h.end > step.start)).nonzero()[0]
+    lanes = []
+    for pid, tid in _busiest(h.pid[sel], h.tid[sel], h.dur[sel], MAX_THREADS):
+        idx = sel[(h.pid[sel] == pid) & (h.tid[sel] == tid)]
+        idx = idx[np.lexsort((-h.dur[idx], h.ts[idx]))]
+        # Outermost events only: one that starts after every earlier one ended.
+        ends = h.end[idx]
+        reach = np.maximum.accumulate(ends)
+        top = np.ones(idx.size, np.bool_)
+        top[1:] = h.ts[idx][1:] >= reach[:-1]
+        idx = idx[top]
+        label = f"host thread {tid}" if len(set(h.pid[sel].tolist())) == 1 else f"host {pid}/{tid}"
+        lanes.append(_lane(trace, label, "host", h.ts[idx], h.end[idx], h.name[idx], step, names))
+    return lanes
+
+
+def _gpu_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dict[str, Any]]:
+    g = trace.gpu
+    if not len(g):
+        return []
+    ops = trace.gpu_kind(GpuKind.KERNEL, GpuKind.MEMCPY, GpuKind.MEMSET)
+    sel = (ops & (g.ts < step.end) & (g.end > step.start)).nonzero()[0]
+    lanes = []
+    for device, stream in _busiest(g.device[sel].astype(np.int64), g.stream[sel], g.dur[sel], MAX_STREAMS):
+        idx = sel[(g.device[sel] == device) & (g.stream[sel] == stream)]
+        idx = idx[g.ts[idx].argsort(kind="stable")]
+        label = f"GPU {device} stream {stream}"
+        lanes.append(_lane(trace, label, "gpu", g.ts[idx], g.end[idx], g.name[idx], step, names))
+    return lanes
+
+
+def _busiest(a: np.ndarray, b: np.ndarray, dur: np.ndarray, k: int) -> list[tuple[int, int]]:
+    """The ``k`` (a, b) pairs with the most summed duration, in (a, b) order."""
+    if a.size == 0:
+        return []
+    pairs, inverse = np.unique(np.stack([a, b], axis=1), axis=0, return_inverse=True)
+    busy = np.bincount(inverse.ravel(), weights=dur.astype(np.float64))
+    top = sorted((-busy).argsort(kind="stable")[:k].tolist())
+    return [(int(pairs[i, 0]), int(pairs[i, 1])) for i in top]
+
+
+def _lane(
+    trace: RankTrace,
+    label: str,
+    kind: str,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    name_ids: np.ndarray,
+    step: Step,
+    names: dict[str, int],
+) -> dict[str, Any]:
+    s = np.clip(starts, step.start, step.end) - step.start
+    e = np.clip(ends, step.start, step.end) - step.start
+    label_ids, counts = name_ids, np.ones(s.size, np.int64)
+    merged = 0
+    gap = max(1, (step.end - step.start) // (MAX_BOXES * 8))
+    while s.size > MAX_BOXES:
+        s, e, label_ids, counts = _merge_close(s, e, e - s, label_ids, counts, gap)
+        merged = 1
+        gap *= 2
+    boxes = []
+    for i in range(s.size):
+        name = trace.strings[int(label_ids[i])]
+        ref = names.setdefault(name, len(names))
+        boxes.append([_us(int(s[i])), _us(int(e[i])), ref, int(counts[i])])
+    return {"label": label, "kind": kind, "boxes": boxes, "merged": bool(merged)}
+
+
+def _merge_close(
+    s: np.ndarray, e: np.ndarray, d: np.ndarray, labels: np.ndarray, counts: np.ndarray, gap: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Merge boxes separated by less than ``gap`` ns; a group keeps its longest member's label."""
+    reach = np.maximum.accumulate(e)
+    new = np.ones(s.size, np.bool_)
+    new[1:] = s[1:] - reach[:-1] >= gap
+    group = np.cumsum(new) - 1
+    firsts = new.nonzero()[0]
+    g_start = s[firsts]
+    g_end = np.maximum.reduceat(e, firsts)
+    longest = np.lexsort((-d, group))  # by group, longest first
+    first_of_group = np.ones(longest.size, np.bool_)
+    first_of_group[1:] = group[longest][1:] != group[longest][:-1]
+    g_label = labels[longest[first_of_group]]
+    g_count = np.add.reduceat(counts, firsts)
+    return g_start, g_end, g_label, g_count
+
+
+def _us(ns: int) -> float:
+    return round(ns / 1e3, 3)

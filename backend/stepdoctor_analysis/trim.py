@@ -1,0 +1,184 @@
+"""Cut one step, or a range of steps, out of a Chrome trace: a smaller, valid trace viewers can open.
+
+Chrome's viewer gives up near 1-2 GB and TensorBoard's near 500 MB, while a 10-step trace of a
+large model is often bigger than that. One step of it is not.
+
+Two streaming passes, memory bounded by the parser's columns plus one chunk of text:
+1. ``parse.load_trace`` + ``steps.find_steps`` give the chosen steps' window exactly as the report
+   defines it (a step ends with the last GPU op it launched), in the trace's own clock (the model
+   keeps absolute nanoseconds: raw µs × 1000).
+2. The text is cut again into chunks of whole events (the parser's own splitter); each event is
+   kept verbatim (its raw JSON bytes) when it overlaps the window, has no time (metadata:
+   process/thread names and sort order), or is a ``ph: M`` event; everything else is dropped.
+   The top-level fields (``deviceProperties``, ``distributedInfo``, ``baseTimeNanoseconds``, ...)
+   are kept, so the result still reads as the same rank, device and clock.
+The output is gzip (or plain JSON for a ``.json`` name) with ``traceEvents`` last.
+"""
+
+from __future__ import annotations
+
+import gzip
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+from . import parse
+from .errors import TraceError
+from .steps import find_steps, step_marker_mask
+
+_STEPS_RE = re.compile(r"^\s*(\d{1,9})\s*(?:[-–:]\s*(\d{1,9})\s*)?$")
+_RAW_EVENTS = msgspec.json.Decoder(list[msgspec.Raw])
+
+
+class _When(msgspec.Struct, gc=False):
+    """The fields that decide whether an event is kept (times may be numbers or numeric text)."""
+
+    ph: Any = None
+    ts: Any = None
+    dur: Any = None
+
+
+_WHEN = msgspec.json.Decoder(_When)
+
+
+@dataclass(frozen=True)
+class TrimResult:
+    first: int
+    last: int
+    start_us: float
+    end_us: float
+    kept: int
+    dropped: int
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """``"5"`` -> (5, 5), ``"5-6"`` -> (5, 6); a ValueError with a one-line reason otherwise."""
+    m = _STEPS_RE.match(text or "")
+    if m is None:
+        raise ValueError(f"steps must look like 5 or 5-6, got {text[:40]!r}")
+    first = int(m.group(1))
+    last = int(m.group(2)) if m.group(2) is not None else first
+    if last < first:
+        raise ValueError(f"steps range {first}-{last} is reversed")
+    return first, last
+
+
+def step_window(path: str | Path, first: int, last: int, *, max_bytes: int | None = None) -> tuple[int, int]:
+    """The [start, end) window in ns of steps ``first``..``last`` (ProfilerStep numbers)."""
+    trace = parse.load_trace(path, max_bytes=max_bytes)
+    if not step_marker_mask(trace).any():
+        raise TraceError(
+            f"{Path(path).name}: the trace has no ProfilerStep markers, so it has no steps to cut"
+        )
+    steps = find_steps(trace)
+    chosen = [s for s in steps if first <= s.number <= last]
+    if not chosen:
+        have = f"{steps[0].number}-{steps[-1].number}" if steps else "none"
+        raise TraceError(f"{Path(path).name}: no step in {first}-{last}; the trace has steps {have}")
+    return min(s.start for s in chosen), max(s.end for s in chosen)
+
+
+def trim_trace(
+    src: str | Path, dst: str | Path, first: int, last: int, *, max_bytes: int | None = None
+) -> TrimResult:
+    """Write steps ``first``..``last`` of ``src`` to ``dst`` (see the module docstring)."""
+    start_ns, end_ns = step_window(src, first, last, max_bytes=max_bytes)
+    keep = _Keep(start_ns / 1e3, end_ns / 1e3)
+    out = Path(dst)
+    opener: Any = gzip.open if out.name.endswith(".gz") else open
+    with opener(out, "wb") as fh:
+        keep.out = fh
+        cap = parse.DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+        blocks = parse._decompressed_blocks(Path(src), cap, Path(src).name)
+        try:
+            _RawSplitter(keep, Path(src).name).run(blocks)
+        finally:
+            blocks.close()
+        keep.close()
+    return TrimResult(first, last, keep.lo, keep.hi, keep.kept, keep.dropped)
+
+
+class _Keep:
+    """Receives chunks of raw events and writes the kept ones; the parser's builder seat."""
+
+    flows_skipped = False  # the splitter asks; raw events need no second decode
+
+    def __init__(self, lo_us: float, hi_us: float) -> None:
+        self.lo, self.hi = lo_us, hi_us
+        self.out: IO[bytes] | None = None
+        self.kept = self.dropped = 0
+        self.started = False
+
+    def take(self, raws: list[msgspec.Raw]) -> None:
+        fh = self.out
+        assert fh is not None
+        for raw in raws:
+            if not self._wanted(raw):
+                self.dropped += 1
+                continue
+            fh.write(b",\n" if self.started else b'{"traceEvents": [\n')
+            fh.write(bytes(raw))
+            self.started = True
+            self.kept += 1
+
+    def _wanted(self, raw: msgspec.Raw) -> bool:
+        try:
+            ev = _WHEN.decode(raw)
+        except msgspec.DecodeError:
+            return True  # not an object we understand: keep it rather than lose it
+        if ev.ph == "M" or ev.ts is None:
+            return True
+        try:
+            ts = float(ev.ts)
+            dur = float(ev.dur) if ev.dur is not None else 0.0
+        except (TypeError, ValueError):
+            return True
+        return ts <= self.hi and ts + dur >= self.lo
+
+    def absorb(self, events: list[Any]) -> None:  # the splitter hands decoded chunks here: nothing left
+        return None
+
+    def set_top(self, top: dict[str, Any]) -> None:
+        self.top = {k: v for k, v in top.items() if k not in ("traceEvents", "_")}
+
+    def close(self) -> None:
+        """Close the events array, then the top-level fields (known only once the tail is read)."""
+        fh = self.out
+        assert fh is not None
+        fh.write(b"\n]" if self.started else b'{"traceEvents": []')
+        for key, value in getattr(self, "top", {}).items():
+            fh.write(b",\n" + msgspec.json.encode(key) + b": " + msgspec.json.encode(value))
+        fh.write(b"}\n")
+
+
+class _RawSplitter(parse._StreamParser):
+    """The parser's chunk splitter, decoding each chunk into raw events for ``_Keep``."""
+
+    def __init__(self, keep: _Keep, name: str) -> None:
+        super().__init__(keep, name)  # type: ignore[arg-type]
+        self.keep = keep
+
+    def _decode_events(self, data: bytes | memoryview) -> list[Any] | None:
+        try:
+            raws = _RAW_EVENTS.decode(data)
+        except msgspec.DecodeError:
+            return None
+        self.keep.take(raws)  # copies what it keeps: the buffer is reused after this returns
+        return []
+
+    def _decode_whole(self, text: bytes) -> None:
+        try:
+            top = msgspec.json.decode(text, type=dict[str, msgspec.Raw])
+        except msgspec.DecodeError as exc:
+            raise TraceError(f"{self.name}: not valid JSON ({exc})") from None
+        events = top.pop("traceEvents", None)
+        if events is None:
+            raise TraceError(f"{self.name}: no 'traceEvents' list; not a Chrome/Kineto trace")
+        try:
+            self.keep.take(_RAW_EVENTS.decode(events))
+        except msgspec.DecodeError:
+            raise TraceError(f"{self.name}: 'traceEvents' is not a list of events") from None
+        self.keep.set_top({k: msgspec.json.decode(v) for k, v in top.items()})

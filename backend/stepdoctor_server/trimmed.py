@@ -1,0 +1,54 @@
+"""``GET /traces/{id}/download?steps=5-6``: one step or a range of a stored trace, as a smaller trace.
+
+The cut (``stepdoctor_analysis.trim``) streams the stored file into a temporary gzip file that is
+deleted once sent, so a trace too big for a viewer can still be opened one step at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from fastapi import Request
+from fastapi.responses import FileResponse
+from starlette.background import BackgroundTask
+
+from stepdoctor_analysis.errors import TraceError, TraceTooLarge
+from stepdoctor_analysis.trim import parse_steps, trim_trace
+from stepdoctor_server.errors import ApiError
+from stepdoctor_server.models import Trace
+
+
+def trimmed_download(trace: Trace, path: Path, steps: str, request: Request) -> FileResponse:
+    try:
+        first, last = parse_steps(steps)
+    except ValueError as exc:
+        raise ApiError(422, "invalid_steps", str(exc)) from None
+    max_bytes = getattr(request.app.state.settings, "max_decompressed_bytes", None)
+    fd, name = tempfile.mkstemp(prefix="stepdoctor-trim-", suffix=".json.gz")
+    os.close(fd)
+    out = Path(name)
+    try:
+        result = trim_trace(path, out, first, last, max_bytes=max_bytes)
+    except TraceTooLarge as exc:
+        out.unlink(missing_ok=True)
+        raise ApiError(413, "too_large", str(exc)) from None
+    except TraceError as exc:
+        out.unlink(missing_ok=True)
+        raise ApiError(422, "cannot_trim", str(exc)) from None
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
+    span = f"{first}" if first == last else f"{first}-{last}"
+    base = trace.filename.removesuffix(".gz").removesuffix(".json").removesuffix(".pt.trace")
+    return FileResponse(
+        out,
+        media_type="application/gzip",
+        filename=f"{base}_steps{span}.pt.trace.json.gz",
+        headers={
+            "X-Trimmed-Events": f"{result.kept}/{result.kept + result.dropped}",
+            "Cache-Control": "private",
+        },
+        background=BackgroundTask(out.unlink, missing_ok=True),
+    )
