@@ -382,6 +382,10 @@ def _note(
     if cards and cards[0].kind == kind:
         return ""
     nxt = f" The next optimization targets {cards[0].kind} instead." if cards else ""
+    if reason == "largest share":
+        return (
+            f"Nothing in the step is removable at a meaningful gain; {kind} is only its largest part." + nxt
+        )
     if kind == "compute":
         if any(r.id == "compute.no_cheap_win" for r in recs):
             return "No cheap compute win: the matmul kernels already run in reduced precision." + nxt
@@ -393,10 +397,6 @@ def _note(
         return (
             "There is almost no compute to hide communication behind: send less (fewer, larger or "
             "compressed collectives) or fix a straggler rank." + nxt
-        )
-    if reason == "largest share":
-        return (
-            f"Nothing in the step is removable at a meaningful gain; {kind} is only its largest part." + nxt
         )
     return f"No rule has a code change for {kind} waits in this trace." + nxt
 

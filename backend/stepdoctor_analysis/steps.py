@@ -315,6 +315,7 @@ def _top_level_ranges(trace: RankTrace) -> tuple[I64, I64, str] | None:
 
 
 _MAX_DEPTH = 6
+_LEAF_OP_PREFIXES = ("aten::", "c10d::", "cuda", "hip", "<built-in method")
 
 
 def _outermost_per_thread(trace: RankTrace, idx: I64) -> I64:
@@ -347,9 +348,11 @@ def _repeated_at(trace: RankTrace, level: I64, total: int) -> tuple[I64, I64, st
     candidates = (
         (counts >= 2) & (cover >= MODULE_COVERAGE) & (cover <= 1.0) & (cover - longest >= REST_COVERAGE)
     ).nonzero()[0]
-    if candidates.size == 0:
+    # A single tensor op (aten::add) is never an iteration, however often it repeats.
+    named = [i for i in candidates.tolist() if not trace.strings[i].startswith(_LEAF_OP_PREFIXES)]
+    if not named:
         return None
-    name_id = int(max(candidates.tolist(), key=lambda i: (cover[i], counts[i])))
+    name_id = int(max(named, key=lambda i: (cover[i], counts[i])))
     sel = level[names == name_id]
     sel = sel[h.ts[sel].argsort(kind="stable")]
     ts, end = h.ts[sel], h.end[sel]

@@ -1,0 +1,169 @@
+"""Synthetic Kineto traces for the verdict cases of issue #9, built with ``synthetic.TraceBuilder``.
+
+Each builder lays out the steps so the expected verdict holds by construction (times in µs):
+an input-bound ResNet50-like step on a V100 (the classic ``num_workers=0`` trace) and its fixed
+twin; loops without ``ProfilerStep#`` markers whose first iteration is 10× the others, found
+from ``DataLoader.__next__``, ``Optimizer.step`` or a repeated top-level module; a single call with
+nothing repeating; compute-bound steps with GEMM kernels of a chosen precision on a chosen
+device; and optimizer steps that update parameters one tensor at a time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from support.synthetic import TraceBuilder
+
+LOADER = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
+GEMM = {
+    "fp32": {
+        "sm70": "volta_sgemm_128x64_nn",
+        "sm80": "ampere_sgemm_128x64_nn",
+        "sm90": "sm90_sgemm_128x64_nn",
+    },
+    "fp16": {
+        "sm70": "volta_h884gemm_64x64_ldg8_nn",
+        "sm80": "ampere_fp16_s16816gemm_fp16_128x128_ldg8_f2f_nn",
+        "sm90": "sm90_xmma_gemm_f16f16_f16f32_f32_nn_n_tilesize128x128x64",
+    },
+    "bf16": {
+        "sm80": "sm80_xmma_gemm_bf16bf16_bf16f32_f32_nn_n_tilesize128x128x32",
+        "sm90": "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64",
+    },
+    "fp8": {"sm90": "sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x128"},
+}
+DEVICES = {
+    "sm60": ("Tesla P100-PCIE-16GB", 6),
+    "sm70": ("Tesla V100-SXM2-16GB", 7),
+    "sm80": ("NVIDIA A100-SXM4-80GB", 8),
+    "sm90": ("NVIDIA H100 80GB HBM3", 9),
+}
+
+
+def _device(arch: str) -> TraceBuilder:
+    name, major = DEVICES[arch]
+    return TraceBuilder(device_name=name, compute_major=major)
+
+
+def _kernels(b: TraceBuilder, t: float, name: str, count: int, dur: float, gap: float = 0.0) -> float:
+    """``count`` kernels of ``dur`` launched just ahead of the GPU; returns when the last one ends."""
+    g = t + 10
+    for _ in range(count):
+        b.cpu_op("aten::mm", t, 8)
+        b.launch(name, t + 1, 5, g, dur)
+        t += 8
+        g += dur + gap
+    return max(g, t)
+
+
+def resnet_input_bound(path: Path, *, workers: int = 0, steps: int = 6) -> Path:
+    """ResNet50-like on a V100, FP32 cuDNN/GEMM kernels. With ``workers=0`` each 30 ms step spends
+    10 ms in ``DataLoader.__next__`` (33%) with the GPU idle, then 17 ms of kernels (GPU busy 56%)
+    and 3 ms of launch gaps; with workers the loader returns in 0.2 ms."""
+    b = _device("sm70")
+    loader = 10_000.0 if workers == 0 else 200.0
+    t = 100.0
+    for n in range(steps):
+        start = t
+        b.annotation(LOADER, t, loader)
+        t += loader
+        b.memcpy("HtoD", t, 30, t + 5, 100, 4 << 20, pinned=True)
+        t += 110
+        for i in range(34):  # 34 × 500 µs of kernels, each followed by a ~90 µs launch gap
+            name = "volta_scudnn_128x64_relu_interior_nn_v1" if i % 2 else "volta_sgemm_128x64_nn"
+            b.cpu_op("aten::conv2d", t, 80)
+            b.launch(name, t + 80, 8, t + 90, 500)
+            t += 590
+        b.step(n + 1, start, t + 10 - start)
+        t += 20
+    return b.write(path)
+
+
+def no_markers_warmup(path: Path, *, anchor: str = "dataloader", iterations: int = 6) -> Path:
+    """A loop without step markers: each iteration loads a batch, runs 2 ms of bf16 GEMMs and an
+    optimizer step; iteration 0 also autotunes (20 ms of extra kernels and a blocking sync), 10×
+    the others. ``anchor`` picks what marks iterations: ``dataloader`` (DataLoader + optimizer),
+    ``optimizer`` (only ``Optimizer.step``), ``module`` (only a repeated ``nn.Module`` forward)."""
+    b = _device("sm80")
+    gemm = GEMM["bf16"]["sm80"]
+    t = 100.0
+    for n in range(iterations):
+        start = t
+        if anchor == "dataloader":
+            b.annotation(LOADER, t, 50)
+            t += 60
+        fwd_start = t
+        if n == 0:  # cudnn.benchmark-style autotuning: many candidate kernels and a sync
+            t = _kernels(b, t, "sm80_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc", 100, 200)
+            b.runtime("cudaDeviceSynchronize", t, 50)
+            t += 60
+        t = _kernels(b, t, gemm, 20, 100)
+        if anchor == "module":
+            b.cpu_op("nn.Module: Model_0", fwd_start, t - fwd_start)
+        if anchor in ("dataloader", "optimizer"):
+            b.annotation("Optimizer.step#AdamW.step", t, 100)
+            b.cpu_op("aten::_foreach_add_", t + 5, 80)
+            t += 110
+        t += 20 if n < iterations - 1 else 0
+        del start
+    return b.write(path)
+
+
+def single_call(path: Path) -> Path:
+    """One forward call, 2.1 ms, mostly launch gaps around tiny kernels: nothing repeats."""
+    b = _device("sm80")
+    t = 100.0
+    names = [f"void kernel_{i}(float*)" for i in range(30)]
+    for name in names:
+        b.cpu_op("aten::add", t, 60)
+        b.launch(name, t + 50, 8, t + 62, 5)
+        t += 70
+    return b.write(path)
+
+
+def compute_bound(path: Path, *, precision: str, arch: str, steps: int = 5) -> Path:
+    """95% of each step in back-to-back GEMMs of ``precision`` on an ``arch`` GPU."""
+    b = _device(arch)
+    name = GEMM[precision].get(arch) or next(iter(GEMM[precision].values()))
+    t = 100.0
+    for n in range(steps):
+        start = t
+        b.annotation(LOADER.replace("Single", "MultiProcessing"), t, 20)
+        t += 20
+        t = _kernels(b, t, name, 40, 250)
+        b.step(n + 1, start, t + 10 - start)
+        t += 20
+    return b.write(path)
+
+
+def optimizer_step(path: Path, *, optimizer: str, steps: int = 5) -> Path:
+    """Compute-light steps whose ``Optimizer.step#<optimizer>.step`` updates 40 tensors one by one."""
+    b = _device("sm80")
+    t = 100.0
+    for n in range(steps):
+        start = t
+        b.annotation(LOADER.replace("Single", "MultiProcessing"), t, 20)
+        t += 20
+        t = _kernels(b, t, GEMM["bf16"]["sm80"], 10, 100)
+        opt_start = t
+        for _ in range(40):
+            for op in ("aten::mul_", "aten::add_"):
+                b.cpu_op(op, t, 12)
+                b.launch("void at::native::vectorized_elementwise_kernel<4>(add)", t + 2, 6, t + 10, 2)
+                t += 14
+        b.annotation(f"Optimizer.step#{optimizer}.step", opt_start, t - opt_start)
+        b.step(n + 1, start, t + 10 - start)
+        t += 20
+    return b.write(path)
+
+
+def without_device_properties(path: Path) -> Path:
+    """A GPU trace as Kineto wrote them in 2021: kernels, but no ``deviceProperties``."""
+    b = TraceBuilder(gpu=False)
+    t = 100.0
+    for n in range(3):
+        start = t
+        t = _kernels(b, t, "volta_sgemm_128x64_nn", 20, 200)
+        b.step(n + 1, start, t + 10 - start)
+        t += 20
+    return b.write(path)
