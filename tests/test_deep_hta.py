@@ -323,7 +323,6 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 from stepdoctor_analysis import cli, deep
 from stepdoctor_analysis.errors import TraceError
-from support.fixtures import HTA_TRACES
 assert not deep.available() and "hta" not in sys.modules
 try:
     deep.trace_diff(sys.argv[1], sys.argv[1])
