@@ -1,0 +1,187 @@
+"""Dashboard pages for #14: verdict from the aggregate, facts, drawn step, compare, paging, trims, errors, assets."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from stepdoctor_analysis import parse, steps
+from stepdoctor_server.models import Project, Run
+from support.fixtures import HTA_TRACES
+from support.server import drain, upload
+
+SIMPLE_ADD = HTA_TRACES / "critical_path" / "simple_add" / "benchmark_result_493459_1694039959_trace.json.gz"
+TWO_STEPS = HTA_TRACES / "trace_filter" / "sampled_rank-0.json.gz"
+FAST = HTA_TRACES / "trace_compare" / "test" / "test.json.gz"
+
+
+def _browser(app: FastAPI, token: str) -> TestClient:
+    client = TestClient(app)
+    resp = client.post(
+        "/login",
+        content=f"token={token}&next=/",
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+        follow_redirects=False,
+    )
+    assert resp.status_code == 303
+    return client
+
+
+def test_run_page_verdict_facts_tables_and_steps(client: TestClient, app: FastAPI, read_token: str) -> None:
+    made = upload(client, TWO_STEPS.read_bytes(), project="p", run="r").json()
+    drain(app)
+    api = client.get(f"/api/v1/runs/{made['run_id']}").json()["diagnosis"]
+    with _browser(app, read_token) as browser:
+        page = browser.get(f"/runs/{made['run_id']}").text
+    verdict = page.split('id="verdict"', 1)[1].split("</div>\n</div>", 1)[0]
+    assert f"<strong>{api['primary']['kind']}</strong>" in verdict
+    assert f"{api['primary']['share'] * 100:.0f}%" in verdict
+    assert api["recommendations"][0]["title"] in verdict
+    assert 'id="device-summary"' in page and "GPU utilization" in page
+    assert 'table class="sortable" id="kernels"' in page and 'id="operators"' in page
+    assert "551–552" in page  # the steps column, from the report when the upload had no step metadata
+
+
+def test_trace_page_draws_one_step_and_offers_a_step_download(
+    client: TestClient, app: FastAPI, read_token: str
+) -> None:
+    made = upload(client, TWO_STEPS.read_bytes(), project="p", run="r").json()
+    drain(app)
+    with _browser(app, read_token) as browser:
+        page = browser.get(f"/traces/{made['id']}?step=552").text
+        assert 'id="trim-form"' in page
+        plots = _plots(page)
+        step = plots["plot-step"]
+        charged = {t["name"] for t in step["data"] if t.get("showlegend") is not False}
+        assert charged and charged <= {
+            "input",
+            "transfer",
+            "launch",
+            "memory",
+            "sync",
+            "communication",
+            "compute",
+            "other",
+        }
+        assert "Step 552" in step["layout"]["title"]["text"]
+        cut = browser.get(f"/traces/{made['id']}/download?steps=552")
+        assert cut.status_code == 200
+        assert 0 < len(cut.content) < TWO_STEPS.stat().st_size
+        assert "steps552" in cut.headers["content-disposition"]
+        bad = browser.get(f"/traces/{made['id']}/download?steps=9-1")
+        assert bad.status_code == 422 and "reversed" in bad.text and "<html" in bad.text
+    api = client.get(f"/api/v1/traces/{made['id']}/download?steps=551")
+    assert api.status_code == 200
+    path = app.state.settings.data_dir / "cut.json.gz"
+    path.write_bytes(api.content)
+    assert [s.number for s in steps.find_steps(parse.load_trace(path))] == [551]
+    missing = client.get(f"/api/v1/traces/{made['id']}/download?steps=3")
+    assert missing.status_code == 422 and missing.json()["error"]["code"] == "cannot_trim"
+
+
+def test_warnings_and_a_failed_trace_reason_are_shown(
+    client: TestClient, app: FastAPI, read_token: str
+) -> None:
+    made = upload(client, SIMPLE_ADD.read_bytes(), project="p", run="nomarkers").json()
+    broken = upload(
+        client, gzip.compress(b'{"traceEvents": [{"ph": "X"}]}'), project="p", run="broken"
+    ).json()
+    drain(app)
+    with _browser(app, read_token) as browser:
+        page = browser.get(f"/runs/{made['run_id']}").text
+        assert 'id="warnings"' in page and "no ProfilerStep markers" in page
+        failed = browser.get(f"/traces/{broken['id']}").text
+        assert "Analysis failed" in failed
+
+
+def test_compare_reads_slower_with_a_factor_above_one(
+    client: TestClient, app: FastAPI, read_token: str
+) -> None:
+    fast = upload(client, FAST.read_bytes(), project="p", run="fast").json()
+    slow = upload(client, TWO_STEPS.read_bytes(), project="p", run="slow").json()
+    drain(app)
+    with _browser(app, read_token) as browser:
+        page = browser.get(f"/compare?base={fast['run_id']}&other={slow['run_id']}").text
+    factor = page.split('class="factor">', 1)[1].split("</strong>", 1)[0]
+    number, word = factor.split("× ")
+    assert word == "slower" and float(number) > 1.0
+    assert 'id="kinds"' in page and "per step" in page
+    with _browser(app, read_token) as browser:
+        back = browser.get(f"/compare?base={slow['run_id']}&other={fast['run_id']}").text
+    assert "faster</strong>" in back
+    assert 'id="prediction"' in back and "Predicted vs measured" in back
+
+
+def test_a_thousand_run_project_is_paged_searchable_and_filtered(
+    app: FastAPI, read_token: str, team: Any
+) -> None:
+    now = datetime.now(timezone.utc)
+    with app.state.db.session() as session:
+        project = Project(team_id=team.id, name="big")
+        session.add(project)
+        session.flush()
+        session.add_all(
+            Run(
+                project_id=project.id,
+                name=f"run-{i:04d}",
+                tags=[],
+                created_at=now - timedelta(minutes=i),
+                updated_at=now - timedelta(minutes=i),
+                primary_kind="input" if i % 10 == 0 else "compute",
+            )
+            for i in range(1000)
+        )
+        session.commit()
+        pid = project.id
+    with _browser(app, read_token) as browser:
+        first = browser.get(f"/projects/{pid}").text
+        assert "Runs 1–50 of 1,000" in first and "page 1 of 20" in first
+        assert first.count('href="/runs/') == 50 and "run-0000" in first
+        last = browser.get(f"/projects/{pid}?page=20").text
+        assert "Runs 951–1,000 of 1,000" in last and "run-0999" in last
+        found = browser.get(f"/projects/{pid}?q=run-012").text
+        assert "of 10<" in found
+        inputs = browser.get(f"/projects/{pid}?kind=input&sort=name").text
+        assert "of 100<" in inputs and "run-0000" in inputs
+        assert browser.get("/runs?sort=name").status_code == 200
+
+
+def test_missing_pages_are_html_and_the_api_stays_json(
+    client: TestClient, app: FastAPI, read_token: str
+) -> None:
+    with _browser(app, read_token) as browser:
+        for path in ("/runs/999999", "/no/such/page", "/traces/424242"):
+            resp = browser.get(path)
+            assert resp.status_code == 404 and "<html" in resp.text and 'id="error"' in resp.text
+    api = client.get("/api/v1/runs/999999")
+    assert api.status_code == 404 and api.json()["error"]["code"] == "not_found"
+
+
+def test_static_assets_are_versioned_gzip_and_immutable(app: FastAPI, read_token: str) -> None:
+    import plotly
+
+    with _browser(app, read_token) as browser:
+        page = browser.get("/").text
+        url = f"/static/v/{plotly.__version__}/plotly.min.js"
+        assert url in page
+        packed = browser.get(url, headers={"Accept-Encoding": "gzip"})
+        assert packed.headers["content-encoding"] == "gzip"
+        assert "immutable" in packed.headers["cache-control"]
+        assert int(packed.headers["content-length"]) < 2_000_000  # 4.8 MB uncompressed
+        assert b"plotly" in packed.content[:2000]  # the client inflated it
+        css = page.split('rel="stylesheet" href="', 1)[1].split('"', 1)[0]
+        assert css.startswith("/static/v/") and browser.get(css).status_code == 200
+
+
+def _plots(html: str) -> dict[str, Any]:
+    out = {}
+    marker = 'type="application/json" data-plot="'
+    for chunk in html.split(marker)[1:]:
+        name, rest = chunk.split('">', 1)
+        out[name] = json.loads(rest.split("</script>", 1)[0])
+    return out
