@@ -29,7 +29,7 @@ def _requirements() -> list[Requirement]:
 def _extra_of(req: Requirement) -> str | None:
     if req.marker is None:
         return None
-    for extra in ("analyze", "server", "hta", "dev"):
+    for extra in ("analyze", "server", "hta", "lightning", "transformers", "dev"):
         if req.marker.evaluate({"extra": extra}) and not req.marker.evaluate({"extra": "__none__"}):
             return extra
     return "?"
@@ -101,21 +101,91 @@ print(loaded, stepdoctor.profile.__module__, Profile.__name__, sorted(stepdoctor
     ]
 
 
-def test_cli_names_the_missing_extra(tmp_path: Path) -> None:
-    code = """
-import importlib.abc, sys
-class Block(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {"fastapi", "sqlalchemy"}:
-            raise ImportError(name=name)
-sys.meta_path.insert(0, Block())
+# A user's interpreter without the extra: the listed modules read as absent (sys.modules[name] = None
+# makes both ``import`` and ``find_spec`` see no such module), then the console script runs.
+WITHOUT_MODULES = """
+import sys
+for name in sys.argv[1].split(","):
+    sys.modules[name] = None
 from stepdoctor.cli import main
-raise SystemExit(main(["serve"]))
+raise SystemExit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("absent", "argv", "extra"),
+    [
+        ("numpy,msgspec", ["analyze", "trace.json.gz"], "analyze"),
+        ("msgspec", ["analyze", "--help"], "analyze"),
+        ("fastapi", ["serve"], "server"),
+        ("uvicorn", ["serve", "--port", "1"], "server"),
+        ("numpy", ["worker", "-n", "1"], "server"),
+        ("sqlalchemy", ["token", "list", "--team", "default"], "server"),
+        ("alembic", ["db", "upgrade"], "server"),
+        ("fastapi_offline", ["serve"], "server"),
+    ],
+)
+def test_a_missing_extra_is_one_line_naming_the_install(absent: str, argv: list[str], extra: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", WITHOUT_MODULES, absent, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    assert f"pip install 'stepdoctor[{extra}]'" in lines[0] and lines[0].startswith(f"stepdoctor {argv[0]}:")
+    assert absent.split(",")[0] in lines[0]
+
+
+def test_a_module_missing_mid_command_gets_the_same_hint() -> None:
+    """A command that imports an extra lazily (HTA for ``--deep``) still ends in the one-line hint."""
+    code = """
+import sys
+sys.modules["pandas"] = None
+from stepdoctor import cli
+import stepdoctor_analysis.cli as acli
+def main(argv):
+    import pandas  # noqa: F401 - what a lazily importing command does
+acli.main = main
+raise SystemExit(cli.main(["analyze", "x.json"]))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2
-    assert "pip install 'stepdoctor[server]'" in out.stderr
-    assert "Traceback" not in out.stderr
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == (
+        "stepdoctor analyze: needs the 'hta' extra (pandas is not installed): pip install 'stepdoctor[hta]'"
+    )
+
+
+def test_sync_needs_no_extra() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", WITHOUT_MODULES, "numpy,msgspec,fastapi,hta", "sync", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "stepdoctor sync" in out.stdout
+
+
+def test_the_clis_extra_modules_come_from_those_extras() -> None:
+    """The dispatcher's table of modules per extra stays in step with pyproject.toml."""
+    from importlib.metadata import packages_distributions
+
+    from stepdoctor.cli import COMMANDS, EXTRA_MODULES
+
+    providers = packages_distributions()
+    for extra, modules in EXTRA_MODULES.items():
+        declared = {r.name.lower() for r in _requirements() if _extra_of(r) == extra}
+        if extra == "server":
+            declared |= {r.name.lower() for r in _requirements() if _extra_of(r) == "analyze"}
+        installed = _closure(declared)
+        for module in modules:
+            dists = {d.lower().replace("_", "-") for d in providers.get(module, [module])}
+            assert dists & installed, f"{module} is not installed by stepdoctor[{extra}]"
+    assert {extra for _, extra, _ in COMMANDS.values() if extra} <= set(EXTRA_MODULES)
 
 
 @pytest.mark.slow

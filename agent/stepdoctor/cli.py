@@ -1,24 +1,49 @@
 """The ``stepdoctor`` console script: a thin dispatcher to each layer's own command module.
 
 Each subcommand lives with the layer it belongs to and is imported only when invoked, so the
-agent-only install never imports the server's (absent) dependencies.
+agent-only install never imports the server's (absent) dependencies. A command whose extra is
+not installed answers with one line naming the ``pip install`` that fixes it (exit 2), whether
+the gap shows before the command starts or when it first imports the missing module.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
 
 # subcommand -> (module with ``main(argv) -> int``, extra that provides its dependencies, summary)
 COMMANDS: dict[str, tuple[str, str | None, str]] = {
     "analyze": ("stepdoctor_analysis.cli", "analyze", "diagnose trace files offline (no server)"),
-    "trim": ("stepdoctor_analysis.trim_cli", "analyze", "cut steps out of a big trace (stepdoctor trim IN OUT --steps 5-6)"),
     "sync": ("stepdoctor.sync", None, "upload traces left in the local spool"),
     "serve": ("stepdoctor_server.cli", "server", "run the API server and dashboard"),
     "worker": ("stepdoctor_server.cli", "server", "run analysis workers only"),
     "token": ("stepdoctor_server.cli", "server", "create or list API tokens"),
     "db": ("stepdoctor_server.cli", "server", "database migrations (db upgrade)"),
+}
+
+# extra -> top-level modules it installs that the commands need (a test keeps this in step with
+# pyproject.toml). Checked with find_spec before the command runs: nothing is imported, so a
+# missing module shows as a hint even when the command would only import it lazily, mid-run.
+EXTRA_MODULES: dict[str, tuple[str, ...]] = {
+    "analyze": ("numpy", "msgspec"),
+    "server": (
+        "numpy",
+        "msgspec",
+        "fastapi",
+        "fastapi_offline",
+        "uvicorn",
+        "sqlalchemy",
+        "alembic",
+        "pydantic",
+        "pydantic_settings",
+        "plotly",
+        "jinja2",
+        "prometheus_client",
+        "httpx",
+    ),
+    "hta": ("hta", "pandas"),
 }
 
 
@@ -27,6 +52,34 @@ def _usage() -> str:
     lines += [f"  {name:<8} {summary}" for name, (_, _, summary) in COMMANDS.items()]
     lines += ["", "Run 'stepdoctor COMMAND --help' for a command's options."]
     return "\n".join(lines)
+
+
+def install_hint(command: str, extra: str, module: str) -> str:
+    """The one line a user sees when ``command`` lacks ``module`` from ``extra``."""
+    return (
+        f"stepdoctor {command}: needs the '{extra}' extra ({module} is not installed): "
+        f"pip install 'stepdoctor[{extra}]'"
+    )
+
+
+def missing_module(extra: str) -> str | None:
+    """The first module of ``extra`` that cannot be imported, or None when all are there."""
+    for name in EXTRA_MODULES.get(extra, ()):
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except (ImportError, ValueError):  # a blocked or half-removed package
+            return name
+    return None
+
+
+def extra_providing(module: str | None) -> str | None:
+    """Which extra installs the top-level package of ``module`` (the narrowest one)."""
+    top = (module or "").split(".")[0]
+    for extra in ("analyze", "hta", "server"):
+        if top in EXTRA_MODULES[extra]:
+            return extra
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -44,15 +97,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stepdoctor: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module_name, extra, _ = COMMANDS[command]
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        hint = f" Install it with: pip install 'stepdoctor[{extra}]'" if extra else ""
-        print(f"stepdoctor {command}: missing dependency ({exc.name or exc}).{hint}", file=sys.stderr)
+    absent = missing_module(extra) if extra else None
+    if extra and absent:
+        print(install_hint(command, extra, absent), file=sys.stderr)
         return 2
     # Server commands share one module and take the command name as their first argument.
     sub_argv = args if module_name == "stepdoctor_server.cli" else args[1:]
-    return int(module.main(sub_argv) or 0)
+    try:
+        module = importlib.import_module(module_name)
+        return int(module.main(sub_argv) or 0)
+    except ModuleNotFoundError as exc:
+        # A module imported lazily deep inside the command (``--deep`` needs HTA, say).
+        needed = extra_providing(exc.name) or extra
+        if needed is None:
+            raise
+        print(install_hint(command, needed, exc.name or str(exc)), file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover
