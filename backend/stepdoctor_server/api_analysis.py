@@ -18,8 +18,8 @@ from sqlalchemy.orm import Session
 
 from stepdoctor_server import compare, tensorboard_export
 from stepdoctor_server.api_catalog import load_run
-from stepdoctor_server.api_traces import load_trace
-from stepdoctor_server.auth import Principal, ReadTeam, UploadTeam
+from stepdoctor_server.api_traces import load_trace, public_report
+from stepdoctor_server.auth import AdminTeam, Principal, ReadTeam, UploadTeam
 from stepdoctor_server.db import SessionDep
 from stepdoctor_server.errors import ApiError
 from stepdoctor_server.models import Analysis, DeepAnalysis, Run, Trace
@@ -58,9 +58,10 @@ class CompareOut(BaseModel):
     status_code=202,
     response_model=Requeued,
     responses=_ERRORS,
-    summary="Queue a trace for analysis again (e.g. after an engine upgrade)",
+    summary="Queue a trace for analysis again (admin token; runs after every fresh upload)",
 )
-def reanalyze_trace(trace_id: int, principal: UploadTeam, session: SessionDep) -> Requeued:
+def reanalyze_trace(trace_id: int, principal: AdminTeam, session: SessionDep) -> Requeued:
+    """Admin only, and queued behind fresh uploads (priority 1), so it can never flood the queue."""
     trace, _, _ = load_trace(session, principal, trace_id)
     reset_to_pending(session, [trace.id])
     return Requeued(ids=[trace.id])
@@ -71,9 +72,10 @@ def reanalyze_trace(trace_id: int, principal: UploadTeam, session: SessionDep) -
     status_code=202,
     response_model=Requeued,
     responses=_ERRORS,
-    summary="Queue every trace of a run for analysis again",
+    summary="Queue every trace of a run for analysis again (admin token; runs after every fresh upload)",
 )
-def reanalyze_run(run_id: int, principal: UploadTeam, session: SessionDep) -> Requeued:
+def reanalyze_run(run_id: int, principal: AdminTeam, session: SessionDep) -> Requeued:
+    """Admin only: one call can requeue thousands of traces (they wait behind fresh uploads)."""
     run, _ = load_run(session, principal, run_id)
     ids = list(session.scalars(select(Trace.id).where(Trace.run_id == run.id).order_by(Trace.id)))
     reset_to_pending(session, ids)
@@ -95,7 +97,7 @@ def get_report(trace_id: int, principal: ReadTeam, session: SessionDep) -> Repor
         status=trace.status,
         status_reason=trace.status_reason,
         stale=stale,
-        report=analysis.report if analysis is not None else None,
+        report=public_report(analysis.report, trace.filename) if analysis is not None else None,
     )
 
 

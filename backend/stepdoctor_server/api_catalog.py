@@ -22,8 +22,8 @@ from sqlalchemy.orm import InstrumentedAttribute, Session
 from stepdoctor_analysis import BOTTLENECK_KINDS
 from stepdoctor_server.auth import Principal, ReadTeam
 from stepdoctor_server.db import SessionDep
-from stepdoctor_server.errors import ApiError, not_found
-from stepdoctor_server.ingest import validate_name
+from stepdoctor_server.errors import MAX_ID, ApiError, check_id, not_found
+from stepdoctor_server.ingest import NAME_RE, check_tag, validate_name
 from stepdoctor_server.models import Analysis, Project, Run, Trace
 from stepdoctor_server.schemas import (
     ErrorResponse,
@@ -73,15 +73,19 @@ def decode_cursor(keyset: Keyset, cursor: str) -> tuple[Any, int]:
         raise bad from None
     if sort != keyset.sort:
         raise ApiError(422, "invalid_cursor", f"cursor was made for sort={sort!r}, not sort={keyset.sort!r}")
-    if isinstance(row_id, bool) or not isinstance(row_id, int):
+    # Every value goes into SQL: ids in the 32-bit range, names from the name alphabet, times
+    # that convert to UTC. Anything else is a forged cursor (422), never a driver error (500).
+    if isinstance(row_id, bool) or not isinstance(row_id, int) or not 0 <= row_id <= MAX_ID:
         raise bad
     if keyset.column is None:
         return None, row_id
     if keyset.is_time:
         try:
             value = as_utc(datetime.fromisoformat(value)) if isinstance(value, str) else None
-        except ValueError:
+        except (ValueError, OverflowError):
             value = None
+    elif not isinstance(value, str) or not NAME_RE.fullmatch(value):
+        value = None
     if not isinstance(value, (str, datetime)):
         raise bad
     return value, row_id
@@ -193,7 +197,7 @@ def list_runs(
     if project is not None:
         query = query.where(Project.name == validate_name("project", project))
     if tag is not None:
-        query = query.where(_has_tag(session, tag))
+        query = query.where(_has_tag(session, check_tag(tag, "tag filter")))
     if primary_kind is not None:
         if primary_kind not in BOTTLENECK_KINDS:
             raise ApiError(
@@ -201,15 +205,26 @@ def list_runs(
             )
         query = query.where(Run.primary_kind == primary_kind)
     if since is not None:
-        query = query.where(Run.created_at >= as_utc(since))
+        query = query.where(Run.created_at >= _bounded_time("since", since))
     if until is not None:
-        query = query.where(Run.created_at < as_utc(until))
+        query = query.where(Run.created_at < _bounded_time("until", until))
     rows, next_cursor = paginate(session, query, _run_keyset(sort), Run.id, limit, cursor)
     return Page[RunOut](items=[_run_out(r, p, n) for r, p, n in rows], next=next_cursor)
 
 
+def _bounded_time(name: str, value: datetime) -> datetime:
+    """A filter time in UTC; years 1-9999 only (a time zone can push the edges out of range)."""
+    try:
+        return as_utc(value)
+    except OverflowError:
+        raise ApiError(
+            422, "invalid_request", f"query parameter '{name}': out of range once converted to UTC"
+        ) from None
+
+
 def load_run(session: Session, principal: Principal, run_id: int) -> tuple[Run, Project]:
     """The run and its project if they belong to the caller's team (else 404)."""
+    check_id("run", run_id)
     row = session.execute(
         select(Run, Project)
         .join(Project, Project.id == Run.project_id)

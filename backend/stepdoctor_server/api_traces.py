@@ -9,7 +9,7 @@ commit. Any failure on the way leaves neither a row nor a file.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 import anyio.to_thread
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from stepdoctor_server.api_catalog import trace_summary
 from stepdoctor_server.auth import Principal, ReadTeam, UploadTeam
 from stepdoctor_server.db import Database, SessionDep, on_rollback
-from stepdoctor_server.errors import ApiError, not_found
+from stepdoctor_server.errors import ApiError, check_id, not_found
 from stepdoctor_server.ingest import (
     BodyInspector,
     UploadMetadata,
@@ -93,7 +93,12 @@ async def upload_trace(
     if upload.idempotency_key is not None:
         known = await anyio.to_thread.run_sync(_find_replay_now, request, principal, upload.idempotency_key)
         if known is not None:
-            return _upload_response(known, replay=True)
+            # A replay must be the same request: same target now, same bytes once they are read.
+            _check_same_target(known, upload)
+            staged = await store.receive(request.stream(), max_bytes=settings.max_upload_bytes)
+            store.discard(staged)
+            _check_same_body(known, staged.sha256)
+            return _upload_response(known.trace, replay=True)
 
     inspector = BodyInspector(gzipped=upload.gzipped, max_decompressed_bytes=settings.max_decompressed_bytes)
     staged = await store.receive(
@@ -125,7 +130,16 @@ def _upload_response(trace: Trace, *, replay: bool) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=200 if replay else 201)
 
 
-def _find_replay_now(request: Request, principal: Principal, key: str) -> Trace | None:
+@dataclass(frozen=True)
+class Replay:
+    """The trace an Idempotency-Key already names, with the target it was uploaded to."""
+
+    trace: Trace
+    project: str
+    run: str
+
+
+def _find_replay_now(request: Request, principal: Principal, key: str) -> Replay | None:
     """Replay check in its own short transaction: the request session must stay idle while the
     body streams in (on SQLite an open transaction holds the write lock)."""
     db: Database = request.app.state.db
@@ -133,10 +147,45 @@ def _find_replay_now(request: Request, principal: Principal, key: str) -> Trace 
         return _find_replay(session, principal, key)
 
 
-def _find_replay(session: Session, principal: Principal, key: str) -> Trace | None:
-    return session.scalar(
-        select(Trace).where(Trace.team_id == principal.team_id, Trace.idempotency_key == key)
+def _find_replay(session: Session, principal: Principal, key: str) -> Replay | None:
+    row = session.execute(
+        select(Trace, Project.name, Run.name)
+        .join(Run, Run.id == Trace.run_id)
+        .join(Project, Project.id == Run.project_id)
+        .where(Trace.team_id == principal.team_id, Trace.idempotency_key == key)
+    ).first()
+    return None if row is None else Replay(trace=row[0], project=row[1], run=row[2])
+
+
+def _idempotency_conflict(what: str) -> ApiError:
+    return ApiError(
+        422,
+        "idempotency_key_reused",
+        f"this Idempotency-Key was already used with a different {what}; use a new key for a new upload",
     )
+
+
+def _check_same_target(known: Replay, upload: UploadRequest) -> None:
+    rank = upload.rank if upload.rank is not None else upload.metadata.rank
+    if (known.project, known.run, known.trace.rank) != (upload.project, upload.run, rank):
+        raise _idempotency_conflict("project, run or rank")
+
+
+def _check_same_body(known: Replay, sha256: str) -> None:
+    if known.trace.sha256 != sha256:
+        raise _idempotency_conflict("body (sha256 differs)")
+
+
+def _replay(session: Session, principal: Principal, upload: UploadRequest, sha256: str) -> Trace | None:
+    """The known trace if this request replays it exactly; 422 if the key names another request."""
+    if upload.idempotency_key is None:
+        return None
+    known = _find_replay(session, principal, upload.idempotency_key)
+    if known is None:
+        return None
+    _check_same_target(known, upload)
+    _check_same_body(known, sha256)
+    return known.trace
 
 
 def _record_upload(
@@ -152,10 +201,9 @@ def _record_upload(
     Services only flush; the request's unit of work commits, and deletes the moved file again
     if that commit fails. Returns the trace and whether it was a replay of a known key.
     """
-    if upload.idempotency_key is not None:
-        known = _find_replay(session, principal, upload.idempotency_key)
-        if known is not None:
-            return known, True
+    known = _replay(session, principal, upload, staged.sha256)
+    if known is not None:
+        return known, True
     project = _get_or_create_project(session, principal.team_id, upload.project)
     run = _get_or_create_run(session, project, upload.run)
     if upload.metadata.tags:
@@ -186,7 +234,7 @@ def _record_upload(
             session.flush()
     except IntegrityError:
         # A concurrent request with the same Idempotency-Key won the race.
-        known = _find_replay(session, principal, upload.idempotency_key) if upload.idempotency_key else None
+        known = _replay(session, principal, upload, staged.sha256)
         if known is None:
             raise
         return known, True
@@ -239,6 +287,7 @@ def download_filename(project: str, run: str, rank: int | None, trace_id: int, g
 
 def load_trace(session: Session, principal: Principal, trace_id: int) -> tuple[Trace, Run, Project]:
     """The trace with its run and project, if it belongs to the caller's team (else 404)."""
+    check_id("trace", trace_id)
     row = session.execute(
         select(Trace, Run, Project)
         .join(Run, Run.id == Trace.run_id)
@@ -266,9 +315,23 @@ def get_trace(trace_id: int, principal: ReadTeam, session: SessionDep) -> TraceO
         run=run.name,
         metadata=trace.meta,
         download_url=f"/api/v1/traces/{trace.id}/download",
-        analysis=AnalysisOut.model_validate(analysis) if analysis is not None else None,
+        analysis=_analysis_out(analysis, trace.filename) if analysis is not None else None,
         stale=stale,
     )
+
+
+def public_report(report: dict[str, Any], filename: str) -> dict[str, Any]:
+    """The report as clients see it: ``source`` is the trace's file name, never a server path
+    (reports stored before the worker wrote the name carry the storage path)."""
+    if "source" in report and report["source"] != filename:
+        report = {**report, "source": filename}
+    return report
+
+
+def _analysis_out(analysis: Analysis, filename: str) -> AnalysisOut:
+    out = AnalysisOut.model_validate(analysis)
+    out.report = public_report(out.report, filename)
+    return out
 
 
 @router.get(

@@ -34,8 +34,10 @@ from stepdoctor_server.db import Database
 from stepdoctor_server.errors import ApiError
 from stepdoctor_server.models import TRACE_STATUSES, Trace
 from stepdoctor_server.schemas import ErrorResponse, HealthOut
+from stepdoctor_server.security import SameOriginMiddleware, SecurityHeadersMiddleware
 from stepdoctor_server.settings import Settings, get_settings
 from stepdoctor_server.storage import TraceStore
+from stepdoctor_server.timeouts import BodyReadTimeoutMiddleware
 
 log = logging.getLogger("stepdoctor.server")
 
@@ -272,6 +274,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.workers = None
     install_error_handlers(app)
     app.add_middleware(MetricsMiddleware, metrics_of=lambda: app.state.metrics)
+    # Hardening (#12); the last added runs first: headers on every response, even refusals.
+    app.add_middleware(
+        BodyReadTimeoutMiddleware,
+        read_timeout_s=settings.body_read_timeout_s,
+        min_rate_bytes_s=settings.body_min_rate_bytes_s,
+    )
+    app.add_middleware(SameOriginMiddleware)
+    app.add_middleware(SecurityHeadersMiddleware)
     app.include_router(api_traces.router)
     app.include_router(api_catalog.router)
     _install_health(app)

@@ -1,4 +1,4 @@
-"""Server commands: ``serve``, ``worker``, ``token create|list``, ``db upgrade``.
+"""Server commands: ``serve``, ``worker``, ``token create|list|revoke``, ``db upgrade``.
 
 ``main(argv)`` takes the command name as ``argv[0]`` (the ``stepdoctor`` dispatcher passes it on).
 Errors are one line on stderr and exit status 1 (2 for usage errors), never a traceback.
@@ -16,7 +16,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from stepdoctor_server import auth, migrate
 from stepdoctor_server.db import Database
-from stepdoctor_server.models import SCOPES, Team
+from stepdoctor_server.models import SCOPES, Team, utcnow
 from stepdoctor_server.settings import Settings, get_settings
 
 DEFAULT_TEAM = "default"
@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
 
     commands.add_parser("worker", help="run analysis workers only", add_help=False)
 
-    token = commands.add_parser("token", help="create or list API tokens")
+    token = commands.add_parser("token", help="create, list or revoke API tokens")
     token_commands = token.add_subparsers(dest="token_command", required=True)
     create = token_commands.add_parser("create", help="create a token (printed alone on the last line)")
     create.add_argument("--team", required=True, help="team name (created if missing)")
@@ -49,13 +49,32 @@ def _parser() -> argparse.ArgumentParser:
         "--scope", choices=SCOPES, default="upload", help="what the token may do (default upload)"
     )
     create.add_argument("--name", default=None, help="a label to recognise the token by")
+    create.add_argument(
+        "--expires-in",
+        type=_duration,
+        default=None,
+        metavar="DURATION",
+        help="expire after e.g. 90m, 12h, 30d or 2w",
+    )
     listing = token_commands.add_parser("list", help="list a team's tokens (never the secrets)")
     listing.add_argument("--team", required=True)
+    revoke = token_commands.add_parser("revoke", help="revoke a token now (API calls and dashboard sessions)")
+    revoke.add_argument("token_id", type=int, metavar="ID", help="the token's ID (see token list)")
+    revoke.add_argument("--team", required=True)
 
     db = commands.add_parser("db", help="database migrations")
     db_commands = db.add_subparsers(dest="db_command", required=True)
     db_commands.add_parser("upgrade", help="apply the Alembic migrations up to the latest revision")
     return parser
+
+
+def _duration(text: str) -> str:
+    """argparse type: a usage error (exit 2, one line) for a malformed duration."""
+    try:
+        auth.parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _serve_doc() -> str:
@@ -79,7 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return serve(settings, host=args.host, port=args.port, workers=args.workers)
         if args.command == "token":
             if args.token_command == "create":
-                return token_create(settings, team=args.team, scope=args.scope, name=args.name)
+                return token_create(
+                    settings, team=args.team, scope=args.scope, name=args.name, expires_in=args.expires_in
+                )
+            if args.token_command == "revoke":
+                return token_revoke(settings, team=args.team, token_id=args.token_id)
             return token_list(settings, team=args.team)
         if args.command == "db":
             return db_upgrade(settings)
@@ -105,20 +128,48 @@ def db_upgrade(settings: Settings) -> int:
     return 0
 
 
-def token_create(settings: Settings, *, team: str, scope: str, name: str | None) -> int:
+def token_create(
+    settings: Settings, *, team: str, scope: str, name: str | None, expires_in: str | None = None
+) -> int:
     _check_team_name(team)
+    expires_at = None
+    if expires_in is not None:
+        try:
+            expires_at = utcnow() + auth.parse_duration(expires_in)
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
     db = Database(settings)
     try:
         with db.session() as session:
             team_row, created = auth.get_or_create_team(session, team)
-            token, raw = auth.create_token(session, team_row, scope=scope, name=name or f"{scope} token")
+            token, raw = auth.create_token(
+                session, team_row, scope=scope, name=name or f"{scope} token", expires_at=expires_at
+            )
             token_id = token.id
     finally:
         db.dispose()
     if created:
         print(f"created team {team!r}")
-    print(f"created {scope} token #{token_id} for team {team!r}; it is shown only once:")
+    until = f", valid until {_when(expires_at)} UTC" if expires_at else ""
+    print(f"created {scope} token #{token_id} for team {team!r}{until}; it is shown only once:")
     print(raw)
+    return 0
+
+
+def token_revoke(settings: Settings, *, team: str, token_id: int) -> int:
+    db = Database(settings)
+    try:
+        with db.session() as session:
+            team_row = session.scalar(select(Team).where(Team.name == team))
+            if team_row is None:
+                raise CommandError(f"no team named {team!r}")
+            token = auth.revoke_token(session, team_row, token_id)
+            if token is None:
+                raise CommandError(f"team {team!r} has no token #{token_id}")
+            label = f"#{token.id} ({token.scope}, {token.prefix}…)"
+    finally:
+        db.dispose()
+    print(f"revoked token {label} of team {team!r}")
     return 0
 
 
@@ -132,11 +183,14 @@ def token_list(settings: Settings, *, team: str) -> int:
             tokens = auth.list_tokens(session, team_row)
     finally:
         db.dispose()
-    print(f"{'ID':>5}  {'SCOPE':<7} {'PREFIX':<12} {'NAME':<24} {'CREATED':<20} {'LAST USED':<20} STATE")
+    print(
+        f"{'ID':>5}  {'SCOPE':<7} {'PREFIX':<12} {'NAME':<24} {'CREATED':<20} {'LAST USED':<20} "
+        f"{'EXPIRES':<20} STATE"
+    )
     for t in tokens:
         print(
             f"{t.id:>5}  {t.scope:<7} {t.prefix + '…':<12} {t.name[:24]:<24} {_when(t.created_at):<20} "
-            f"{_when(t.last_used_at):<20} {'revoked' if t.revoked_at else 'active'}"
+            f"{_when(t.last_used_at):<20} {_when(t.expires_at):<20} {auth.token_state(t)}"
         )
     return 0
 
@@ -202,7 +256,14 @@ def serve(settings: Settings, *, host: str | None, port: int | None, workers: in
         f"{settings.workers} analysis worker(s)",
         flush=True,
     )
+    from stepdoctor_server.timeouts import uvicorn_options
+
     uvicorn.run(
-        create_app(settings), host=settings.host, port=settings.port, log_level="info", access_log=False
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        access_log=False,
+        **uvicorn_options(settings),  # header/body timeouts and a per-client connection cap
     )
     return 0

@@ -120,7 +120,15 @@ def claim_row(session: Session, table: JobTable, worker_id: str, *, postgres: bo
         "updated_at": now,
         "attempts": table.attempts + 1,
     }
-    oldest = select(table.id).where(table.status == "pending").order_by(table.created_at, table.id).limit(1)
+    # Fairness (#12): re-analyses (priority 1) wait behind every fresh upload (priority 0), so a
+    # requeued backlog delays another team's new trace by at most the jobs already running.
+    order = [table.priority] if table is Trace else []
+    oldest = (
+        select(table.id)
+        .where(table.status == "pending")
+        .order_by(*order, table.created_at, table.id)
+        .limit(1)
+    )
     if postgres:
         stmt = (
             update(table)
@@ -351,6 +359,7 @@ def reset_to_pending(session: Session, trace_ids: Sequence[int]) -> int:
             claimed_by=None,
             claimed_at=None,
             attempts=0,
+            priority=1,  # behind fresh uploads in the claim order (see claim_row)
             updated_at=_now(),
         )
         .execution_options(synchronize_session=False)

@@ -32,6 +32,14 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     # SQLite waits this long for a competing writer before giving up with "database is locked".
     sqlite_busy_timeout_s: float = Field(default=30.0, gt=0)
+    # Slow clients (timeouts.py): request headers due within this many seconds of connecting; each
+    # body read must bring data within body_read_timeout_s and, after that, average at least
+    # body_min_rate_bytes_s; one client address may hold max_connections_per_client connections
+    # (0 = no limit; behind a reverse proxy all clients share its address).
+    header_timeout_s: float = Field(default=10.0, ge=0)
+    body_read_timeout_s: float = Field(default=30.0, ge=0)
+    body_min_rate_bytes_s: float = Field(default=1024.0, ge=0)
+    max_connections_per_client: int = Field(default=64, ge=0)
 
     @model_validator(mode="after")
     def _resolve_paths(self) -> Settings:
