@@ -1,17 +1,19 @@
 """API tokens: generated once, stored as sha256, checked on every request.
 
 A token carries one scope: ``upload`` (the agent; POST traces only), ``read`` (dashboards, scripts)
-or ``admin`` (everything). The principal is resolved in its own short unit of work so a long upload
-never holds a database transaction open while the body streams in.
+or ``admin`` (everything), and optionally an expiry; ``stepdoctor token revoke`` ends it at once.
+The principal is resolved in its own short unit of work so a long upload never holds a database
+transaction open while the body streams in.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Annotated
 
 from fastapi import Depends, Security
@@ -60,13 +62,20 @@ def get_or_create_team(session: Session, name: str) -> tuple[Team, bool]:
     return team, True
 
 
-def create_token(session: Session, team: Team, *, scope: str, name: str) -> tuple[Token, str]:
+def create_token(
+    session: Session, team: Team, *, scope: str, name: str, expires_at: datetime | None = None
+) -> tuple[Token, str]:
     """Create a token; the plaintext is returned once and never stored."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
     raw = generate_token()
     token = Token(
-        team_id=team.id, name=name, scope=scope, hash=hash_token(raw), prefix=raw[: len(TOKEN_PREFIX) + 6]
+        team_id=team.id,
+        name=name,
+        scope=scope,
+        hash=hash_token(raw),
+        prefix=raw[: len(TOKEN_PREFIX) + 6],
+        expires_at=expires_at,
     )
     session.add(token)
     session.flush()
@@ -77,6 +86,42 @@ def list_tokens(session: Session, team: Team) -> list[Token]:
     return list(session.scalars(select(Token).where(Token.team_id == team.id).order_by(Token.id)))
 
 
+def revoke_token(session: Session, team: Team, token_id: int) -> Token | None:
+    """Mark the team's token ``token_id`` revoked (idempotent); None when the team has no such token.
+
+    Every check reads ``revoked_at``, so API calls and dashboard sessions of the token stop at once.
+    """
+    token = session.scalar(select(Token).where(Token.team_id == team.id, Token.id == token_id))
+    if token is not None and token.revoked_at is None:
+        token.revoked_at = utcnow()
+    return token
+
+
+_DURATION = re.compile(r"([1-9][0-9]{0,5})([mhdw])")
+_UNIT_SECONDS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> timedelta:
+    """``30d``, ``12h``, ``90m``, ``2w`` -> timedelta; ValueError with a one-line message otherwise."""
+    match = _DURATION.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"invalid duration {text!r}: use a number and a unit m, h, d or w (e.g. 30d)")
+    return timedelta(seconds=int(match.group(1)) * _UNIT_SECONDS[match.group(2)])
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def token_state(token: Token, now: datetime | None = None) -> str:
+    """``active``, ``revoked`` or ``expired``."""
+    if token.revoked_at is not None:
+        return "revoked"
+    if token.expires_at is not None and _aware(token.expires_at) <= (now or utcnow()):
+        return "expired"
+    return "active"
+
+
 def authenticate(session: Session, raw: str) -> Principal | None:
     """The principal for a plaintext token, or None when unknown or revoked."""
     row = session.execute(
@@ -85,12 +130,12 @@ def authenticate(session: Session, raw: str) -> Principal | None:
     if row is None:
         return None
     token, team_name = row
-    if token.revoked_at is not None:
-        return None
     now = utcnow()
+    if token_state(token, now) != "active":
+        return None
     last = token.last_used_at
-    if last is None or now - (last if last.tzinfo else last.replace(tzinfo=timezone.utc)) > _TOUCH_INTERVAL:
-        token.last_used_at = now
+    if last is None or now - _aware(last) > _TOUCH_INTERVAL:
+        token.last_used_at = now  # at most one write a minute per token
     return Principal(team_id=token.team_id, team_name=team_name, token_id=token.id, scope=token.scope)
 
 
@@ -109,7 +154,7 @@ def current_principal(
     with db.session() as session:
         principal = authenticate(session, credentials.credentials)
     if principal is None:
-        raise _unauthorized("invalid or revoked token")
+        raise _unauthorized("invalid, expired or revoked token")
     return principal
 
 

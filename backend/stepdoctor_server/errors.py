@@ -19,3 +19,15 @@ class ApiError(Exception):
 def not_found(what: str, ident: object) -> ApiError:
     """Missing and not-yours look the same, so ids of other teams leak nothing."""
     return ApiError(404, "not_found", f"{what} {ident} not found")
+
+
+# Ids are 32-bit on PostgreSQL (SERIAL); anything outside cannot exist, so it is simply not found
+# (rather than a driver overflow error surfacing as a 500).
+MAX_ID = 2**31 - 1
+
+
+def check_id(what: str, ident: int) -> int:
+    """``ident`` if it can name a row, else the same 404 a missing row gets."""
+    if not 0 < ident <= MAX_ID:
+        raise not_found(what, ident)
+    return ident

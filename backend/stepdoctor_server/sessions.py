@@ -1,0 +1,92 @@
+"""Dashboard sessions: a random id in the cookie, its sha256 in ``dashboard_sessions``.
+
+The API token typed at login never leaves the login request: the cookie carries a fresh
+``secrets.token_urlsafe(32)`` that means nothing outside this server, expires after
+``SESSION_TTL``, ends at logout, and ends with its token (revoked or expired). The cookie is
+``HttpOnly``, ``SameSite=Strict`` and ``Secure`` whenever the request came over https (directly or
+through a proxy that sets ``X-Forwarded-Proto``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+from starlette.requests import Request
+from starlette.responses import Response
+
+from stepdoctor_server.auth import Principal, token_state
+from stepdoctor_server.models import DashboardSession, Team, Token, utcnow
+
+COOKIE = "stepdoctor_session"
+LEGACY_COOKIES = ("stepdoctor_token",)  # the old cookie held the raw API token: cleared at logout
+SESSION_TTL = timedelta(hours=12)
+
+
+def _digest(raw: str) -> str:
+    return hashlib.sha256(raw.encode("utf-8")).hexdigest()
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def start(session: Session, principal: Principal, *, ttl: timedelta = SESSION_TTL) -> str:
+    """Record a new session for ``principal``'s token; returns the cookie value (shown once)."""
+    now = utcnow()
+    session.execute(delete(DashboardSession).where(DashboardSession.expires_at < now))  # housekeeping
+    raw = secrets.token_urlsafe(32)
+    session.add(DashboardSession(token_id=principal.token_id, hash=_digest(raw), expires_at=now + ttl))
+    session.flush()
+    return raw
+
+
+def resolve(session: Session, raw: str | None) -> Principal | None:
+    """The principal of a live session: unknown, expired, or with a dead token -> None."""
+    if not raw or len(raw) > 128:
+        return None
+    row = session.execute(
+        select(DashboardSession, Token, Team.name)
+        .join(Token, Token.id == DashboardSession.token_id)
+        .join(Team, Team.id == Token.team_id)
+        .where(DashboardSession.hash == _digest(raw))
+    ).first()
+    if row is None:
+        return None
+    record, token, team_name = row
+    now = utcnow()
+    if _aware(record.expires_at) <= now or token_state(token, now) != "active":
+        return None
+    return Principal(team_id=token.team_id, team_name=team_name, token_id=token.id, scope=token.scope)
+
+
+def end(session: Session, raw: str | None) -> None:
+    """Forget the session (logout); unknown ids are ignored."""
+    if raw and len(raw) <= 128:
+        session.execute(delete(DashboardSession).where(DashboardSession.hash == _digest(raw)))
+
+
+def is_https(request: Request) -> bool:
+    """Whether the browser talks https to us: the request scheme, or the proxy's X-Forwarded-Proto."""
+    forwarded = request.headers.get("x-forwarded-proto", "").split(",")[0].strip().lower()
+    return (forwarded or request.url.scheme) == "https"
+
+
+def set_cookie(response: Response, request: Request, raw: str, *, ttl: timedelta = SESSION_TTL) -> None:
+    response.set_cookie(
+        COOKIE,
+        raw,
+        max_age=int(ttl.total_seconds()),
+        httponly=True,
+        samesite="strict",
+        secure=is_https(request),
+        path="/",
+    )
+
+
+def clear_cookies(response: Response, request: Request) -> None:
+    for name in (COOKIE, *LEGACY_COOKIES):
+        response.delete_cookie(name, path="/", httponly=True, samesite="strict", secure=is_https(request))
