@@ -28,7 +28,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from stepdoctor_server import api_catalog, api_traces
+from stepdoctor_server import api_catalog, api_docs, api_traces
 from stepdoctor_server.auth import AdminTeam
 from stepdoctor_server.db import Database
 from stepdoctor_server.errors import ApiError
@@ -266,6 +266,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=_version(),
         lifespan=lifespan,
         responses={401: {"model": ErrorResponse}, 500: {"model": ErrorResponse}},
+        docs_url=None,  # api_docs serves /docs and /redoc from packaged assets, not a CDN
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.db = db
@@ -285,6 +287,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(api_traces.router)
     app.include_router(api_catalog.router)
     _install_health(app)
+    api_docs.install(app)
     _include_optional_routers(app)
     return app
 
