@@ -129,6 +129,68 @@ CASES: list[tuple[str, dict[str, Any], int, str]] = [
         422,
         "invalid_idempotency_key",
     ),
+    # Found by attacking the service (#12): each was a 500, a broken run, or bytes kept forever.
+    ("trailing-newline-project", {"body": VALID, "project": "abc\n"}, 422, "invalid_name"),
+    ("trailing-newline-run", {"body": VALID, "run": "r1\n"}, 422, "invalid_name"),
+    ("newline-idempotency-key", {"body": VALID, "idempotency_key": "k1\n"}, 422, "invalid_idempotency_key"),
+    ("nul-in-tag", {"body": VALID, "metadata": {"tags": ["a\u0000b"]}}, 422, "invalid_metadata"),
+    ("newline-in-tag", {"body": VALID, "metadata": {"tags": ["a\nb"]}}, 422, "invalid_metadata"),
+    ("nul-in-metadata", {"body": VALID, "metadata": {"host": "x\u0000"}}, 422, "invalid_metadata"),
+    ("nul-in-metadata-key", {"body": VALID, "metadata": {"a\u0000": 1}}, 422, "invalid_metadata"),
+    ("control-in-metadata", {"body": VALID, "metadata": {"cmd": "\u001b[31m"}}, 422, "invalid_metadata"),
+    (
+        "lone-surrogate-in-metadata",
+        {"body": VALID, "headers": {"X-Stepdoctor-Metadata": '{"x": "\\ud800"}'}},
+        422,
+        "invalid_metadata",
+    ),
+    (
+        "nan-in-metadata",
+        {"body": VALID, "headers": {"X-Stepdoctor-Metadata": '{"loss": NaN}'}},
+        422,
+        "invalid_metadata",
+    ),
+    (
+        "infinity-in-metadata",
+        {"body": VALID, "headers": {"X-Stepdoctor-Metadata": '{"lr": -Infinity}'}},
+        422,
+        "invalid_metadata",
+    ),
+    (
+        "overflowing-float-in-metadata",
+        {"body": VALID, "headers": {"X-Stepdoctor-Metadata": '{"lr": 1e400}'}},
+        422,
+        "invalid_metadata",
+    ),
+    (
+        "huge-int-in-metadata",
+        {"body": VALID, "headers": {"X-Stepdoctor-Metadata": '{"seed": ' + "9" * 30 + "}"}},
+        422,
+        "invalid_metadata",
+    ),
+    (
+        "metadata-nested-3000-deep",
+        {"body": VALID, "headers": {"X-Stepdoctor-Metadata": '{"a": ' + "[" * 3000 + "]" * 3000 + "}"}},
+        422,
+        "invalid_metadata",
+    ),
+    (
+        "metadata-nested-20-deep",
+        {"body": VALID, "headers": {"X-Stepdoctor-Metadata": '{"a": ' + "[" * 20 + "]" * 20 + "}"}},
+        422,
+        "invalid_metadata",
+    ),
+    ("traceEvents-a-number", {"body": b'{"traceEvents": 5}', "gzipped": False}, 422, "invalid_trace"),
+    ("traceEvents-empty", {"body": gzip.compress(b'{"traceEvents": []}')}, 422, "invalid_trace"),
+    (
+        "traceEvents-empty-spaced",
+        {"body": b'{"traceEvents" :  [ \n ] }', "gzipped": False},
+        422,
+        "invalid_trace",
+    ),
+    ("traceEvents-of-numbers", {"body": b'{"traceEvents": [1, 2]}', "gzipped": False}, 422, "invalid_trace"),
+    ("traceEvents-a-string", {"body": b'{"traceEvents": "[{}]"}', "gzipped": False}, 422, "invalid_trace"),
+    ("traceEvents-null", {"body": b'{"a": 1, "traceEvents": null}', "gzipped": False}, 422, "invalid_trace"),
 ]
 
 
