@@ -135,6 +135,7 @@ def test_straggler_is_the_rank_that_works_longer_and_both_paths_agree(tmp_path: 
     assert detail["cause"] == "compute" and detail["arrival_late_us"] > 1_000
     assert server["stragglers"][0]["cause"] == "compute"
     assert cli["ranks"]["count"] == len(server["ranks"]) == 3
+    assert cli["primary"]["kind"] == server["primary"]["kind"]  # one job verdict (``job.job_limiter``)
     assert any("straggler" in w for w in cli["warnings"])
 
 

@@ -6,6 +6,7 @@ stay pure functions of the trace.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from . import breakdown as bd
-from . import diagnose, gpu_metrics, parse, ranks, step_timeline, steps, tables
+from . import diagnose, gpu_metrics, job, parse, ranks, step_timeline, steps, tables
 from . import hta_metrics as hta
 from . import timeline as tl
 from .comm import analyze_comm
@@ -274,18 +275,32 @@ def _host_memory(metadata: dict[str, Any] | None) -> int:
 
 
 def _job_report(path: Path, traces: list[RankTrace], reports: list[Report]) -> Report:
-    """A directory: ranks, windows and stragglers from ``ranks.rank_verdict`` (the server's run
-    diagnosis calls the same function). The top-level diagnosis is a straggler's when there is one
-    (the others wait for it), else the slowest rank's among those whose verdict is the job's."""
+    """A directory: the job's limiter (``job.job_limiter``), ranks, windows and stragglers
+    (``ranks.rank_verdict``): the functions the server's run diagnosis calls, so both agree.
+
+    The top-level diagnosis is that of a rank whose own verdict is the job's (a straggler first,
+    then the slowest); when no rank's is, the slowest rank's report carries the job's verdict.
+    """
     dicts = [r.to_dict() for r in reports]
     verdict = ranks.rank_verdict([ranks.TraceEntry(d) for d in dicts])
-    job_kind = ranks.job_primary_kind(dicts)
+    limiter = job.job_limiter(dicts)
     lead = {s.rank for s in verdict.stragglers}
-    candidates = [i for i, r in enumerate(reports) if r.rank in lead] or [
-        i for i, r in enumerate(reports) if r.primary.kind == job_kind
-    ]
-    top = reports[max(candidates or range(len(reports)), key=lambda i: reports[i].step_time_us)]
-    top.ranks = plain(verdict.to_dict() | {"primary_kind": job_kind})
+    agreeing = [i for i, r in enumerate(reports) if r.primary.kind == limiter.kind]
+    pool = [i for i in agreeing if reports[i].rank in lead] or agreeing or list(range(len(reports)))
+    top = reports[max(pool, key=lambda i: reports[i].step_time_us)]
+    if limiter.kind is not None and top.primary.kind != limiter.kind:
+        removable, basis = limiter.removable.get(limiter.kind, (0.0, "measured"))
+        top.primary = dataclasses.replace(
+            top.primary,
+            kind=limiter.kind,
+            share=round(limiter.shares.get(limiter.kind, 0.0), 4),
+            us_per_step=round(limiter.shares.get(limiter.kind, 0.0) * top.step_time_us, 3),
+            evidence={},
+            gain=round(1.0 / max(1.0 - removable, 0.05), 3),
+            basis=basis,
+            note="This is the job's limiter over all ranks; no single rank's own verdict is.",
+        )
+    top.ranks = plain(verdict.to_dict() | {"limiter": limiter.kind, "limiter_reason": limiter.reason})
     top.source = str(path)
     if verdict.count == 1 and len(reports) > 1:
         top.warnings.append(

@@ -25,6 +25,7 @@ from pathlib import PurePath
 from typing import Any
 
 from . import BOTTLENECK_KINDS
+from .job import num, step_count, step_time_us
 
 STRAGGLER = 0.10
 _WORKER_RE = re.compile(r"^(.*?)(\.\d+)?\.pt\.trace\.json(\.gz)?$")  # TensorBoard's run-file pattern
@@ -149,49 +150,22 @@ def rank_verdict(entries: Sequence[TraceEntry]) -> RankVerdict:
     return RankVerdict(summaries, len(entries), basis, median, spread, stragglers)
 
 
-def job_primary_kind(reports: Sequence[Mapping[str, Any]]) -> str | None:
-    """The job's limiter over every trace: ``diagnose.choose_limiter`` on the shares and removable
-    time of each report, weighted by its steps × step time as the server's run diagnosis weights them.
-    """
-    from .diagnose import basis_of, choose_limiter, report_removable
-
-    owned: dict[str, float] = {}
-    removable: dict[str, float] = {}
-    total = 0.0
-    for r in reports:
-        span = _steps(r) * (_step_time(r) or 1.0)
-        total += span
-        step = _step_time(r)
-        shares = {k: _num(us) / step if step > 0 else 0.0 for k, us in _kinds(r).items()}
-        for kind in BOTTLENECK_KINDS:
-            owned[kind] = owned.get(kind, 0.0) + shares.get(kind, 0.0) * span
-        for kind, frac in report_removable(r, shares).items():
-            removable[kind] = removable.get(kind, 0.0) + frac * span
-    if not total or not any(owned.values()):
-        return None
-    # The per-trace limiter rule (``diagnose.choose_limiter``) over the job's weighted figures.
-    kind, _ = choose_limiter(
-        {k: v / total for k, v in owned.items()}, {k: (v / total, basis_of(k)) for k, v in removable.items()}
-    )
-    return kind
-
-
 def _order(key: tuple[int | None, str | None]) -> tuple[int, int, str]:
     rank, worker = key
     return (0, rank, "") if rank is not None else (1, 0, worker or "~")
 
 
 def _summarise(rank: int | None, worker: str | None, reports: list[Mapping[str, Any]]) -> RankSummary:
-    weights = [_steps(r) for r in reports]
+    weights = [step_count(r) for r in reports]
     total = sum(weights)
 
     def mean(values: list[float]) -> float:
         return sum(v * w for v, w in zip(values, weights, strict=True)) / total if total else 0.0
 
-    step = mean([_step_time(r) for r in reports])
+    step = mean([step_time_us(r) for r in reports])
     kinds: dict[str, float] = {}
     for k in (*BOTTLENECK_KINDS, "other"):
-        kinds[k] = mean([_num(_kinds(r).get(k)) for r in reports])
+        kinds[k] = mean([num(_kinds(r).get(k)) for r in reports])
     wait = kinds.get("communication", 0.0)
     arrivals = [(a, w) for r, w in zip(reports, weights, strict=True) if (a := _arrival(r)) is not None]
     arrival = sum(a * w for a, w in arrivals) / sum(w for _, w in arrivals) if arrivals else None
@@ -253,8 +227,8 @@ def _kinds(report: Mapping[str, Any]) -> Mapping[str, Any]:
         return k
     shares = _metrics(report).get("shares")
     if isinstance(shares, Mapping):
-        step = _step_time(report)
-        return {kind: _num(v) * step for kind, v in shares.items()}
+        step = step_time_us(report)
+        return {kind: num(v) * step for kind, v in shares.items()}
     return {}
 
 
@@ -263,22 +237,3 @@ def _arrival(report: Mapping[str, Any]) -> float | None:
     if isinstance(comm, Mapping) and isinstance(comm.get("arrival_ns_per_step"), int | float):
         return float(comm["arrival_ns_per_step"]) / 1e3
     return None
-
-
-def _step_time(report: Mapping[str, Any]) -> float:
-    """Mean step wall time in µs: the report's own figure, else its breakdown's sum."""
-    if _num(report.get("step_time_us")) > 0:
-        return _num(report["step_time_us"])
-    breakdown = report.get("breakdown")
-    return float(sum(_num(v) for v in breakdown.values())) if isinstance(breakdown, Mapping) else 0.0
-
-
-def _steps(report: Mapping[str, Any]) -> int:
-    steps = report.get("steps")
-    return len(steps) if isinstance(steps, list) and steps else 1
-
-
-def _num(value: Any) -> float:
-    if isinstance(value, bool):
-        return 0.0
-    return float(value) if isinstance(value, int | float) else 0.0

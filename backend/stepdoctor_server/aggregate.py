@@ -8,8 +8,9 @@ Conventions:
   partition each step's wall time (TensorBoard's priority walk), so they add up to the average step.
 - Breakdown and bottleneck shares are weighted by each report's step count, so a 6-step window
   counts six times a 1-step one. A report without ``steps`` counts once.
-- The primary kind is the run's limiter, chosen by ``stepdoctor_analysis.diagnose.choose_limiter``
-  (the per-trace rule) from the step-time-weighted shares and removable time of every report: a
+- The primary kind is the run's limiter, chosen by ``stepdoctor_analysis.job.job_limiter`` (which
+  ``stepdoctor analyze DIR`` calls too) with ``diagnose.choose_limiter``, the per-trace rule, from
+  the step-time-weighted shares and removable time of every report: a
   measured wait outranks an estimated compute speedup, compute-bound only when the device is busy
   and no wait gains as much. Recommendations are re-ranked on the same run-level removable time, so
   the verdict, shares and first recommendation all come from one aggregate, never from one trace.
@@ -29,7 +30,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from stepdoctor_analysis import BOTTLENECK_KINDS, BREAKDOWN_CATEGORIES
-from stepdoctor_analysis.diagnose import MIN_CARD_SPEEDUP, basis_of, choose_limiter, report_removable, score
+from stepdoctor_analysis.diagnose import MIN_CARD_SPEEDUP, score
+from stepdoctor_analysis.job import job_limiter, step_count, step_time_us
 from stepdoctor_analysis.ranks import RankVerdict, rank_verdict
 from stepdoctor_analysis.ranks import TraceEntry as RankEntry
 
@@ -51,34 +53,6 @@ class TraceReport:
     report: Mapping[str, Any]
 
 
-def step_time_us(report: Mapping[str, Any]) -> float:
-    """Average step wall time of one report, in µs: its own figure, else the breakdown's sum."""
-    if _num(report.get("step_time_us")) > 0:
-        return _num(report["step_time_us"])
-    breakdown = report.get("breakdown") or {}
-    return float(sum(_num(v) for v in breakdown.values()))
-
-
-def step_count(report: Mapping[str, Any]) -> int:
-    steps = report.get("steps")
-    return len(steps) if isinstance(steps, list) and steps else 1
-
-
-def kind_shares(report: Mapping[str, Any]) -> dict[str, float]:
-    """Bottleneck kind -> share of step time: every kind's (``metrics.shares``) when the report has
-    them, else the primary and secondary verdicts."""
-    all_kinds = (report.get("metrics") or {}).get("shares")
-    if isinstance(all_kinds, Mapping) and all_kinds:
-        return {str(k): _num(v) for k, v in all_kinds.items()}
-    shares: dict[str, float] = {}
-    entries = [report.get("primary") or {}, *(report.get("secondary") or [])]
-    for entry in entries:
-        if isinstance(entry, Mapping) and entry.get("kind"):
-            kind = str(entry["kind"])
-            shares[kind] = max(shares.get(kind, 0.0), _num(entry.get("share")))
-    return shares
-
-
 def aggregate_run(reports: Sequence[TraceReport], *, failed: int = 0, pending: int = 0) -> dict[str, Any]:
     """Combine every analysed trace of a run into one diagnosis (see the module docstring)."""
     if not reports:
@@ -92,9 +66,9 @@ def aggregate_run(reports: Sequence[TraceReport], *, failed: int = 0, pending: i
     weights = [step_count(r.report) for r in reports]
     times = [step_time_us(r.report) for r in reports]
     breakdown = _weighted_breakdown(reports, weights)
-    shares = _weighted_shares(reports, weights, times)
-    removable = _weighted_removable(reports, weights, times, shares)
-    primary_kind, reason = choose_limiter(shares, removable) if shares else (None, "")
+    limiter = job_limiter([r.report for r in reports])  # the same function ``analyze DIR`` calls
+    shares, removable = limiter.shares, limiter.removable
+    primary_kind, reason = limiter.kind, limiter.reason
     recommendations = merge_recommendations(reports, weights, times, primary_kind)
     verdict = rank_verdict([RankEntry(r.report, rank=r.rank, window=r.window_index) for r in reports])
     ranks = [asdict(s) for s in verdict.ranks]
@@ -204,23 +178,6 @@ def _removable_fraction(rec: Mapping[str, Any], step_us: float) -> float:
     return _fraction_of(_num(rec.get("expected_speedup")))
 
 
-def _weighted_removable(
-    reports: Sequence[TraceReport],
-    weights: Sequence[int],
-    times: Sequence[float],
-    shares: Mapping[str, float],
-) -> dict[str, tuple[float, str]]:
-    """Kind -> (run-level removable fraction, basis): each report's ``limiter``, time-weighted."""
-    owned: dict[str, float] = defaultdict(float)
-    total = 0.0
-    for tr, w, t in zip(reports, weights, times, strict=True):
-        span = (t if t > 0 else 1.0) * w
-        total += span
-        for kind, frac in report_removable(tr.report, kind_shares(tr.report)).items():
-            owned[kind] += frac * span
-    return {k: (owned[k] / total if total else 0.0, basis_of(k)) for k in KINDS}
-
-
 def _note(kind: str, recs: Sequence[Mapping[str, Any]], reports: Sequence[TraceReport]) -> str:
     """Why the run's first recommendation is not about its primary kind ("" when it is)."""
     if recs and recs[0].get("kind") == kind:
@@ -264,21 +221,6 @@ def _weighted_breakdown(reports: Sequence[TraceReport], weights: Sequence[int]) 
     total = sum(weights)
     keys = [k for k in CATEGORIES if k in sums] + sorted(k for k in sums if k not in CATEGORIES)
     return {k: sums[k] / total for k in keys}
-
-
-def _weighted_shares(
-    reports: Sequence[TraceReport], weights: Sequence[int], times: Sequence[float]
-) -> dict[str, float]:
-    """Kind -> fraction of all profiled step time attributed to it, over every report."""
-    owned: dict[str, float] = defaultdict(float)
-    total = 0.0
-    for tr, w, t in zip(reports, weights, times, strict=True):
-        # A report without a breakdown still votes, with unit weight per step.
-        span = (t if t > 0 else 1.0) * w
-        total += span
-        for kind, share in kind_shares(tr.report).items():
-            owned[kind] += share * span
-    return {k: v / total for k, v in owned.items()} if total else {}
 
 
 def _spread(verdict: RankVerdict) -> dict[str, Any] | None:
