@@ -1,0 +1,252 @@
+"""Hardening of the REST API (#12), on SQLite and PostgreSQL: ids, dates, cursors, tags,
+idempotency, re-analysis scope and priority, report privacy, token expiry and revocation."""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from sqlalchemy import select, update
+
+from stepdoctor_server import cli
+from stepdoctor_server.models import Analysis, Token, Trace, utcnow
+from stepdoctor_server.queue import claim_row
+from stepdoctor_server.settings import get_settings
+from support.server import bearer, row_counts, store_files, synthetic_trace, upload
+
+BIG_IDS = (0, -1, 2**31, 2**31 + 5, 2**63 - 1, 2**63, 2**64)
+
+
+def _uploaded(client: TestClient, run: str = "r1", **kwargs: object) -> dict[str, int]:
+    response = upload(client, synthetic_trace(5), run=run, **kwargs)  # type: ignore[arg-type]
+    assert response.status_code == 201, response.text
+    return dict(response.json())
+
+
+def _id_routes(app: FastAPI) -> list[tuple[str, str]]:
+    """(method, path template) of every API route with an id in its path (from the OpenAPI)."""
+    routes = []
+    for path, operations in app.openapi()["paths"].items():
+        if "{" in path:
+            routes += [(method.upper(), path) for method in operations]
+    return routes
+
+
+def test_out_of_range_ids_are_404_on_every_id_route(app: FastAPI, client: TestClient) -> None:
+    _uploaded(client)
+    routes = _id_routes(app)
+    assert len(routes) >= 8  # traces, runs, reanalyze, deep, downloads...
+    for method, template in routes:
+        for ident in BIG_IDS:
+            path = template.split("{")[0] + str(ident) + template.split("}", 1)[1]
+            response = client.request(method, path)
+            assert response.status_code == 404, (method, path, response.text)
+            assert response.json()["error"]["code"] == "not_found"
+    for base, other in ((2**31, 1), (1, 2**63), (2**64, 2**64)):
+        response = client.get(f"/api/v1/compare?base={base}&other={other}")
+        assert response.status_code == 404, response.text
+
+
+def test_out_of_range_ids_are_404_on_dashboard_pages(app: FastAPI, read_token: str) -> None:
+    with TestClient(app) as browser:
+        login = browser.post("/login", data={"token": read_token, "next": "/"}, follow_redirects=False)
+        assert login.status_code == 303
+        for page in ("/runs/{}", "/traces/{}", "/projects/{}", "/compare?base={}&other=1"):
+            for ident in (2**31, 2**63, 2**64):
+                response = browser.get(page.format(ident))
+                assert response.status_code == 404, (page, ident, response.status_code)
+
+
+def _cursor(*parts: object) -> str:
+    return base64.urlsafe_b64encode(json.dumps(list(parts)).encode()).decode().rstrip("=")
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "since=0001-01-01T00:00:00%2B05:00",
+        "until=9999-12-31T23:59:59-05:00",
+        "tag=a%00b",
+        "tag=x%0A",
+        "cursor=" + _cursor("-created_at", "2026-01-01T00:00:00+00:00", 2**63),
+        "cursor=" + _cursor("-created_at", "2026-01-01T00:00:00+00:00", -5),
+        "cursor=" + _cursor("-created_at", "0001-01-01T00:00:00+05:00", 1),
+        "sort=name&cursor=" + _cursor("name", "a\u0000b", 1),
+        "sort=name&cursor=" + _cursor("name", 12, 1),
+    ],
+)
+def test_edge_filters_and_forged_cursors_are_422(client: TestClient, query: str) -> None:
+    _uploaded(client, metadata={"tags": ["ok"]})
+    response = client.get(f"/api/v1/runs?{query}")
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["code"] in {"invalid_request", "invalid_cursor"}
+    assert client.get("/api/v1/runs?tag=ok").json()["items"]  # the filter itself still works
+
+
+def test_projects_cursor_out_of_range_is_422(client: TestClient) -> None:
+    response = client.get("/api/v1/projects?cursor=" + _cursor("name", "p", 2**40))
+    assert response.status_code == 422
+
+
+# -- idempotency ---------------------------------------------------------------------------------
+
+
+def test_reused_idempotency_key_with_another_request_is_422(app: FastAPI, client: TestClient) -> None:
+    body = synthetic_trace(5)
+    first = upload(client, body, idempotency_key="k-1")
+    assert first.status_code == 201
+    assert upload(client, body, idempotency_key="k-1").status_code == 200  # a true replay
+    before_rows, before_files = row_counts(app), store_files(app)
+    for kwargs in (
+        {"body": synthetic_trace(6)},  # another body
+        {"body": body, "run": "other-run"},
+        {"body": body, "project": "other-project"},
+        {"body": body, "rank": 3},
+    ):
+        sent = dict(kwargs)
+        response = upload(client, sent.pop("body"), idempotency_key="k-1", **sent)  # type: ignore[arg-type]
+        assert response.status_code == 422, (kwargs, response.text)
+        assert response.json()["error"]["code"] == "idempotency_key_reused"
+    assert row_counts(app) == before_rows and store_files(app) == before_files
+
+
+# -- re-analysis: admin only, behind fresh uploads ----------------------------------------------
+
+
+def test_reanalysis_needs_admin_and_waits_behind_fresh_uploads(
+    app: FastAPI, client: TestClient, upload_token: str, make_token: Callable[..., str]
+) -> None:
+    old = [_uploaded(client, run="old") for _ in range(3)]
+    run_id = old[0]["run_id"]
+    with app.state.db.session() as session:  # as if analysed long ago
+        session.execute(update(Trace).values(status="done"))
+    for path in (f"/api/v1/runs/{run_id}/reanalyze", f"/api/v1/traces/{old[0]['id']}/reanalyze"):
+        refused = client.post(path, headers=bearer(upload_token))
+        assert refused.status_code == 403, refused.text
+    assert client.post(f"/api/v1/runs/{run_id}/reanalyze").status_code == 202
+
+    other_team = make_token("upload", "another-team")
+    fresh = upload(client, synthetic_trace(5), token=other_team, run="fresh")
+    assert fresh.status_code == 201
+    with app.state.db.session() as session:
+        first = claim_row(session, Trace, "test:1:0", postgres=False)
+    assert first == fresh.json()["id"]  # the newest trace, yet first: the backlog waits
+
+
+# -- privacy -------------------------------------------------------------------------------------
+
+
+def test_report_source_is_the_file_name_never_a_server_path(app: FastAPI, client: TestClient) -> None:
+    trace = _uploaded(client)
+    server_path = str(app.state.settings.traces_dir / "team1" / "2026-11" / "abc.json.gz")
+    with app.state.db.session() as session:
+        row = session.get(Trace, trace["id"])
+        assert row is not None
+        row.status = "done"
+        session.add(
+            Analysis(
+                trace_id=trace["id"],
+                engine_version="x",
+                schema_version=1,
+                primary_kind=None,
+                primary_share=None,
+                report={"source": server_path, "primary": {}},
+                duration_ms=1,
+            )
+        )
+        filename = row.filename
+    for path, pick in (
+        (f"/api/v1/traces/{trace['id']}", lambda j: j["analysis"]["report"]),
+        (f"/api/v1/traces/{trace['id']}/report", lambda j: j["report"]),
+    ):
+        response = client.get(path)
+        assert response.status_code == 200
+        assert pick(response.json())["source"] == filename
+        assert str(app.state.settings.data_dir) not in response.text
+
+
+def test_ratio_bomb_is_refused_before_the_decompressed_cap(app: FastAPI, client: TestClient) -> None:
+    raw = b'{"traceEvents": [{"ph": "i"},' + b" " * (48 << 20) + b"]}"
+    body = gzip.compress(raw, 9)
+    before_rows, before_files = row_counts(app), store_files(app)
+    response = upload(client, body)
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["code"] == "implausible_compression"
+    assert row_counts(app) == before_rows and store_files(app) == before_files
+
+
+# -- tokens --------------------------------------------------------------------------------------
+
+
+def test_expired_and_revoked_tokens_are_refused(app: FastAPI, client: TestClient, read_token: str) -> None:
+    assert client.get("/api/v1/runs", headers=bearer(read_token)).status_code == 200
+    with app.state.db.session() as session:
+        session.execute(update(Token).where(Token.scope == "read").values(expires_at=utcnow() - timedelta(1)))
+    expired = client.get("/api/v1/runs", headers=bearer(read_token))
+    assert expired.status_code == 401 and "expired" in expired.json()["error"]["message"]
+
+
+@pytest.fixture
+def cli_env(server_settings: object, monkeypatch: pytest.MonkeyPatch, app: FastAPI) -> None:
+    """The CLI (which reads the environment) on the test database."""
+    monkeypatch.setenv("STEPDOCTOR_DATA_DIR", str(app.state.settings.data_dir))
+    monkeypatch.setenv("STEPDOCTOR_DATABASE_URL", app.state.settings.database_url)
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
+def test_token_create_expiry_list_last_use_and_revoke(
+    app: FastAPI, cli_env: None, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert cli.main(["token", "create", "--team", "ops", "--scope", "read", "--expires-in", "30d"]) == 0
+    out = capsys.readouterr().out
+    token = out.strip().splitlines()[-1]
+    assert "valid until" in out
+    with app.state.db.session() as session:
+        row = session.scalars(select(Token).where(Token.prefix == token[:10])).one()
+        token_id = row.id
+        assert row.expires_at is not None and row.last_used_at is None
+    with TestClient(app) as anyone:
+        assert anyone.get("/api/v1/runs", headers=bearer(token)).status_code == 200
+        assert cli.main(["token", "list", "--team", "ops"]) == 0
+        listing = capsys.readouterr().out
+        assert "EXPIRES" in listing and "LAST USED" in listing and "active" in listing
+        line = next(x for x in listing.splitlines() if x.strip().startswith(str(token_id)))
+        assert line.count(utcnow().strftime("%Y-%m-%d")) == 2  # created and last used today
+
+        login = anyone.post("/login", data={"token": token, "next": "/"}, follow_redirects=False)
+        assert login.status_code == 303 and anyone.get("/").status_code == 200
+
+        assert cli.main(["token", "revoke", str(token_id), "--team", "ops"]) == 0
+        assert "revoked token" in capsys.readouterr().out
+        assert anyone.get("/api/v1/runs", headers=bearer(token)).status_code == 401
+        # The dashboard session of a revoked token ends too.
+        assert anyone.get("/", follow_redirects=False).status_code == 303
+    assert cli.main(["token", "list", "--team", "ops"]) == 0
+    assert "revoked" in capsys.readouterr().out
+    assert cli.main(["token", "revoke", "999999", "--team", "ops"]) == 1
+    assert capsys.readouterr().err.strip() == "stepdoctor token: team 'ops' has no token #999999"
+    with pytest.raises(SystemExit) as bad:
+        cli.main(["token", "create", "--team", "ops", "--expires-in", "soon"])
+    assert bad.value.code == 2
+    assert "invalid duration" in capsys.readouterr().err
+
+
+def test_last_used_is_written_at_most_once_a_minute(
+    app: FastAPI, client: TestClient, read_token: str
+) -> None:
+    client.get("/api/v1/runs", headers=bearer(read_token))
+    with app.state.db.session() as session:
+        first = session.scalars(select(Token.last_used_at).where(Token.scope == "read")).one()
+    client.get("/api/v1/runs", headers=bearer(read_token))
+    with app.state.db.session() as session:
+        again = session.scalars(select(Token.last_used_at).where(Token.scope == "read")).one()
+    assert first is not None and again == first
