@@ -47,7 +47,7 @@ def test_verdict_and_first_recommendation_agree_everywhere(rel: str) -> None:
             assert 1.0 <= lo <= rec["expected_speedup"] <= hi
     # CLI text: the same verdict and the same first recommendation.
     text = report.render_text()
-    assert f"Primary bottleneck (limiter): {primary['kind'].upper()}" in text
+    assert f"Primary bottleneck: {primary['kind'].upper()}" in text
     if recs:
         assert f"Next optimization: {recs[0]['title']}" in text
     if primary["note"]:
@@ -60,9 +60,11 @@ def test_verdict_and_first_recommendation_agree_everywhere(rel: str) -> None:
     # Compare page: a run against itself keeps its limiter.
     change = compare_diagnoses(run, run)["primary"]
     assert change["base"] == change["other"] == primary["kind"] and not change["changed"]
-    # A GPU trace is never shown as CPU only.
+    # A GPU trace is never shown as CPU only; one figure per concept: the compute share (computation
+    # kernels running) never exceeds GPU utilization (any kernel running) over the same steps.
     if d["metrics"].get("gpu"):
         assert d["device"] is not None and "CPU only" not in text
+        assert d["metrics"]["shares"]["compute"] <= d["metrics"]["gpu"]["utilization"] + 0.005
 
 
 # Labelled real traces: expected verdict, expected first recommendation (None: no card) and what

@@ -113,9 +113,34 @@ def charge_idle(trace: RankTrace, idle: iv.Intervals, sync: SyncStats) -> dict[s
     What an idle stretch is charged to depends on what happened around it, so this runs on what
     the busy layers left.
     """
+    dead = _trailing_silence(trace, idle)
+    idle = iv.subtract(idle, dead)
     stalled = iv.intersect(idle, _sync_bubbles(idle, sync))
     host_wait, other = _split_idle(trace, iv.subtract(idle, stalled))
+    other = iv.union(np.concatenate([other[0], dead[0]]), np.concatenate([other[1], dead[1]]))
     return {"sync": stalled, "launch": host_wait, "other": other}
+
+
+def _trailing_silence(trace: RankTrace, idle: iv.Intervals) -> iv.Intervals:
+    """Idle time after the last GPU op while the host records nothing either: unexplained.
+
+    Neither a sync bubble (nothing is relaunched) nor a launch wait (nothing is launched): e.g. a
+    step range left open around untraced work after the last kernel (compilation, export).
+    """
+    gs, ge = idle
+    g = trace.gpu
+    dev = device_op_mask(trace)
+    if gs.size == 0 or not dev.any():
+        return iv.EMPTY
+    last = int(g.end[dev].max())
+    tail = gs >= last
+    if not tail.any():
+        return iv.EMPTY
+    h = trace.host
+    active = trace.host_kind(HostKind.CPU_OP, HostKind.RUNTIME, HostKind.DRIVER, HostKind.PYTHON_FUNCTION)
+    busy = iv.union(h.ts[active], h.end[active])
+    silent = iv.subtract((gs[tail], ge[tail]), busy)
+    return silent
 
 
 def _sync_bubbles(idle: iv.Intervals, sync: SyncStats) -> iv.Intervals:
@@ -325,12 +350,16 @@ def classify(ctx: Context) -> Diagnosis:
     ]
     cards = _primary_first(kind, cards)
     others = sorted((k for k in KINDS if k != kind), key=lambda k: -shares[k])
-    top_other = shares[others[0]] if others else 0.0
+    # Confidence from the verdict's own margin: its removable time (or, compute-bound, its busy
+    # share) over the best other kind's weighted removable time.
+    scores = {k: score(*removable[k]) for k in KINDS}
+    weight = shares[kind] if reason in ("busy", "largest share") else scores[kind]
+    top_other = max((scores[k] for k in others), default=0.0)
     primary = Bottleneck(
         kind=kind,
         share=round(shares[kind], 4),
         us_per_step=round(ctx.accounting.mean_ns(kind) / 1e3, 3),
-        confidence=_confidence(shares[kind], top_other, ctx),
+        confidence=_confidence(weight, top_other, ctx),
         evidence=evidence.get(kind, {}),
         gain=round(speedup(1.0, removable[kind][0]), 3) if ctx.iterations_found else 1.0,
         basis=removable[kind][1],

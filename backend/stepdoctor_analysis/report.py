@@ -210,10 +210,13 @@ def render_text(r: Report) -> str:
     lines += [f"stepdoctor {ENGINE_VERSION} — {r.source}", "  " + ", ".join(where), ""]
     p = r.primary
     lines += [
-        f"Primary bottleneck (limiter): {p.kind.upper()} — {100 * p.share:.0f}% of step time "
+        f"Primary bottleneck: {p.kind.upper()} — {100 * p.share:.0f}% of step wall time "
         f"({_fmt_us(p.us_per_step)} per step, confidence {p.confidence:.2f})",
         f"  {KIND_WORDS[p.kind]}.",
     ]
+    if p.gain > 1.02:
+        what = "a measured wait" if p.basis == "measured" else "an estimate"
+        lines.append(f"  It limits the step: removing it gains up to {p.gain:.2f}× ({what}).")
     if p.note:
         lines.append(f"  Note: {p.note}")
     if r.secondary:
