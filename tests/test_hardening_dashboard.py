@@ -1,0 +1,170 @@
+"""Dashboard defences (#12): random-id sessions, same-origin checks, security headers."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import re
+from datetime import timedelta
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from sqlalchemy import select, update
+
+from stepdoctor_server import sessions
+from stepdoctor_server.models import DashboardSession
+from stepdoctor_server.models import utcnow as now
+from stepdoctor_server.security import inline_script_hashes
+from support.server import bearer, synthetic_trace, upload
+
+SAME = {"Origin": "http://testserver"}
+
+
+def _login(browser: TestClient, token: str, headers: dict[str, str] | None = None) -> object:
+    return browser.post(
+        "/login", data={"token": token, "next": "/"}, headers=headers or SAME, follow_redirects=False
+    )
+
+
+def test_session_cookie_is_a_random_id_stored_hashed(app: FastAPI, read_token: str) -> None:
+    with TestClient(app) as browser:
+        response = _login(browser, read_token)
+        assert response.status_code == 303  # type: ignore[attr-defined]
+        cookie = response.headers["set-cookie"]  # type: ignore[attr-defined]
+        raw = browser.cookies.get(sessions.COOKIE)
+        assert raw and read_token not in cookie and raw != read_token
+        assert "HttpOnly" in cookie and "SameSite=strict" in cookie.replace("Strict", "strict")
+        assert "Secure" not in cookie and "Max-Age=43200" in cookie
+        with app.state.db.session() as session:
+            stored = session.scalars(select(DashboardSession.hash)).all()
+        assert stored == [hashlib.sha256(raw.encode()).hexdigest()]
+        assert browser.get("/").status_code == 200
+
+
+def test_cookie_is_secure_behind_https(app: FastAPI, read_token: str) -> None:
+    with TestClient(app) as browser:
+        headers = {"Origin": "https://testserver", "X-Forwarded-Proto": "https"}
+        response = _login(browser, read_token, headers)
+        assert response.status_code == 303  # type: ignore[attr-defined]
+        assert "Secure" in response.headers["set-cookie"]  # type: ignore[attr-defined]
+    with TestClient(app, base_url="https://testserver") as browser:
+        response = _login(browser, read_token, {"Origin": "https://testserver"})
+        assert "Secure" in response.headers["set-cookie"]  # type: ignore[attr-defined]
+
+
+def test_expired_session_and_logout(app: FastAPI, read_token: str) -> None:
+    with TestClient(app) as browser:
+        _login(browser, read_token)
+        raw = browser.cookies.get(sessions.COOKIE)
+        with app.state.db.session() as session:
+            session.execute(update(DashboardSession).values(expires_at=now() - timedelta(seconds=1)))
+        assert browser.get("/", follow_redirects=False).status_code == 303
+
+        _login(browser, read_token)
+        raw = browser.cookies.get(sessions.COOKIE)
+        assert browser.get("/").status_code == 200
+        out = browser.post("/logout", headers=SAME, follow_redirects=False)
+        assert out.status_code == 303 and sessions.COOKIE in out.headers["set-cookie"]
+        with app.state.db.session() as session:
+            assert session.scalars(select(DashboardSession)).all() == []
+    with TestClient(app, cookies={sessions.COOKIE: raw or ""}) as replay:  # the old cookie is dead
+        assert replay.get("/", follow_redirects=False).status_code == 303
+
+
+def test_the_api_token_is_no_longer_a_cookie(app: FastAPI, read_token: str) -> None:
+    with TestClient(app, cookies={"stepdoctor_token": read_token}) as browser:
+        assert browser.get("/", follow_redirects=False).status_code == 303
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Origin": "http://testserver:9999"},  # another port is another origin (login CSRF)
+        {"Origin": "http://evil.example"},
+        {"Origin": "https://testserver"},  # another scheme
+        {"Origin": "null"},
+        {"Referer": "http://127.0.0.1:9999/attack.html"},
+    ],
+)
+def test_cross_origin_posts_are_refused(
+    app: FastAPI, read_token: str, admin_token: str, headers: dict[str, str]
+) -> None:
+    with TestClient(app) as browser:
+        refused = _login(browser, read_token, headers)
+        assert refused.status_code == 403  # type: ignore[attr-defined]
+        assert refused.json()["error"]["code"] == "cross_origin"  # type: ignore[attr-defined]
+        assert sessions.COOKIE not in browser.cookies
+        with app.state.db.session() as session:
+            assert session.scalars(select(DashboardSession)).all() == []
+
+        _login(browser, admin_token)
+        trace = upload(browser, synthetic_trace(5), token=admin_token).json()
+        for path in (f"/traces/{trace['id']}/deep/critical-path", "/logout"):
+            assert browser.post(path, headers=headers, follow_redirects=False).status_code == 403
+        assert browser.get("/").status_code == 200  # still logged in: logout was refused
+
+
+def test_same_origin_and_bearer_posts_pass(app: FastAPI, admin_token: str) -> None:
+    with TestClient(app) as anyone:
+        # An API client with a token may send any Origin: a browser never adds the header itself.
+        response = upload(anyone, synthetic_trace(5), token=admin_token, headers={"Origin": "http://other"})
+        assert response.status_code == 201
+        # Same origin, also through a proxy that names the public host and scheme.
+        assert _login(anyone, admin_token).status_code == 303  # type: ignore[attr-defined]
+        proxied = {"Origin": "https://stepdoctor.example", "X-Forwarded-Proto": "https"}
+        proxied["X-Forwarded-Host"] = "stepdoctor.example"
+        assert _login(anyone, admin_token, proxied).status_code == 303  # type: ignore[attr-defined]
+
+
+def _csp(response: object) -> dict[str, str]:
+    header = response.headers["content-security-policy"]  # type: ignore[attr-defined]
+    return {part.split()[0]: part for part in (p.strip() for p in header.split(";")) if part}
+
+
+def test_security_headers_on_every_response(app: FastAPI, read_token: str) -> None:
+    with TestClient(app) as browser:
+        responses = [
+            browser.get("/healthz"),
+            browser.get("/api/v1/runs"),  # 401
+            browser.get("/login"),
+            browser.get("/no-such-page"),
+            browser.get("/openapi.json"),
+            browser.post("/login", data={"token": "x"}, headers={"Origin": "http://evil"}),  # 403
+        ]
+        _login(browser, read_token)
+        responses += [browser.get("/"), browser.get("/api/v1/runs", headers=bearer(read_token))]
+        css = re.search(rb'href="(/static/[^"]+\.css)"', responses[-2].content)
+        if css:
+            responses.append(browser.get(css.group(1).decode()))
+        for response in responses:
+            assert response.headers["x-frame-options"] == "DENY", response.url
+            assert response.headers["x-content-type-options"] == "nosniff"
+            policy = _csp(response)
+            assert policy["frame-ancestors"] == "frame-ancestors 'none'"
+            assert policy["default-src"] == "default-src 'self'"
+            assert "unsafe-inline" not in policy["script-src"] and "http" not in policy["script-src"]
+
+
+def test_inline_scripts_are_allowed_by_hash_only(app: FastAPI, read_token: str) -> None:
+    with TestClient(app) as browser:
+        _login(browser, read_token)
+        page = browser.get("/")
+        scripts = inline_script_hashes(page.content)
+        allowed = _csp(page)["script-src"]
+        for digest in scripts:
+            assert f"'sha256-{digest}'" in allowed
+        # The hash is of the script text exactly as served.
+        body = re.search(rb"<script>(.*?)</script>", page.content, re.DOTALL)
+        if body:
+            expected = base64.b64encode(hashlib.sha256(body.group(1)).digest()).decode()
+            assert f"'sha256-{expected}'" in allowed
+
+
+def test_inline_script_hashes_skip_data_blocks_and_external_scripts() -> None:
+    html = (
+        b'<script src="/a.js"></script><script type="application/json">{"a": 1}</script>'
+        b"<script>go()</script><script type='module'>m()</script>"
+    )
+    expected = [base64.b64encode(hashlib.sha256(s).digest()).decode() for s in (b"go()", b"m()")]
+    assert inline_script_hashes(html) == expected
