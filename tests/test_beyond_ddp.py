@@ -4,6 +4,7 @@ the collective type or workload detected, the first recommendation and what must
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +182,30 @@ def test_traces_without_rank_group_by_tensorboard_worker() -> None:
     ]
     verdict = rank_verdict(entries)
     assert verdict.count == 1 and verdict.windows == 2 and verdict.stragglers == []
+
+
+def test_analyze_lists_the_runs_of_a_tensorboard_logdir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stepdoctor_analysis import cli
+
+    for run in ("baseline", "team/fsdp"):
+        (tmp_path / run).mkdir(parents=True)
+    sd.all_to_all_trace(tmp_path / "baseline" / "host_1.100.pt.trace.json", rank=0, world_size=2)
+    sd.all_to_all_trace(tmp_path / "baseline" / "host_2.100.pt.trace.json", rank=1, world_size=2)
+    sd.fsdp_trace(tmp_path / "team" / "fsdp" / "host_1.200.pt.trace.json", rank=0)
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "x.json").write_text("{not json")
+    assert cli.main([str(tmp_path), "--format", "json"]) == 0
+    runs = {r["run"]: r for r in json.loads(capsys.readouterr().out)["runs"]}
+    assert set(runs) == {"baseline", "team/fsdp", "broken"}
+    assert runs["baseline"]["ranks"] == 2 and runs["baseline"]["next"]["id"] == "communication.all_to_all"
+    assert runs["team/fsdp"]["next"]["id"] == "communication.fsdp_prefetch"
+    assert "error" in runs["broken"]
+    assert cli.main([str(tmp_path)]) == 0
+    assert "log directory of 3 runs" in capsys.readouterr().out
+    assert cli.main([str(tmp_path), "--deep", "critical-path"]) == 2  # needs one run: a one-line refusal
+    assert "3 runs" in capsys.readouterr().err
 
 
 # --- 5. allocator stalls whatever the step count -------------------------------------------------

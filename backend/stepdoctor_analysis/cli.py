@@ -1,5 +1,8 @@
 """``stepdoctor analyze PATH [--format text|json] [--rank N] [--max-bytes N]``: offline diagnosis.
 
+PATH is a trace, a directory of one job's traces (ranks and capture windows), or a TensorBoard log
+directory with one folder per run: then each run is analysed and listed in one row (``logdir``).
+
 ``--deep critical-path`` (or ``--diff OTHER``) adds HTA's critical path (or trace diff against OTHER)
 from the optional ``stepdoctor[hta]`` extra, after the report; JSON puts it under a ``deep`` key.
 
@@ -16,8 +19,10 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TextIO
 
+from . import logdir
 from .errors import TraceError
 
 PROGRESS_AFTER_S = 1.0
@@ -87,7 +92,11 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="stepdoctor analyze", description="Diagnose PyTorch profiler traces offline."
     )
-    p.add_argument("path", help="trace file (.json or .json.gz) or a directory of per-rank traces")
+    p.add_argument(
+        "path",
+        help="trace file (.json or .json.gz), a directory of per-rank traces, or a TensorBoard log "
+        "directory (one folder per run: lists the runs)",
+    )
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.add_argument("--rank", type=int, default=None, help="analyze only this rank of a directory")
     p.add_argument(
@@ -121,10 +130,87 @@ def _deep(args: argparse.Namespace, progress: _Progress) -> dict[str, Any] | Non
     return None
 
 
+def _run_summary(name: str, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of a log dir, analysed: what ``analyze`` prints first, in one row."""
+    from .pipeline import analyze_path
+
+    row: dict[str, Any] = {"run": name, "path": str(folder)}
+    try:
+        report = analyze_path(folder, rank=args.rank, max_bytes=args.max_bytes).to_dict()
+    except TraceError as exc:
+        return row | {"error": str(exc)}
+    except OSError as exc:
+        return row | {"error": str(exc.strerror or exc)}
+    ranks = report.get("ranks") or {}
+    first = (report.get("recommendations") or [None])[0]
+    return row | {
+        "traces": ranks.get("windows", 1),
+        "ranks": ranks.get("count", 1),
+        "workload": (report.get("workload") or {}).get("kind"),
+        "step_time_us": report["step_time_us"],
+        "primary": {"kind": report["primary"]["kind"], "share": report["primary"]["share"]},
+        "stragglers": ranks.get("stragglers", []),
+        "next": None
+        if first is None
+        else {"id": first["id"], "title": first["title"], "expected_speedup": first["expected_speedup"]},
+    }
+
+
+def _render_runs(path: str, rows: list[dict[str, Any]]) -> str:
+    lines = [
+        f"{path}: a log directory of {len(rows)} runs; analyze one with: stepdoctor analyze {path}/RUN",
+        "",
+        f"  {'run':<24}{'traces':>7}{'ranks':>6}  {'step time':>10}  {'limited by':<22}next optimization",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"  {r['run']:<24}  error: {r['error']}")
+            continue
+        us = r["step_time_us"]
+        step = f"{us / 1e3:.2f} ms" if us >= 1e3 else f"{us:.1f} µs"
+        verdict = f"{r['primary']['kind']} {100 * r['primary']['share']:.0f}%"
+        nxt = f"{r['next']['title']} (up to {r['next']['expected_speedup']:.2f}×)" if r["next"] else "none"
+        if r["stragglers"]:
+            nxt += f"; straggler rank(s) {', '.join(map(str, r['stragglers']))}"
+        lines.append(f"  {r['run']:<24}{r['traces']:>7}{r['ranks']:>6}  {step:>10}  {verdict:<22}{nxt}")
+    return "\n".join(lines) + "\n"
+
+
+def _list_runs(args: argparse.Namespace, found: list[tuple[str, Path]]) -> int:
+    """A TensorBoard log dir with several runs: one summary row per run, not a failure."""
+    if args.deep or args.diff is not None:
+        print(
+            f"stepdoctor analyze: {args.path} holds {len(found)} runs; --deep/--diff need one: "
+            f"stepdoctor analyze {args.path}/{found[0][0]} ...",
+            file=sys.stderr,
+        )
+        return 2
+    with _Progress(sys.stderr) as progress:
+        rows = []
+        for i, (name, folder) in enumerate(found):
+            progress(f"analyzing run {name} ({i + 1}/{len(found)})")
+            rows.append(_run_summary(name, folder, args))
+    if all("error" in r for r in rows):
+        print(
+            f"stepdoctor analyze: {args.path}: no run could be analysed ({rows[0]['error']})", file=sys.stderr
+        )
+        return 2
+    if args.format == "json":
+        print(json.dumps({"logdir": args.path, "runs": rows}, indent=2))
+    else:
+        sys.stdout.write(_render_runs(args.path, rows))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     from .pipeline import analyze_path
 
+    folder = Path(args.path)
+    if folder.is_dir() and not logdir.has_traces(folder) and (found := logdir.runs(folder)):
+        if len(found) > 1:
+            return _list_runs(args, found)
+        args.path = str(found[0][1])  # one run below the log dir: analyze it as the job
     try:
         if args.deep or args.diff is not None:
             from .deep import require_hta
