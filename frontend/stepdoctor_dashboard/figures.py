@@ -35,7 +35,14 @@ KIND_COLORS = {
 }
 _LAYOUT = {"margin": {"l": 60, "r": 20, "t": 40, "b": 40}, "template": "plotly_white", "height": 320}
 # Legends go under the plot, in rows: eight categories fit a half-width figure without clipping.
-_LEGEND_BELOW = {"orientation": "h", "yanchor": "top", "y": -0.25, "x": 0, "xanchor": "left"}
+_LEGEND_BELOW = {
+    "orientation": "h",
+    "yanchor": "top",
+    "y": -0.45,
+    "x": 0,
+    "xanchor": "left",
+    "traceorder": "normal",
+}
 
 
 def to_json(fig: go.Figure) -> str:
@@ -63,7 +70,7 @@ def breakdown_figure(breakdown: Mapping[str, Any], title: str = "Average step ti
         title=title,
         xaxis_title="ms per step (TensorBoard's categories)",
         legend=_LEGEND_BELOW,
-        **{**_LAYOUT, "height": 260, "margin": {"l": 50, "r": 20, "t": 40, "b": 90}},
+        **{**_LAYOUT, "height": 280, "margin": {"l": 50, "r": 20, "t": 40, "b": 110}},
     )
     return fig
 
@@ -231,6 +238,7 @@ def step_figure(step: Mapping[str, Any], names: Sequence[str]) -> go.Figure:
             x=[(b[1] - b[0]) / 1000.0 for b in boxes],
             orientation="h",
             marker_color=[_op_color(str(lane.get("kind")), n) for n in labels],
+            marker_line_width=0,  # thin boxes would be all outline
             customdata=[[_short(n), b[3]] for n, b in zip(labels, boxes, strict=True)],
             hovertemplate="%{customdata[0]}<br>%{base:.3f} ms + %{x:.3f} ms"
             "<br>%{customdata[1]} event(s)<extra></extra>",
@@ -249,6 +257,7 @@ def step_figure(step: Mapping[str, Any], names: Sequence[str]) -> go.Figure:
                 x=[(b[1] - b[0]) / 1000.0 for b in mine],
                 orientation="h",
                 marker_color=KIND_COLORS[kind],
+                marker_line_width=0,
                 name=kind,
                 legendgroup=kind,
                 hovertemplate=f"{kind}: %{{x:.3f}} ms at %{{base:.3f}} ms<extra></extra>",

@@ -27,3 +27,9 @@ document.querySelectorAll("table.sortable").forEach(function (table) {
     th.addEventListener("keydown", function (e) { if (e.key === "Enter") sort(); });
   });
 });
+document.querySelectorAll("button.show-more").forEach(function (button) {
+  button.addEventListener("click", function () {
+    document.querySelectorAll("#" + button.dataset.table + " tr.more").forEach(function (row) { row.hidden = false; });
+    button.remove();
+  });
+});
