@@ -104,6 +104,25 @@ def test_communication_advice_by_collective_type(
     assert "communication.overlap" not in _ids(r)  # DDP bucket_cap_mb / compression hook: wrong fix
 
 
+def test_real_recommendation_model_gets_all_to_all_advice() -> None:
+    """HTA's ``trace_diff/control``: rank 3 of 8 of a TorchRec job (KJT all-to-all, DDP all-reduce)."""
+    r = _analyze(HTA_TRACES / "trace_diff/control/control.json.gz")
+    assert r["primary"]["kind"] == "communication"
+    assert _dominant(r) == "all_to_all"
+    assert r["recommendations"][0]["id"] == "communication.all_to_all"
+    assert "communication.overlap" not in _ids(r)
+
+
+def test_metadata_tag_declares_the_workload(tmp_path: Path) -> None:
+    from stepdoctor_analysis import parse
+    from stepdoctor_analysis.pipeline import analyze_trace
+
+    trace = parse.load_trace(sd.all_to_all_trace(tmp_path / "t.json"))
+    report = analyze_trace(trace, metadata={"tags": {"workload": "inference"}}).to_dict()
+    assert report["workload"]["kind"] == "inference" and report["workload"]["source"] == "metadata"
+    assert not _ids(report) & TRAINING_ADVICE
+
+
 def test_tensor_parallel_inference_all_reduce(tmp_path: Path) -> None:
     r = _analyze(sd.tp_inference_trace(tmp_path / "tp.json"))
     assert r["workload"]["kind"] == "inference"

@@ -5,7 +5,8 @@ mean nothing to a model server, and CUDA graphs, a static KV cache, batching or
 ``torch.inference_mode()`` are what an inference loop needs.
 
 Evidence, strongest first:
-- run metadata ``workload`` ("training"/"inference"), e.g. ``stepdoctor.profile(..., metadata=...)``;
+- run metadata ``workload`` ("training"/"inference"), e.g. ``stepdoctor.profile(..., tags={"workload":
+  "inference"})``;
 - training: autograd backward ops (``autograd::engine::evaluate_function``, ``*Backward0``),
   backward kernels, optimizer steps (``Optimizer.step#``, fused/foreach updates), DDP's reducer;
 - inference: none of those; a grad-disabling context (``torch/autograd/grad_mode.py`` frames of
@@ -87,7 +88,7 @@ def detect_workload(trace: RankTrace, steps: list[Step], metadata: dict[str, Any
         kernels_per_step=per_step,
         median_kernel_us=median_us,
     )
-    declared = str((metadata or {}).get("workload") or "").lower()
+    declared = _declared(metadata)
     if declared in ("training", "inference"):
         phase = _phase(host_names, kernel_names, per_step, median_us) if declared == "inference" else None
         return replace(
@@ -114,6 +115,14 @@ def detect_workload(trace: RankTrace, steps: list[Step], metadata: dict[str, Any
         # data-parallel job that missed the backward pass, more likely than an inference job.
         return replace(base, kind="training", evidence=[f"gradient all-reduce: {sync_grads}"])
     return replace(base, phase=phase, evidence=evidence, server=server is not None)
+
+
+def _declared(metadata: dict[str, Any] | None) -> str:
+    """``workload`` from the run metadata or its tags (``stepdoctor.profile(tags={"workload": ...})``)."""
+    md = metadata or {}
+    tags = md.get("tags")
+    value = md.get("workload") or (tags.get("workload") if isinstance(tags, dict) else None)
+    return str(value or "").lower()
 
 
 def _names(trace: RankTrace, ids: np.ndarray) -> list[str]:
