@@ -1,0 +1,116 @@
+"""Slow clients against a real ``stepdoctor serve`` (#12): raw sockets on 127.0.0.1.
+
+Half-sent headers, a stalled body and a body trickling at a few bytes a second are cut off by the
+server; one client address cannot hold more than its share of connections. The socket timeouts
+below only bound how long the test waits for the server to act; they are not the thing measured.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from support.server import ServerProcess, serve_subprocess
+
+pytestmark = pytest.mark.slow
+
+
+@contextmanager
+def _server(tmp_path: Path, **env: str) -> Iterator[tuple[str, int]]:
+    base = {"STEPDOCTOR_DATA_DIR": str(tmp_path / "data"), "STEPDOCTOR_WORKERS": "0"}
+    with serve_subprocess({**base, **env}) as server:
+        yield _address(server)
+
+
+def _address(server: ServerProcess) -> tuple[str, int]:
+    parts = urlsplit(server.url)
+    return parts.hostname or "127.0.0.1", parts.port or 80
+
+
+def _closed_by_server(sock: socket.socket, within_s: float) -> bytes | None:
+    """What the server sent before closing, or None if it kept the connection open."""
+    sock.settimeout(within_s)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def test_half_sent_headers_and_slow_bodies_are_cut_off(tmp_path: Path) -> None:
+    env = {
+        "STEPDOCTOR_HEADER_TIMEOUT_S": "1",
+        "STEPDOCTOR_BODY_READ_TIMEOUT_S": "1",
+        "STEPDOCTOR_BODY_MIN_RATE_BYTES_S": "1000",
+    }
+    with _server(tmp_path, **env) as address, ExitStack() as stack:
+        # 50 connections that never finish their request headers.
+        half = [stack.enter_context(socket.create_connection(address)) for _ in range(50)]
+        for sock in half:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+        for sock in half:
+            assert _closed_by_server(sock, within_s=15) is not None
+
+        # A body that stalls after a few bytes.
+        stalled = stack.enter_context(socket.create_connection(address))
+        stalled.sendall(
+            b"POST /login HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: http://127.0.0.1\r\n"
+            b"Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 100\r\n\r\ntoken="
+        )
+        answer = _closed_by_server(stalled, within_s=15)
+        assert answer is not None and answer.startswith(b"HTTP/1.1 408"), answer
+
+        # A body at one byte every 0.3 s: under the minimum rate once the grace period is over.
+        slow = stack.enter_context(socket.create_connection(address))
+        slow.sendall(
+            b"POST /login HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 1000\r\n\r\n"
+        )
+        slow.settimeout(0.3)
+        answer = b""
+        for _ in range(100):  # at most 30 s of trickling
+            try:
+                slow.sendall(b"a")
+                answer = slow.recv(65536)
+                break
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+
+        # The server still serves well-behaved clients.
+        ok = stack.enter_context(socket.create_connection(address))
+        ok.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        reply = _closed_by_server(ok, within_s=15)
+        assert reply is not None and reply.startswith(b"HTTP/1.1 200")
+
+
+def test_one_client_cannot_hold_more_than_its_connections(tmp_path: Path) -> None:
+    env = {"STEPDOCTOR_MAX_CONNECTIONS_PER_CLIENT": "4", "STEPDOCTOR_HEADER_TIMEOUT_S": "60"}
+    with _server(tmp_path, **env) as address, ExitStack() as stack:
+        held = [stack.enter_context(socket.create_connection(address)) for _ in range(4)]
+        time.sleep(0.5)  # let the server register them before the extra ones arrive
+        extra = [stack.enter_context(socket.create_connection(address)) for _ in range(3)]
+        for sock in extra:
+            assert _closed_by_server(sock, within_s=10) == b""
+        for sock in held:  # the first four are still served
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            reply = _closed_by_server(sock, within_s=10)
+            assert reply is not None and reply.startswith(b"HTTP/1.1 200"), reply
+        # Once they are gone, the client may connect again.
+        time.sleep(0.5)
+        again = stack.enter_context(socket.create_connection(address))
+        again.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        reply = _closed_by_server(again, within_s=10)
+        assert reply is not None and reply.startswith(b"HTTP/1.1 200")
