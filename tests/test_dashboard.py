@@ -118,7 +118,7 @@ def test_run_trace_and_compare_pages(app: FastAPI, analysed_runs: dict[str, Any]
         page = browser.get(f"/runs/{run_id}")
         assert page.status_code == 200
         kind = api_run["diagnosis"]["primary"]["kind"]
-        assert f"Bound by <strong>{kind}</strong>" in page.text
+        assert f">{kind}</strong>:" in page.text.split('id="verdict"', 1)[1]
         first = api_run["diagnosis"]["recommendations"][0]["title"]
         assert "Next optimization" in page.text and first.split()[0] in page.text
         plots = _plots(page.text)

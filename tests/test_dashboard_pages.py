@@ -39,7 +39,7 @@ def test_run_page_verdict_facts_tables_and_steps(client: TestClient, app: FastAP
     with _browser(app, read_token) as browser:
         page = browser.get(f"/runs/{made['run_id']}").text
     verdict = page.split('id="verdict"', 1)[1].split("</div>\n</div>", 1)[0]
-    assert f"<strong>{api['primary']['kind']}</strong>" in verdict
+    assert f">{api['primary']['kind']}</strong>:" in verdict
     assert f"{api['primary']['share'] * 100:.0f}%" in verdict
     assert api["recommendations"][0]["title"] in verdict
     assert 'id="device-summary"' in page and "GPU utilization" in page
