@@ -5,6 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection, create_engine, pool
 
+from stepdoctor_server.migrate import include_name
 from stepdoctor_server.models import Base
 from stepdoctor_server.settings import get_settings
 
@@ -17,6 +18,7 @@ def _configure(connection: Connection) -> None:
         connection=connection,
         target_metadata=target_metadata,
         compare_type=True,
+        include_name=include_name,  # procrastinate's tables are not ours
         # SQLite cannot ALTER most things; batch mode rebuilds the table instead.
         render_as_batch=connection.dialect.name == "sqlite",
     )

@@ -19,7 +19,8 @@ def test_models_and_migrations_agree(db_url: str) -> None:
     engine = create_engine(db_url, poolclass=pool.NullPool)
     try:
         with engine.connect() as connection:
-            context = MigrationContext.configure(connection, opts={"compare_type": True})
+            opts = {"compare_type": True, "include_name": migrate.include_name}
+            context = MigrationContext.configure(connection, opts=opts)
             assert compare_metadata(context, Base.metadata) == []
             assert set(inspect(connection).get_table_names()) >= {t.name for t in Base.metadata.sorted_tables}
     finally:

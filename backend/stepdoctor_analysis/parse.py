@@ -16,6 +16,7 @@ Every format generation of anchors §1 is accepted: fractional-µs Kineto, float
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import zlib
@@ -23,7 +24,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from operator import attrgetter, itemgetter
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Union
+from typing import Any, BinaryIO, Union
 
 import msgspec
 import numpy as np
@@ -276,20 +277,32 @@ def _tighten(events: list[_LaxEvent]) -> list[_Event]:
     return out
 
 
-def load_trace(path: str | Path, *, max_bytes: int | None = None) -> RankTrace:
-    """Parse one rank's trace (``.json`` or gzip, detected by content) into a ``RankTrace``."""
-    p = Path(path)
+def load_trace(
+    path: str | Path | BinaryIO, *, max_bytes: int | None = None, name: str | None = None
+) -> RankTrace:
+    """Parse one rank's trace (``.json`` or gzip, detected by content) into a ``RankTrace``.
+
+    ``path`` may also be a readable binary stream (an object-store reader), read once front to
+    back, so a server worker needs no local copy; ``name`` labels it in messages.
+    """
     cap = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
-    if not p.is_file():
-        raise TraceError(f"{p.name}: no such trace file")
-    builder = _Builder(str(p))
+    if isinstance(path, str | Path):
+        p = Path(path)
+        if not p.is_file():
+            raise TraceError(f"{p.name}: no such trace file")
+        source: Path | BinaryIO = p
+        builder, label = _Builder(str(p)), p.name
+    else:
+        source = path
+        label = name or Path(str(getattr(path, "name", "") or "trace")).name
+        builder = _Builder(label)
     # Decompression runs inline: a producer thread lost more to GIL hand-offs than it overlapped
     # (measured 8-20% slower, from 2 MB to 800 MB traces, on 2 cores).
-    blocks = _decompressed_blocks(p, cap)
+    blocks = _decompressed_blocks(source, cap, label)
     try:
-        _StreamParser(builder, p.name).run(blocks)
+        _StreamParser(builder, label).run(blocks)
     except RecursionError:  # msgspec recurses per nesting level
-        raise TraceError(f"{p.name}: JSON nested too deeply to be a trace") from None
+        raise TraceError(f"{label}: JSON nested too deeply to be a trace") from None
     finally:
         blocks.close()  # closes the file at once, also when parsing failed
     return builder.finish()
@@ -314,14 +327,12 @@ def load_job(path: str | Path, *, max_bytes: int | None = None) -> list[RankTrac
 # --------------------------------------------------------------------------- reading
 
 
-def _decompressed_blocks(p: Path, cap: int) -> Generator[bytes, None, None]:
+def _decompressed_blocks(p: Path | BinaryIO, cap: int, name: str) -> Generator[bytes, None, None]:
     """Yield the file's decompressed bytes in blocks; gzip is detected by its magic number."""
-    name = p.name
     produced = 0
-    with p.open("rb") as fh:
-        head = fh.read(2)
-        fh.seek(0)
-        small = os.fstat(fh.fileno()).st_size <= _SMALL_FILE
+    with p.open("rb") if isinstance(p, Path) else io.BufferedReader(_RawStream(p)) as fh:
+        head = fh.peek(2)[:2]
+        small = _size(fh, p) <= _SMALL_FILE
         out_block = _SMALL_OUT_BLOCK if small else _OUT_BLOCK
         if head != b"\x1f\x8b":
             while block := fh.read(out_block):
@@ -355,6 +366,35 @@ def _decompressed_blocks(p: Path, cap: int) -> Generator[bytes, None, None]:
             yield out
         if not at_boundary and not d.eof:
             raise TraceError(f"{name}: truncated gzip data (the file ends mid-stream)")
+
+
+class _RawStream(io.RawIOBase):
+    """A caller's binary stream (whose ``read`` may return any buffer) as raw I/O we can buffer."""
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self._stream = stream
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = memoryview(self._stream.read(len(buffer))).cast("B")
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._stream.close()
+        super().close()
+
+
+def _size(fh: BinaryIO, source: Path | BinaryIO) -> float:
+    """Bytes in the file (a stream's ``size`` if it tells; unknown counts as large)."""
+    try:
+        return os.fstat(fh.fileno()).st_size
+    except (OSError, AttributeError):
+        size = getattr(source, "size", None)
+        return float(size) if isinstance(size, int) else float("inf")
 
 
 def _inflate(d: Any, data: bytes, name: str, out_block: int) -> bytes:

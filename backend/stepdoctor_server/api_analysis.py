@@ -192,7 +192,7 @@ def tensorboard_zip(run_id: int, request: Request, principal: ReadTeam, session:
     ).all()
     items = [
         tensorboard_export.ExportItem(
-            path=store.path(t.storage_key),
+            path=store.source(t.storage_key),
             rank=t.rank,
             window_index=t.window_index,
             host=_host(t.meta),
@@ -200,7 +200,7 @@ def tensorboard_zip(run_id: int, request: Request, principal: ReadTeam, session:
         )
         for t in traces
     ]
-    items = [i for i in items if i.path.is_file()]
+    items = [i for i, t in zip(items, traces, strict=True) if store.exists(t.storage_key)]
     if not items:
         raise ApiError(409, "empty", f"run {run.id} has no exportable traces")
     members = tensorboard_export.archive_names(run.name, items)

@@ -31,7 +31,7 @@ from stepdoctor_server.ingest import (
     validate_name,
 )
 from stepdoctor_server.models import Analysis, Project, Run, Trace
-from stepdoctor_server.queue import requeue_if_stale
+from stepdoctor_server.queue import enqueue_analyses, requeue_if_stale
 from stepdoctor_server.schemas import AnalysisOut, ErrorResponse, TraceOut, UploadResult
 from stepdoctor_server.settings import Settings
 from stepdoctor_server.storage import StagedFile, TraceStore, too_large
@@ -243,6 +243,7 @@ def _record_upload(
     store.commit(staged, trace.storage_key)
     key = trace.storage_key
     on_rollback(session, lambda: store.delete(key))
+    enqueue_analyses(session, [trace.id])  # the job commits with the trace row, or neither does
     return trace, False
 
 
@@ -340,16 +341,16 @@ def _analysis_out(analysis: Analysis, filename: str) -> AnalysisOut:
     responses={200: {"description": "the original uploaded bytes"}, **_ERRORS},
     summary="Download the trace as uploaded (open it in Perfetto or chrome://tracing)",
 )
-def download_trace(trace_id: int, request: Request, principal: ReadTeam, session: SessionDep) -> FileResponse:
+def download_trace(trace_id: int, request: Request, principal: ReadTeam, session: SessionDep) -> Response:
     trace, _, _ = load_trace(session, principal, trace_id)
     store: TraceStore = request.app.state.store
-    path = store.path(trace.storage_key)
-    if not path.is_file():
+    if not store.exists(trace.storage_key):
         raise ApiError(410, "gone", f"trace {trace_id} file is missing from the store")
     media = "application/gzip" if trace.filename.endswith(".gz") else "application/json"
-    return FileResponse(
-        path,
-        media_type=media,
+    # The local store sends the file; S3 streams it through (or redirects to a presigned URL).
+    return store.download(
+        trace.storage_key,
         filename=trace.filename,
+        media_type=media,
         headers={"X-Content-SHA256": trace.sha256, "Cache-Control": "private, max-age=3600"},
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -36,7 +37,7 @@ from stepdoctor_server.models import TRACE_STATUSES, Trace
 from stepdoctor_server.schemas import ErrorResponse, HealthOut
 from stepdoctor_server.security import SameOriginMiddleware, SecurityHeadersMiddleware
 from stepdoctor_server.settings import Settings, get_settings
-from stepdoctor_server.storage import TraceStore
+from stepdoctor_server.storage import make_store
 from stepdoctor_server.timeouts import BodyReadTimeoutMiddleware
 
 log = logging.getLogger("stepdoctor.server")
@@ -226,6 +227,32 @@ def _stop_workers(handle: Any) -> None:
         handle()
 
 
+class _PartialCleaner:
+    """Removes stage files of crashed uploads at start and then every ``INTERVAL_S`` (a thread)."""
+
+    INTERVAL_S = 600.0
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self._stop = threading.Event()
+
+    def start(self) -> _PartialCleaner:
+        threading.Thread(target=self._run, name="stepdoctor-partials", daemon=True).start()
+        return self
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.store.cleanup_partials()
+            except OSError as exc:
+                log.warning("could not clean partial uploads: %s", exc)
+            if self._stop.wait(self.INTERVAL_S):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
 def _include_optional_routers(app: FastAPI) -> None:
     """Routers owned by other teams join through ``install(app)`` or their ``router``."""
     for name in EXTRA_ROUTER_MODULES:
@@ -253,10 +280,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         handle = await anyio.to_thread.run_sync(_start_workers, settings)
+        cleaner = _PartialCleaner(app.state.store).start()  # stage files of crashed uploads
         app.state.workers = handle
         try:
             yield
         finally:
+            cleaner.stop()
             await anyio.to_thread.run_sync(_stop_workers, handle)
             db.dispose()
 
@@ -271,7 +300,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.db = db
-    app.state.store = TraceStore(settings.traces_dir)
+    app.state.store = make_store(settings)
     app.state.metrics = Metrics(db)
     app.state.workers = None
     install_error_handlers(app)

@@ -18,6 +18,7 @@ from stepdoctor_server import auth, migrate
 from stepdoctor_server.db import Database
 from stepdoctor_server.models import SCOPES, Team, utcnow
 from stepdoctor_server.settings import Settings, get_settings
+from stepdoctor_server.storage import make_store
 
 DEFAULT_TEAM = "default"
 
@@ -36,7 +37,17 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None, help="bind address (default STEPDOCTOR_HOST or 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="port (default STEPDOCTOR_PORT or 8000)")
     serve.add_argument(
-        "--workers", type=int, default=None, help="analysis processes (default STEPDOCTOR_WORKERS)"
+        "--workers",
+        type=int,
+        default=None,
+        help="analysis jobs at a time (default STEPDOCTOR_WORKERS); 0 = API only, safe to replicate",
+    )
+    serve.add_argument(
+        "--migrate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="apply migrations before serving (default: yes, except with --workers 0, which only "
+        "checks that `stepdoctor db upgrade` ran)",
     )
 
     commands.add_parser("worker", help="run analysis workers only", add_help=False)
@@ -95,7 +106,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = get_settings()
         if args.command == "serve":
-            return serve(settings, host=args.host, port=args.port, workers=args.workers)
+            return serve(
+                settings, host=args.host, port=args.port, workers=args.workers, migrations=args.migrate
+            )
         if args.command == "token":
             if args.token_command == "create":
                 return token_create(
@@ -231,7 +244,14 @@ def bootstrap(settings: Settings, public_url: str) -> str | None:
     )
 
 
-def serve(settings: Settings, *, host: str | None, port: int | None, workers: int | None) -> int:
+def serve(
+    settings: Settings,
+    *,
+    host: str | None,
+    port: int | None,
+    workers: int | None,
+    migrations: bool | None = None,
+) -> int:
     import uvicorn
 
     from stepdoctor_server.app import create_app
@@ -246,13 +266,20 @@ def serve(settings: Settings, *, host: str | None, port: int | None, workers: in
             raise CommandError("--workers must be >= 0")
         updates["workers"] = workers
     settings = settings.model_copy(update=updates)
-    migrate.upgrade(settings)
+    # API replicas (--workers 0) never race to migrate; they refuse to serve an outdated schema.
+    if migrations if migrations is not None else settings.workers > 0:
+        migrate.upgrade(settings)
+    elif not migrate.is_current(settings):
+        raise CommandError(
+            f"database at {_safe_url(settings)} is not at the latest schema revision: "
+            "run `stepdoctor db upgrade` first (or serve --migrate)"
+        )
     shown_host = "127.0.0.1" if settings.host in {"0.0.0.0", "::"} else settings.host
     message = bootstrap(settings, f"http://{shown_host}:{settings.port}")
     if message:
         print(message, flush=True)
     print(
-        f"stepdoctor serve: database {_safe_url(settings)}, traces in {settings.traces_dir}, "
+        f"stepdoctor serve: database {_safe_url(settings)}, traces in {make_store(settings).description}, "
         f"{settings.workers} analysis worker(s)",
         flush=True,
     )

@@ -35,12 +35,18 @@ def make_engine(settings: Settings) -> Engine:
     return engine
 
 
+# Execution option marking a connection whose transactions only read (SQLite: plain BEGIN).
+READ_ONLY = "stepdoctor_read_only"
+
+
 def _configure_sqlite(engine: Engine, settings: Settings) -> None:
-    """Take over pysqlite's transaction handling (needed for SAVEPOINT) and begin IMMEDIATE.
+    """Take over pysqlite's transaction handling (needed for SAVEPOINT); writers begin IMMEDIATE.
 
     In WAL mode a deferred transaction that reads and then writes fails at once with "database is
     locked" when another writer committed in between; taking the write lock at BEGIN makes
-    concurrent requests wait (up to the busy timeout) instead of failing. Keep sessions short.
+    concurrent writers wait (up to the busy timeout) instead of failing. Readers (sessions made
+    with ``read_only=True``: GET requests) begin deferred and never take the write lock, so a
+    page answers from its WAL snapshot while another connection writes. Keep sessions short.
     """
     busy_ms = int(settings.sqlite_busy_timeout_s * 1000)
 
@@ -56,7 +62,7 @@ def _configure_sqlite(engine: Engine, settings: Settings) -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READ_ONLY) else "BEGIN IMMEDIATE")
 
 
 class Database:
@@ -65,12 +71,24 @@ class Database:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.engine = make_engine(settings)
-        self.sessionmaker = sessionmaker(self.engine, expire_on_commit=False)
+        # Sessions know whether jobs go through procrastinate (queue.enqueue_analyses reads it).
+        from stepdoctor_server.queue import PROCRASTINATE
+
+        info = {PROCRASTINATE: settings.uses_procrastinate}
+        self.sessionmaker = sessionmaker(self.engine, expire_on_commit=False, info=info)
+        self.read_sessionmaker = sessionmaker(
+            self.engine.execution_options(**{READ_ONLY: True}), expire_on_commit=False, info=info
+        )
 
     @contextmanager
-    def session(self) -> Iterator[Session]:
-        """A unit of work outside a request (CLI, workers, auth): commit on success, else roll back."""
-        with self.sessionmaker() as session:
+    def session(self, *, read_only: bool = False) -> Iterator[Session]:
+        """A unit of work outside a request (CLI, workers, auth): commit on success, else roll back.
+
+        ``read_only`` sessions do not take SQLite's write lock (a write in one still works, but
+        may fail with "database is locked" when another writer got there first).
+        """
+        factory = self.read_sessionmaker if read_only else self.sessionmaker
+        with factory() as session:
             try:
                 yield session
                 session.commit()
@@ -112,9 +130,12 @@ def get_db(request: Request) -> Database:
 DatabaseDep = Annotated[Database, Depends(get_db)]
 
 
-def get_session(db: DatabaseDep) -> Iterator[Session]:
-    """Request unit of work; runs in the threadpool and finishes before the response is sent."""
-    with db.session() as session:
+def get_session(db: DatabaseDep, request: Request) -> Iterator[Session]:
+    """Request unit of work; runs in the threadpool and finishes before the response is sent.
+
+    GET and HEAD requests read: on SQLite they never wait for (nor block) a writer.
+    """
+    with db.session(read_only=request.method in ("GET", "HEAD")) as session:
         yield session
 
 

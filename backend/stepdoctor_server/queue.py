@@ -59,11 +59,14 @@ class JobQueue(Protocol):
     def claim(self, worker_id: str) -> int | None:
         """Atomically take the oldest pending job; None when there is none."""
 
-    def complete(self, trace_id: int, analysis: AnalysisResult) -> None:
-        """Store the analysis and mark the job done."""
+    def claim_trace(self, trace_id: int, worker_id: str) -> bool:
+        """Take one given trace a job engine delivered; False for a duplicate delivery."""
 
-    def fail(self, trace_id: int, reason: str) -> None:
-        """Mark the job failed with a one-line reason shown to users."""
+    def complete(self, trace_id: int, analysis: AnalysisResult, worker_id: str | None = None) -> bool:
+        """Store the analysis and mark the job done, if it is still this worker's."""
+
+    def fail(self, trace_id: int, reason: str, worker_id: str | None = None) -> bool:
+        """Mark the job failed with a one-line reason shown to users, if it is still this worker's."""
 
     def requeue_stale(self, older_than: timedelta) -> int:
         """Put back jobs claimed longer ago than ``older_than``; returns how many."""
@@ -89,15 +92,25 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def _finish_running(session: Session, table: Any, row_id: int, **values: Any) -> None:
-    """End a job, but only if it is still running: a reset to pending meanwhile (reanalyze, force)
-    wins, and the job runs again."""
-    session.execute(
+def _finish_running(
+    session: Session, table: Any, row_id: int, *, worker_id: str | None = None, **values: Any
+) -> bool:
+    """End a job, but only if it is still running (and, given ``worker_id``, still ours).
+
+    A reset to pending meanwhile (reanalyze, force) wins, and the job runs again; a job taken over
+    by another worker (this one was presumed dead) keeps that worker's result. Returns whether
+    this call ended it, so a second delivery of a job never stores a second analysis.
+    """
+    where = [table.id == row_id, table.status == "running"]
+    if worker_id is not None:
+        where.append(table.claimed_by == worker_id)
+    result = session.execute(
         update(table)
-        .where(table.id == row_id, table.status == "running")
+        .where(*where)
         .values(**values, updated_at=_now())
         .execution_options(synchronize_session=False)
     )
+    return int(result.rowcount) == 1  # type: ignore[attr-defined]
 
 
 def _one_line(reason: str) -> str:
@@ -167,8 +180,32 @@ class SqlJobQueue:
         with self.db.session() as session:
             return claim_row(session, Trace, worker_id, postgres=self._postgres)
 
-    def complete(self, trace_id: int, analysis: AnalysisResult) -> None:
+    def claim_trace(self, trace_id: int, worker_id: str) -> bool:
+        """Take one given trace (a job engine delivered it): pending, or running under a worker the
+        engine declared dead. False when it is done, failed or gone (a duplicate delivery)."""
+        now = _now()
         with self.db.session() as session:
+            result = session.execute(
+                update(Trace)
+                .where(Trace.id == trace_id, Trace.status.in_(("pending", "running")))
+                .values(
+                    status="running",
+                    claimed_by=worker_id,
+                    claimed_at=now,
+                    updated_at=now,
+                    attempts=Trace.attempts + 1,
+                )
+                .execution_options(synchronize_session=False)
+            )
+            return int(result.rowcount) == 1  # type: ignore[attr-defined]
+
+    def complete(self, trace_id: int, analysis: AnalysisResult, worker_id: str | None = None) -> bool:
+        """Store the analysis and end the job in one transaction; False if the job was not ours."""
+        with self.db.session() as session:
+            if not _finish_running(
+                session, Trace, trace_id, worker_id=worker_id, status="done", status_reason=None
+            ):
+                return False
             session.execute(delete(Analysis).where(Analysis.trace_id == trace_id))
             session.add(
                 Analysis(
@@ -181,11 +218,22 @@ class SqlJobQueue:
                     duration_ms=analysis.duration_ms,
                 )
             )
-            _finish_running(session, Trace, trace_id, status="done", status_reason=None)
+            schedule_aggregation(session, trace_id)
+            return True
 
-    def fail(self, trace_id: int, reason: str) -> None:
+    def fail(self, trace_id: int, reason: str, worker_id: str | None = None) -> bool:
         with self.db.session() as session:
-            _finish_running(session, Trace, trace_id, status="failed", status_reason=_one_line(reason))
+            ended = _finish_running(
+                session,
+                Trace,
+                trace_id,
+                worker_id=worker_id,
+                status="failed",
+                status_reason=_one_line(reason),
+            )
+            if ended:
+                schedule_aggregation(session, trace_id)
+            return ended
 
     def requeue_stale(self, older_than: timedelta) -> int:
         """Requeue running jobs claimed longer ago than ``older_than`` (their worker is presumed dead)."""
@@ -346,10 +394,38 @@ def _requeue_or_give_up(session: Session, table: JobTable, ids: Sequence[int]) -
     return int(result.rowcount)  # type: ignore[attr-defined]
 
 
+# Set on sessions (``Session.info``) of a database whose jobs go through procrastinate.
+PROCRASTINATE = "stepdoctor_procrastinate"
+
+
+def enqueue_analyses(session: Session, trace_ids: Sequence[int]) -> None:
+    """Hand pending traces to the job engine inside the caller's transaction.
+
+    With procrastinate the job rows are inserted by the same commit as the trace rows, so an
+    accepted upload is never without its job and a rolled-back one never has one. The embedded
+    pool needs nothing: its workers claim pending rows of ``traces`` directly.
+    """
+    if trace_ids and session.info.get(PROCRASTINATE):
+        from stepdoctor_server import jobs
+
+        jobs.defer_analyses(session, trace_ids)
+
+
+def schedule_aggregation(session: Session, trace_id: int) -> None:
+    """With procrastinate, queue the run's aggregation job in this transaction (coalesced per run)."""
+    if session.info.get(PROCRASTINATE):
+        from stepdoctor_server import jobs
+
+        run_id = session.scalar(select(Trace.run_id).where(Trace.id == trace_id))
+        if run_id is not None:
+            jobs.defer_aggregation(session, run_id)
+
+
 def reset_to_pending(session: Session, trace_ids: Sequence[int]) -> int:
     """Queue traces (again) for analysis; attempts restart so a retried trace gets full retries."""
     if not trace_ids:
         return 0
+    enqueue_analyses(session, trace_ids)
     result = session.execute(
         update(Trace)
         .where(Trace.id.in_(list(trace_ids)))
@@ -411,8 +487,18 @@ def diagnosis_due(session: Session, run_id: int, *, min_interval: timedelta = DI
     return _now() - last >= min_interval
 
 
-def refresh_run_diagnosis(session: Session, run_id: int) -> dict[str, Any]:
-    """Recompute and store the run-level diagnosis from every analysed trace of the run."""
+def refresh_run_diagnosis(session: Session, run_id: int, *, force: bool = True) -> dict[str, Any] | None:
+    """Recompute and store the run-level diagnosis from every analysed trace of the run.
+
+    The run row is locked first (``FOR UPDATE`` on PostgreSQL; SQLite serialises writers), so two
+    aggregations of one run never interleave and the last one to commit saw every earlier commit:
+    no lost update. Without ``force`` nothing is re-read when the inputs (analysis ids and trace
+    states) are the ones the stored diagnosis was built from; then None is returned.
+    """
+    session.execute(select(Run.id).where(Run.id == run_id).with_for_update())
+    basis = _diagnosis_basis(session, run_id)
+    if not force and session.scalar(select(Run.diagnosis_basis).where(Run.id == run_id)) == basis:
+        return None
     rows = session.execute(
         select(Trace.id, Trace.rank, Trace.window_index, Analysis.report)
         .join(Analysis, Analysis.trace_id == Trace.id)
@@ -441,6 +527,8 @@ def refresh_run_diagnosis(session: Session, run_id: int) -> dict[str, Any]:
         .where(Run.id == run_id)
         .values(
             diagnosis=diagnosis,
+            diagnosis_basis=basis,
+            aggregations=Run.aggregations + 1,
             primary_kind=primary.get("kind"),
             diagnosis_engine_version=engine_version if isinstance(engine_version, str) else None,
             updated_at=_now(),
@@ -448,3 +536,16 @@ def refresh_run_diagnosis(session: Session, run_id: int) -> dict[str, Any]:
         .execution_options(synchronize_session=False)
     )
     return diagnosis
+
+
+def _diagnosis_basis(session: Session, run_id: int) -> str:
+    """A digest of what a run diagnosis depends on: each trace's state and analysis id (no reports)."""
+    import hashlib
+
+    rows = session.execute(
+        select(Trace.id, Trace.status, Analysis.id)
+        .outerjoin(Analysis, Analysis.trace_id == Trace.id)
+        .where(Trace.run_id == run_id)
+        .order_by(Trace.id)
+    ).all()
+    return hashlib.sha256(json.dumps([list(r) for r in rows]).encode()).hexdigest()

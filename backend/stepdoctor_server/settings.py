@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -40,6 +41,21 @@ class Settings(BaseSettings):
     body_read_timeout_s: float = Field(default=30.0, ge=0)
     body_min_rate_bytes_s: float = Field(default=1024.0, ge=0)
     max_connections_per_client: int = Field(default=64, ge=0)
+    # Trace store: empty = data_dir/traces; ``s3://bucket/prefix`` = S3 (AWS_* variables, AWS_ENDPOINT_URL).
+    storage_url: str = ""
+    # S3 only: downloads redirect to a presigned URL (the browser must reach the endpoint).
+    storage_presign_downloads: bool = False
+    # Job engine: ``auto`` = procrastinate on PostgreSQL, the in-process pool on SQLite.
+    job_engine: Literal["auto", "embedded", "procrastinate"] = "auto"
+    # Per-job limits: an analysis past them is killed and fails with the limit as its reason.
+    job_timeout_s: float = Field(default=1800.0, gt=0)
+    job_memory_limit_bytes: int = Field(default=16 * GiB, ge=0)  # 0 = no limit
+    # A worker silent this long is presumed dead and its jobs run elsewhere (issue: within 60 s).
+    worker_stalled_after_s: float = Field(default=30.0, gt=0)
+    worker_heartbeat_s: float = Field(default=5.0, gt=0)
+    # Prometheus metrics of ``stepdoctor worker`` (0 = off), bound to metrics_host.
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
 
     @model_validator(mode="after")
     def _resolve_paths(self) -> Settings:
@@ -56,6 +72,13 @@ class Settings(BaseSettings):
     @property
     def is_sqlite(self) -> bool:
         return self.database_url.startswith("sqlite")
+
+    @property
+    def uses_procrastinate(self) -> bool:
+        """Whether jobs go through procrastinate (PostgreSQL) rather than the in-process pool."""
+        if self.job_engine == "auto":
+            return self.database_url.startswith("postgresql")
+        return self.job_engine == "procrastinate"
 
 
 @lru_cache(maxsize=1)

@@ -1,0 +1,313 @@
+"""Distributed jobs on procrastinate (PostgreSQL): analysis, run aggregation, liveness sweeps.
+
+Used when the database is PostgreSQL (``STEPDOCTOR_JOB_ENGINE=auto``). Procrastinate brings what
+a home-made queue lacked: worker heartbeats, LISTEN/NOTIFY wake-up, retries with backoff,
+locks and queueing locks, periodic tasks, and no extra service. The ``traces`` table still
+holds each trace's user-facing state (pending/running/done/failed); procrastinate delivers work.
+
+- ``stepdoctor.analyze_trace(trace_id)``: deferred by the upload's own transaction (the job row
+  commits with the trace row, so none is lost or orphaned). ``lock`` and ``queueing_lock``
+  ``trace:N`` mean at most one delivery runs and one waits; the claim in ``traces`` and the
+  ``claimed_by`` guard on completion mean a second delivery never stores a second analysis.
+- ``stepdoctor.aggregate_run(run_id)``: deferred by the transaction that ends a trace; the
+  queueing lock coalesces the run's finishing traces into one waiting job and the lock
+  serialises it per run. It aggregates once no trace of the run is waiting, and skips when the
+  inputs are those of the stored diagnosis.
+- ``stepdoctor.retry_stalled`` (every 5 s): jobs of workers whose heartbeat is older than
+  ``STEPDOCTOR_WORKER_STALLED_AFTER_S`` (killed, hung, host gone) go back to the queue.
+- ``stepdoctor.sweep_pending`` (every 30 s): the outbox safety net; a pending trace without a
+  waiting job (written by an older version, or reset by hand) gets one.
+
+The analysis itself runs in a child process under the job's time and memory limits (``limits``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from stepdoctor_server.settings import Settings
+
+log = logging.getLogger("stepdoctor.jobs")
+
+ANALYZE = "stepdoctor.analyze_trace"
+AGGREGATE = "stepdoctor.aggregate_run"
+QUEUE_ANALYSIS = "analysis"
+QUEUE_AGGREGATION = "aggregation"
+# Traces finishing within this window share one aggregation job.
+AGGREGATION_DELAY_S = 0.0
+
+_DEFER = text(
+    "SELECT procrastinate_defer_jobs_v1(ARRAY[ROW(CAST(:queue AS varchar), CAST(:task AS varchar), "
+    "CAST(:priority AS integer), CAST(:lock AS text), CAST(:qlock AS text), CAST(:args AS jsonb), "
+    "CAST(:at AS timestamptz))::procrastinate_job_to_defer_v1])"
+)
+
+
+# -- deferring inside the caller's transaction (no procrastinate import needed) -----------------
+
+
+def _defer(
+    session: Session,
+    *,
+    task: str,
+    queue: str,
+    args: dict[str, Any],
+    lock: str,
+    priority: int = 0,
+    delay_s: float = 0,
+) -> bool:
+    """Insert one job row in the session's transaction; False when one already waits (queueing lock)."""
+    at = datetime.now(timezone.utc) + timedelta(seconds=delay_s) if delay_s else None
+    try:
+        with session.begin_nested():
+            session.execute(
+                _DEFER,
+                {
+                    "queue": queue,
+                    "task": task,
+                    "priority": priority,
+                    "lock": lock,
+                    "qlock": lock,
+                    "args": json.dumps(args),
+                    "at": at,
+                },
+            )
+    except IntegrityError:  # the queueing lock: a job for the same object is already waiting
+        return False
+    return True
+
+
+def defer_analyses(session: Session, trace_ids: Sequence[int]) -> None:
+    for trace_id in trace_ids:
+        _defer(
+            session,
+            task=ANALYZE,
+            queue=QUEUE_ANALYSIS,
+            args={"trace_id": int(trace_id)},
+            lock=f"trace:{trace_id}",
+        )
+
+
+def defer_aggregation(session: Session, run_id: int) -> None:
+    _defer(
+        session,
+        task=AGGREGATE,
+        queue=QUEUE_AGGREGATION,
+        args={"run_id": int(run_id)},
+        lock=f"run:{run_id}",
+        priority=1,
+        delay_s=AGGREGATION_DELAY_S,
+    )
+
+
+def libpq_url(database_url: str) -> str:
+    """The SQLAlchemy URL as a libpq connection URI (what procrastinate's psycopg connector takes)."""
+    return make_url(database_url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def queue_depth(session: Session) -> dict[str, int]:
+    """Jobs waiting per queue (``todo``), for metrics."""
+    rows = session.execute(
+        text("SELECT queue_name, count(*) FROM procrastinate_jobs WHERE status = 'todo' GROUP BY queue_name")
+    ).all()
+    return {str(q): int(n) for q, n in rows}
+
+
+# -- the procrastinate application ---------------------------------------------------------------
+
+
+@dataclass
+class Runtime:
+    """What tasks need, handed to them through procrastinate's ``additional_context``."""
+
+    settings: Settings
+    db: Any
+    worker_id: str
+    metrics: Any = None
+
+
+def make_app(settings: Settings) -> Any:
+    """A procrastinate App on ``settings.database_url`` with our tasks registered."""
+    import procrastinate
+
+    app = procrastinate.App(
+        connector=procrastinate.PsycopgConnector(conninfo=libpq_url(settings.database_url))
+    )
+    app.add_tasks_from(_blueprint(), namespace="")
+    return app
+
+
+def _blueprint() -> Any:
+    import procrastinate
+    from procrastinate import RetryStrategy
+
+    from stepdoctor_server.worker import TransientJobError
+
+    bp = procrastinate.Blueprint()
+    # Only transient trouble (database away mid-job) is retried, with exponential backoff:
+    # 2, 4, 8, ... s. A bad trace fails once, with its reason stored in ``traces``.
+    transient = RetryStrategy(max_attempts=10, exponential_wait=2, retry_exceptions={TransientJobError})
+
+    @bp.task(name=ANALYZE, queue=QUEUE_ANALYSIS, pass_context=True, retry=transient)
+    def analyze_trace(context: Any, trace_id: int) -> None:
+        from stepdoctor_server import worker
+
+        runtime: Runtime = context.additional_context["runtime"]
+        worker.run_delivered_trace(runtime, trace_id)
+
+    @bp.task(name=AGGREGATE, queue=QUEUE_AGGREGATION, pass_context=True, retry=transient)
+    def aggregate_run(context: Any, run_id: int) -> None:
+        from stepdoctor_server import worker
+
+        runtime: Runtime = context.additional_context["runtime"]
+        worker.aggregate_when_finished(runtime, run_id)
+
+    @bp.periodic(cron="* * * * * */5", periodic_id="stalled")
+    @bp.task(name="stepdoctor.retry_stalled", queue=QUEUE_AGGREGATION, pass_context=True)
+    async def retry_stalled(context: Any, timestamp: int) -> None:
+        runtime: Runtime = context.additional_context["runtime"]
+        manager = context.app.job_manager
+        stalled = await manager.get_stalled_jobs(
+            seconds_since_heartbeat=runtime.settings.worker_stalled_after_s
+        )
+        for job in stalled:
+            log.warning(
+                "job %s (%s %s) lost its worker; queueing it again", job.id, job.task_name, job.task_kwargs
+            )
+            await manager.retry_job(job)
+
+    @bp.periodic(cron="* * * * * */30", periodic_id="pending")
+    @bp.task(name="stepdoctor.sweep_pending", queue=QUEUE_AGGREGATION, pass_context=True)
+    def sweep_pending(context: Any, timestamp: int) -> None:
+        runtime: Runtime = context.additional_context["runtime"]
+        with runtime.db.session() as session:
+            ids = session.scalars(
+                text(
+                    "SELECT t.id FROM traces t WHERE t.status = 'pending' "
+                    "AND t.updated_at < now() - interval '10 seconds' AND NOT EXISTS ("
+                    "SELECT 1 FROM procrastinate_jobs j WHERE j.lock = 'trace:' || t.id "
+                    "AND j.status IN ('todo', 'doing'))"
+                )
+            ).all()
+            if ids:
+                log.info("queueing %d pending trace(s) that had no job", len(ids))
+                defer_analyses(session, ids)
+
+    return bp
+
+
+# -- the worker process --------------------------------------------------------------------------
+
+
+class _StateLog:
+    """One log line per change of the database's reachability, never one per retry."""
+
+    def __init__(self) -> None:
+        self.down_since: float | None = None
+
+    def failed(self, exc: BaseException, retry_in: float) -> None:
+        if self.down_since is None:
+            self.down_since = time.monotonic()
+            log.warning(
+                "database unreachable (%s); retrying with backoff up to %.0f s", _short(exc), retry_in
+            )
+
+    def ok(self) -> None:
+        if self.down_since is not None:
+            log.warning("database reachable again after %.0f s", time.monotonic() - self.down_since)
+            self.down_since = None
+
+
+def _short(exc: BaseException) -> str:
+    lines = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def run_worker(
+    settings: Settings,
+    *,
+    concurrency: int,
+    name: str,
+    stop: threading.Event | Any,
+    metrics: Any = None,
+    watch_parent: bool = False,
+) -> None:
+    """Run one procrastinate worker (``concurrency`` jobs at a time) until ``stop`` is set.
+
+    When the database goes away the worker is restarted with exponential backoff (0.5 s to 30 s)
+    and one log line per state change, never a traceback per poll.
+    """
+    from stepdoctor_server.db import Database
+
+    db = Database(settings)
+    runtime = Runtime(settings=settings, db=db, worker_id=name, metrics=metrics)
+    state = _StateLog()
+    backoff = 0.5
+    try:
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                asyncio.run(_serve(settings, runtime, concurrency, name, stop, state, watch_parent))
+                return
+            except Exception as exc:
+                if time.monotonic() - started > 60:
+                    backoff = 0.5  # it ran fine for a while: this is a new outage
+                state.failed(exc, 30.0)
+                log.debug("worker loop ended", exc_info=True)
+                stop.wait(backoff)
+                backoff = min(30.0, backoff * 2)
+    finally:
+        db.dispose()
+
+
+async def _serve(
+    settings: Settings,
+    runtime: Runtime,
+    concurrency: int,
+    name: str,
+    stop: Any,
+    state: _StateLog,
+    watch_parent: bool,
+) -> None:
+    app = make_app(settings)
+    async with app.open_async():
+        await app.check_connection_async()
+        state.ok()
+        worker = asyncio.create_task(
+            app.run_worker_async(
+                name=name,
+                concurrency=concurrency,
+                additional_context={"runtime": runtime},
+                install_signal_handlers=False,
+                update_heartbeat_interval=settings.worker_heartbeat_s,
+                stalled_worker_timeout=settings.worker_stalled_after_s,
+                listen_notify=True,
+                fetch_job_polling_interval=5.0,
+                shutdown_graceful_timeout=10.0,
+            )
+        )
+        parent = os.getppid()
+        while not worker.done():
+            # A pool child whose parent was SIGKILLed cannot be stopped by it: exit instead.
+            if stop.is_set() or (watch_parent and os.getppid() != parent):
+                worker.cancel()
+                break
+            await asyncio.sleep(0.2)
+        try:
+            await worker
+        except asyncio.CancelledError:
+            return
