@@ -156,6 +156,9 @@ def test_straggler_is_the_rank_that_works_longer_and_both_paths_agree(tmp_path: 
     assert server["stragglers"][0]["cause"] == "compute"
     assert cli["ranks"]["count"] == len(server["ranks"]) == 3
     assert cli["primary"]["kind"] == server["primary"]["kind"]  # one job verdict (``job.job_limiter``)
+    # The others wait for rank 1: the first advice is to even out the ranks, not DDP bucket sizes.
+    assert cli["recommendations"][0]["id"] == server["recommendations"][0]["id"] == "communication.straggler"
+    assert "tokens per rank" in cli["recommendations"][0]["change"]
     assert any("straggler" in w for w in cli["warnings"])
 
 

@@ -308,4 +308,8 @@ def _job_report(path: Path, traces: list[RankTrace], reports: list[Report]) -> R
         )
     for st in verdict.stragglers:
         top.warnings.append(f"straggler: {st.sentence()}; the other ranks wait for it in collectives")
+    if (card := ranks.straggler_advice(verdict)) is not None:  # the others wait: fix the straggler first
+        rec = diagnose.Recommendation(**card)
+        top.recommendations = ranks.with_straggler_advice(top.recommendations, rec, top.primary.kind)
+        top.findings = ranks.with_straggler_advice(top.findings, rec, top.primary.kind)
     return top

@@ -115,6 +115,62 @@ class RankVerdict:
         }
 
 
+# What to change on a straggler, by the kind of work it has too much of.
+_STRAGGLER_CHANGE = {
+    "compute": "Give it the same work as the others: balance tokens per rank (length-grouped or token-count "
+    "bucketed batches), balance pipeline stages / experts, and check its GPU is the same model and not "
+    "throttled (nvidia-smi -q -d PERFORMANCE,CLOCK)",
+    "input": "Feed it as fast as the others: more DataLoader workers on its host, its data on local storage, "
+    "and no other jobs competing for that host's CPUs",
+    "launch": "Free its host CPU: bind each rank to the cores of its GPU's socket (numactl / torchrun "
+    "--local-ranks-filter), keep other processes off that host, or cut launch overhead with CUDA graphs",
+    "sync": "Remove the host syncs only that rank does (logging, metrics, checkpointing on rank 0): do them "
+    "every N steps or on a side thread",
+    "memory": "Fix its allocator stalls (cudaMalloc/cudaFree in steady state): "
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, and no torch.cuda.empty_cache() in the loop",
+    "transfer": "Make its copies as fast as the others': pinned memory, and the process bound to the NUMA node "
+    "of its GPU",
+}
+_STRAGGLER_DEFAULT = (
+    "Find what that rank does beyond the others (its per-kind times are in ranks.per_rank) and even it out"
+)
+
+
+def straggler_advice(verdict: RankVerdict) -> dict[str, Any] | None:
+    """The job-level card when one rank holds the others back (JSON form of a recommendation).
+
+    Removable: the straggler's extra busy time, which every other rank spends waiting in its
+    collectives: a measured wait, like the other communication cards.
+    """
+    if not verdict.stragglers:
+        return None
+    worst = max(verdict.stragglers, key=lambda st: st.busy_us - st.others_busy_us)
+    excess = max(0.0, worst.busy_us - worst.others_busy_us)
+    step = worst.step_time_us
+    who = f"rank {worst.rank}" if worst.rank is not None else (worst.worker or "one rank")
+    return {
+        "id": "communication.straggler",
+        "title": f"Even out the ranks: {who} holds the others back",
+        "kind": "communication",
+        "change": _STRAGGLER_CHANGE.get(worst.cause or "", _STRAGGLER_DEFAULT),
+        "why": worst.sentence() + "; every other rank waits for it in each collective.",
+        "expected_speedup": round(step / max(step - excess, 0.05 * step), 3) if step > 0 else 1.0,
+        "removable_us_per_step": round(excess, 3),
+        "confidence": 0.8,
+        "caveats": ["DDP bucket sizes or compression do not help while the others are waiting, not sending."],
+        "evidence": asdict(worst),
+        "basis": "measured",
+        "expected_speedup_range": None,
+    }
+
+
+def with_straggler_advice(cards: list[Any], card: Any, primary_kind: str | None) -> list[Any]:
+    """``cards`` with the straggler card first when the job is communication-bound (the others'
+    waits are the verdict), else second, so the first card still addresses the verdict."""
+    at = 0 if primary_kind == "communication" or not cards else 1
+    return [*cards[:at], card, *cards[at:]]
+
+
 def worker_name(source: str) -> str | None:
     """TensorBoard's worker name of a trace file (``host_pid`` of ``host_pid.123.pt.trace.json``)."""
     m = _WORKER_RE.match(PurePath(source).name)

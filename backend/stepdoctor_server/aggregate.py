@@ -32,7 +32,7 @@ from typing import Any
 from stepdoctor_analysis import BOTTLENECK_KINDS, BREAKDOWN_CATEGORIES
 from stepdoctor_analysis.diagnose import MIN_CARD_SPEEDUP, score
 from stepdoctor_analysis.job import job_limiter, step_count, step_time_us
-from stepdoctor_analysis.ranks import RankVerdict, rank_verdict
+from stepdoctor_analysis.ranks import RankVerdict, rank_verdict, straggler_advice, with_straggler_advice
 from stepdoctor_analysis.ranks import TraceEntry as RankEntry
 
 # Breakdown categories in the TensorBoard plugin's priority order; unknown keys are kept after these.
@@ -74,6 +74,9 @@ def aggregate_run(reports: Sequence[TraceReport], *, failed: int = 0, pending: i
     ranks = [asdict(s) for s in verdict.ranks]
     spread = _spread(verdict)
     stragglers = [asdict(st) | {"why": st.sentence()} for st in verdict.stragglers]
+    if (card := straggler_advice(verdict)) is not None:  # the same card ``analyze DIR`` leads with
+        card |= {"traces": len(reports), "first_in": 0, "ranks": []}
+        recommendations = with_straggler_advice(recommendations, card, primary_kind)
     return {
         "diagnosis_version": DIAGNOSIS_VERSION,
         "engine_version": _common(r.report.get("engine_version") for r in reports),
