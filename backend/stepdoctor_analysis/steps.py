@@ -288,8 +288,9 @@ def _optimizer_ranges(trace: RankTrace) -> tuple[I64, I64, str] | None:
 def _top_level_ranges(trace: RankTrace) -> tuple[I64, I64, str] | None:
     """The outermost host op that repeats, never overlaps itself and covers most of the host span.
 
-    Walks down the nesting levels: a single op wrapping everything (``<module>``, a benchmark
-    harness) is not an iteration, so its children are tried next, up to ``_MAX_DEPTH`` levels.
+    Walks down the nesting levels: a single op wrapping most of the span (``<module>``, a
+    benchmark harness, a server's request handler) is not an iteration, so the ops inside it are
+    tried next, up to ``_MAX_DEPTH`` levels. Sorted once; each level is a running maximum.
     """
     span = _activity_span(trace)
     h = trace.host
@@ -297,41 +298,38 @@ def _top_level_ranges(trace: RankTrace) -> tuple[I64, I64, str] | None:
     if span is None or not kinds.any():
         return None
     total = max(span[1] - span[0], 1)
-    remaining = kinds.nonzero()[0]
+    idx = kinds.nonzero()[0]
+    order = idx[np.lexsort((-h.end[idx], h.ts[idx], h.tid[idx]))]
+    ts, end, tid = h.ts[order] - span[0], h.end[order] - span[0], h.tid[order]
+    # Threads apart by an offset larger than any time: one running maximum covers every thread.
+    offset = np.cumsum(np.r_[0, np.diff(tid) != 0]).astype(np.int64) * (int(max(end.max(), 0)) + 1)
+    ts_o, end_o = ts + offset, end + offset
+    alive = np.ones(order.size, dtype=np.bool_)
     for _ in range(_MAX_DEPTH):
-        if remaining.size == 0:
+        pos = alive.nonzero()[0]
+        if pos.size == 0:
             return None
-        level = _outermost_per_thread(trace, remaining)
-        found = _repeated_at(trace, level, total)
+        reach = np.maximum.accumulate(end_o[pos])
+        top = np.ones(pos.size, dtype=np.bool_)
+        top[1:] = ts_o[pos[1:]] >= reach[:-1]
+        level = pos[top]
+        found = _repeated_at(trace, order[level], total)
         if found is not None:
             return found
-        # Go one level down only below an op that wraps most of the span (a harness, not a loop).
-        if not (h.dur[level] >= MODULE_COVERAGE * total).any():
+        # Go one level down only inside ops that wrap most of the span (a harness, not a loop).
+        wrappers = level[(end[level] - ts[level]) >= MODULE_COVERAGE * total]
+        if wrappers.size == 0:
             return None
-        keep = np.ones(remaining.size, dtype=np.bool_)
-        keep[np.isin(remaining, level)] = False
-        remaining = remaining[keep]
+        inside = np.zeros(order.size, dtype=np.bool_)
+        for w in wrappers.tolist():
+            inside |= (ts_o >= ts_o[w]) & (end_o <= end_o[w])
+        inside[wrappers] = False
+        alive &= inside
     return None
 
 
 _MAX_DEPTH = 6
 _LEAF_OP_PREFIXES = ("aten::", "c10d::", "cuda", "hip", "<built-in method")
-
-
-def _outermost_per_thread(trace: RankTrace, idx: I64) -> I64:
-    """Indices (into the host table) of the events in ``idx`` not nested in another one of ``idx``."""
-    h = trace.host
-    order = idx[np.lexsort((-h.end[idx], h.ts[idx], h.tid[idx]))]
-    tid, ts, end = h.tid[order], h.ts[order], h.end[order]
-    keep = np.zeros(order.size, dtype=np.bool_)
-    bounds = np.flatnonzero(np.diff(tid)) + 1
-    for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, order.size], strict=True):
-        e = end[lo:hi]
-        reach = np.maximum.accumulate(e)
-        k = np.ones(hi - lo, dtype=np.bool_)
-        k[1:] = ts[lo + 1 : hi] >= reach[:-1]
-        keep[lo:hi] = k
-    return order[keep]
 
 
 def _repeated_at(trace: RankTrace, level: I64, total: int) -> tuple[I64, I64, str] | None:
