@@ -174,9 +174,10 @@ def test_symmetric_job_verdict_agrees_on_both_paths(tmp_path: Path) -> None:
 
 
 def test_ranks_at_100_and_120_us_agree_on_both_paths() -> None:
-    reports = [{"rank": r, "step_time_us": t, "source": f"r{r}"} for r, t in ((0, 100.0), (1, 120.0))]
-    direct = rank_verdict([TraceEntry(r) for r in reports])
-    server = aggregate_run([TraceReport(i, r["rank"], 0, r) for i, r in enumerate(reports)])
+    times = {0: 100.0, 1: 120.0}
+    reports = {r: {"rank": r, "step_time_us": t, "source": f"r{r}"} for r, t in times.items()}
+    direct = rank_verdict([TraceEntry(rep) for rep in reports.values()])
+    server = aggregate_run([TraceReport(r, r, 0, rep) for r, rep in reports.items()])
     assert direct.straggler_ranks() == [1]
     assert [s["rank"] for s in server["stragglers"]] == [1]
 

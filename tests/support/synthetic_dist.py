@@ -8,6 +8,7 @@ on an AMD GPU, and a tensor-parallel inference server. All times in µs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from support.synthetic import TraceBuilder
@@ -66,7 +67,7 @@ class Clock:
         self.t = max(self.t, self.g) + 4
 
 
-def _steps(b: TraceBuilder, path: Path, steps: int, body: callable) -> Path:  # type: ignore[valid-type]
+def _steps(b: TraceBuilder, path: Path, steps: int, body: Callable[[Clock], None]) -> Path:
     c = Clock(b)
     for n in range(steps):
         start = c.t
