@@ -81,8 +81,9 @@ def _us(ns: float) -> float:
     return round(ns / 1e3, 1)
 
 
-def _is_inference(ctx: Context) -> bool:
-    return ctx.workload is not None and ctx.workload.inference
+def _time(ns: float) -> str:
+    """``13.9 ms`` / ``450 µs``: times in a sentence."""
+    return f"{ns / 1e6:.1f} ms" if ns >= 1e6 else f"{ns / 1e3:.0f} µs"
 
 
 # --- communication by collective type ----------------------------------------------------------
@@ -114,7 +115,7 @@ def _collective(types: tuple[str, ...], *, workload: str | None = None) -> Calla
         }
         params = {
             "type": dom.type.replace("_", "-"),
-            "exposed_us": dom.exposed_ns_per_step / 1e3,
+            "exposed": _time(dom.exposed_ns_per_step),
             "hidden_pct": 100 * dom.overlap_fraction,
             "libs": ", ".join(dom.libraries) or "unknown",
         }
@@ -262,7 +263,7 @@ RULE_SPECS: list[dict[str, Any]] = [
         "(EmbeddingShardingPlanner with the real topology, row-/column-wise for hot tables) and use "
         "TrainPipelineSparseDist so the all-to-all overlaps the dense part; across nodes, hierarchical "
         "all-to-all (NVLink within the node first)",
-        "why": "The step waits {exposed_us:.0f} µs per step in exposed {type} ({libs}); only {hidden_pct:.0f}% of "
+        "why": "The step waits {exposed} per step in exposed {type} ({libs}); only {hidden_pct:.0f}% of "
         "it runs under compute. Uneven token or id counts per rank make every rank wait for the fullest one.",
         "caveats": (
             "DDP bucket sizes and gradient compression do not touch an all-to-all.",
@@ -282,7 +283,7 @@ RULE_SPECS: list[dict[str, Any]] = [
         "sharding_strategy=ShardingStrategy.HYBRID_SHARD (or SHARD_GRAD_OP) keeps the all-gathers on the "
         "node's NVLink; FSDP2: fully_shard(..., reshard_after_forward=False) for the last blocks and "
         "block.set_modules_to_forward_prefetch([next_block])",
-        "why": "The step waits {exposed_us:.0f} µs per step in exposed {type} ({libs}); only {hidden_pct:.0f}% of "
+        "why": "The step waits {exposed} per step in exposed {type} ({libs}); only {hidden_pct:.0f}% of "
         "it overlaps compute, so parameters arrive after the layer that needs them is ready to run.",
         "caveats": (
             "Prefetching and reshard_after_forward=False hold more parameters in memory.",
@@ -299,7 +300,7 @@ RULE_SPECS: list[dict[str, Any]] = [
         "change": "More micro-batches per step (n_microbatches >= 4 x the number of stages) with an interleaved "
         "schedule (torch.distributed.pipelining.ScheduleInterleaved1F1B or ScheduleInterleavedZeroBubble), "
         "and split the layers so every stage takes the same time",
-        "why": "Stages wait {exposed_us:.0f} µs per step in exposed send/recv for their neighbours: pipeline "
+        "why": "Stages wait {exposed} per step in exposed send/recv for their neighbours: pipeline "
         "bubbles, or a stage slower than the others.",
         "caveats": ("More micro-batches mean smaller ones: keep each large enough to fill the GPU.",),
     },
@@ -314,7 +315,7 @@ RULE_SPECS: list[dict[str, Any]] = [
         "--disable-custom-all-reduce), fuse all-reduce with the following RMSNorm where the server supports "
         "it, and keep tensor parallelism inside one NVLink domain (lower tensor_parallel_size, add data or "
         "pipeline parallelism across nodes)",
-        "why": "Each forward waits {exposed_us:.0f} µs in exposed all-reduce ({libs}): tensor-parallel layers "
+        "why": "Each forward waits {exposed} in exposed all-reduce ({libs}): tensor-parallel layers "
         "synchronise twice per transformer block.",
         "caveats": ("Custom all-reduce kernels need peer-to-peer access between the GPUs (NVLink or xGMI).",),
         "workloads": INFERENCE,

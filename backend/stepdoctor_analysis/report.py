@@ -207,6 +207,8 @@ def render_text(r: Report) -> str:
         where.insert(0, "CPU only")
     if r.rank is not None:
         where.insert(0, f"rank {r.rank}" + (f" of {r.world_size}" if r.world_size else ""))
+    if r.workload and r.workload.get("kind") == "inference":
+        where.append("inference" + (f" ({r.workload['phase']})" if r.workload.get("phase") else ""))
     lines += [f"stepdoctor {ENGINE_VERSION} — {r.source}", "  " + ", ".join(where), ""]
     p = r.primary
     lines += [
@@ -241,6 +243,15 @@ def render_text(r: Report) -> str:
     for k in BREAKDOWN_KEYS:
         v = r.breakdown.get(k, 0.0)
         lines.append(f"  {k:<14}{v:>14.1f}  {100 * v / total:5.1f}%")
+    by_type = (r.metrics.get("communication") or {}).get("by_type") or []
+    if by_type:
+        lines += ["", "Communication by collective type (per step):"]
+        for c in by_type:
+            lines.append(
+                f"  {c['type']:<15}{_fmt_us(c['exposed_ns_per_step'] / 1e3):>10} exposed"
+                f"{_fmt_us(c['overlapped_ns_per_step'] / 1e3):>10} overlapped  "
+                f"{c['calls_per_step']:g} calls  ({', '.join(c['libraries'])})"
+            )
     others = (
         r.findings[1:6]
         if r.recommendations and r.findings and r.findings[0].id == r.recommendations[0].id
