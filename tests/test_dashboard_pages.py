@@ -185,3 +185,22 @@ def _plots(html: str) -> dict[str, Any]:
         name, rest = chunk.split('">', 1)
         out[name] = json.loads(rest.split("</script>", 1)[0])
     return out
+
+
+def test_pending_pages_refresh_and_deep_analyses_need_hta(
+    client: TestClient, app: FastAPI, read_token: str, admin_token: str, monkeypatch: Any
+) -> None:
+    made = upload(client, TWO_STEPS.read_bytes(), project="p", run="waiting").json()  # left pending
+    with _browser(app, read_token) as browser:
+        assert 'http-equiv="refresh"' in browser.get(f"/runs/{made['run_id']}").text
+        assert 'http-equiv="refresh"' in browser.get(f"/traces/{made['id']}").text
+    drain(app)
+    from stepdoctor_analysis import deep
+
+    monkeypatch.setattr(deep, "available", lambda: False)
+    with _browser(app, admin_token) as browser:
+        page = browser.get(f"/traces/{made['id']}").text
+        assert 'http-equiv="refresh"' not in page
+        assert "critical-path" not in page  # not offered where the server cannot run it
+        refused = browser.post(f"/traces/{made['id']}/deep/critical-path", content="")
+        assert refused.status_code in (403, 501) and "<html" in refused.text
