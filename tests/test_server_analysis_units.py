@@ -121,7 +121,9 @@ def test_compare_deltas_speedup_and_findings() -> None:
         "appeared": ["compute.amp"],
         "persisting": ["launch.graphs"],
     }
-    assert cmp["primary"] == {"base": "input", "other": "compute", "changed": True}
+    primary = cmp["primary"]
+    assert (primary["base"], primary["other"], primary["changed"]) == ("input", "compute", True)
+    assert primary["sentence"] == "The limiter moved from input to compute."
 
 
 def test_compare_handles_zero_base() -> None:

@@ -77,6 +77,8 @@ def test_run_verdict_comes_from_all_windows_not_the_first(resnet: dict[str, dict
     # The input card's gain is the run's (one window in four), below what that window alone claims.
     inp = next(x for x in run["recommendations"] if x["id"] == "input.dataloader_workers")
     assert inp["expected_speedup"] < resnet["workers0"]["recommendations"][0]["expected_speedup"]
+    # One figure per concept at run level too: utilization weighted like the shares, never below compute.
+    assert run["gpu_utilization"] >= run["shares"]["compute"] - 0.005
 
 
 # 2. Iterations without step markers --------------------------------------------------------

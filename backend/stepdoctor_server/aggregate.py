@@ -100,6 +100,9 @@ def aggregate_run(reports: Sequence[TraceReport], *, failed: int = 0, pending: i
         },
         "shares": {k: round(v, 6) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
         "removable": {k: {"share": round(v[0], 6), "basis": v[1]} for k, v in removable.items()},
+        # Same weighting as the shares, so the run page's "GPU utilization" and "compute" agree:
+        # utilization (any kernel running) >= compute + exposed communication share.
+        "gpu_utilization": _weighted_utilization(reports, weights, times),
         "recommendations": recommendations,
         "findings": merge_findings(reports),
         "ranks": ranks,
@@ -214,6 +217,21 @@ def finding_id(finding: Any) -> str | None:
         if finding.get(key):
             return str(finding[key])
     return None
+
+
+def _weighted_utilization(
+    reports: Sequence[TraceReport], weights: Sequence[int], times: Sequence[float]
+) -> float | None:
+    """Run-level GPU utilization: each GPU report's ``metrics.gpu.utilization`` weighted by its time."""
+    num = den = 0.0
+    for tr, w, t in zip(reports, weights, times, strict=True):
+        gpu = (tr.report.get("metrics") or {}).get("gpu") or {}
+        util = gpu.get("utilization") if isinstance(gpu, Mapping) else None
+        if isinstance(util, int | float) and not isinstance(util, bool):
+            span = (t if t > 0 else 1.0) * w
+            num += float(util) * span
+            den += span
+    return round(num / den, 6) if den else None
 
 
 def _weighted_breakdown(reports: Sequence[TraceReport], weights: Sequence[int]) -> dict[str, float]:
