@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
 
 from stepdoctor_server import auth, migrate
 from stepdoctor_server.db import Database
@@ -169,33 +171,33 @@ def token_create(
     return 0
 
 
-def token_revoke(settings: Settings, *, team: str, token_id: int) -> int:
+@contextmanager
+def _existing_team(settings: Settings, team: str) -> Iterator[tuple[Session, Team]]:
+    """A unit of work on the team called ``team``; a one-line error when there is none."""
     db = Database(settings)
     try:
         with db.session() as session:
             team_row = session.scalar(select(Team).where(Team.name == team))
             if team_row is None:
                 raise CommandError(f"no team named {team!r}")
-            token = auth.revoke_token(session, team_row, token_id)
-            if token is None:
-                raise CommandError(f"team {team!r} has no token #{token_id}")
-            label = f"#{token.id} ({token.scope}, {token.prefix}…)"
+            yield session, team_row
     finally:
         db.dispose()
+
+
+def token_revoke(settings: Settings, *, team: str, token_id: int) -> int:
+    with _existing_team(settings, team) as (session, team_row):
+        token = auth.revoke_token(session, team_row, token_id)
+        if token is None:
+            raise CommandError(f"team {team!r} has no token #{token_id}")
+        label = f"#{token.id} ({token.scope}, {token.prefix}…)"
     print(f"revoked token {label} of team {team!r}")
     return 0
 
 
 def token_list(settings: Settings, *, team: str) -> int:
-    db = Database(settings)
-    try:
-        with db.session() as session:
-            team_row = session.scalar(select(Team).where(Team.name == team))
-            if team_row is None:
-                raise CommandError(f"no team named {team!r}")
-            tokens = auth.list_tokens(session, team_row)
-    finally:
-        db.dispose()
+    with _existing_team(settings, team) as (session, team_row):
+        tokens = auth.list_tokens(session, team_row)
     print(
         f"{'ID':>5}  {'SCOPE':<7} {'PREFIX':<12} {'NAME':<24} {'CREATED':<20} {'LAST USED':<20} "
         f"{'EXPIRES':<20} STATE"
