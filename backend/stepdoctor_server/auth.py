@@ -9,8 +9,10 @@ transaction open while the body streams in.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import secrets
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -18,15 +20,16 @@ from typing import Annotated
 
 from fastapi import Depends, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from stepdoctor_server.db import DatabaseDep
+from stepdoctor_server.db import Database, DatabaseDep
 from stepdoctor_server.errors import ApiError
 from stepdoctor_server.models import SCOPES, Team, Token, utcnow
 
 TOKEN_PREFIX = "sdt_"
 # last_used_at is informative; writing it on every request would serialise readers on SQLite.
+log = logging.getLogger("stepdoctor.auth")
 _TOUCH_INTERVAL = timedelta(seconds=60)
 
 
@@ -151,11 +154,25 @@ def current_principal(
 ) -> Principal:
     if credentials is None:
         raise _unauthorized("missing bearer token (send 'Authorization: Bearer <token>')")
-    with db.session() as session:
+    # A read: on SQLite it must not take (nor wait for) the write lock. The once-a-minute
+    # last_used_at touch is written apart, in the background, and may be lost under contention.
+    with db.session(read_only=True) as session:
         principal = authenticate(session, credentials.credentials)
+        touched = {t.id: t.last_used_at for t in session.dirty if isinstance(t, Token)}
+        session.rollback()
     if principal is None:
         raise _unauthorized("invalid, expired or revoked token")
+    for token_id, when in touched.items():
+        threading.Thread(target=_touch, args=(db, token_id, when), daemon=True).start()
     return principal
+
+
+def _touch(db: Database, token_id: int, when: datetime | None) -> None:
+    try:
+        with db.session() as session:
+            session.execute(update(Token).where(Token.id == token_id).values(last_used_at=when))
+    except Exception as exc:  # informative only; a busy database can skip one
+        log.debug("could not record the use of token %s: %s", token_id, exc)
 
 
 CurrentTeam = Annotated[Principal, Depends(current_principal)]

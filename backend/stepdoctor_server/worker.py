@@ -68,11 +68,23 @@ class TransientJobError(Exception):
 
 
 def analyze_stored(
-    settings_json: str, storage_key: str, filename: str, metadata: dict[str, Any]
+    settings_json: str,
+    storage_key: str,
+    filename: str,
+    metadata: dict[str, Any],
+    aws_env: dict[str, str] | None = None,
 ) -> AnalysisResult:
-    """Stream one stored trace from the store and run the engine (in the job's child process)."""
+    """Stream one stored trace from the store and run the engine (in the job's child process).
+
+    ``aws_env`` is the worker's ``AWS_*`` environment: the child descends from a forkserver
+    started earlier, whose environment may predate the worker's.
+    """
     from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION, parse, pipeline
 
+    if aws_env is not None:
+        for name in [n for n in os.environ if n.startswith("AWS_")]:
+            del os.environ[name]
+        os.environ.update(aws_env)
     settings = Settings.model_validate_json(settings_json)
     start = time.perf_counter()
     with make_store(settings).open(storage_key) as stream:
@@ -117,12 +129,16 @@ def analyze_limited(
     """``analyze_stored`` in a child process under the job time and memory limits (JobFailed past them)."""
     result: AnalysisResult = run_limited(
         analyze_stored,
-        (settings.model_dump_json(), storage_key, filename, metadata),
+        (settings.model_dump_json(), storage_key, filename, metadata, _aws_env()),
         timeout_s=settings.job_timeout_s,
         memory_bytes=settings.job_memory_limit_bytes,
         describe_error=describe_error,
     )
     return result
+
+
+def _aws_env() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name.startswith("AWS_")}
 
 
 _TRANSIENT = (OperationalError, InterfaceError)

@@ -1,0 +1,200 @@
+"""Job limits, transient database errors, duplicate deliveries, SQLite readers and migrations.
+
+The distributed end-to-end evidence (two worker processes, S3, SIGKILL) is in
+``test_scaleout_cluster.py``; these tests run in-process and stay fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from sqlalchemy import func, select
+from sqlalchemy.exc import OperationalError
+
+from stepdoctor_server import migrate
+from stepdoctor_server.limits import JobFailed, run_limited
+from stepdoctor_server.models import Analysis, Trace
+from stepdoctor_server.queue import SqlJobQueue
+from stepdoctor_server.settings import Settings
+from stepdoctor_server.worker import describe_error, retry_db
+from support.server import (
+    FIXTURE_TRACES,
+    _fresh_postgres_database,
+    _postgres_unreachable_reason,
+    drain,
+    upload,
+)
+
+BIG = FIXTURE_TRACES / "hta" / "trace_diff" / "control" / "control.json.gz"  # 34.8 MB decompressed
+SMALL = FIXTURE_TRACES / "hta" / "trace_filter" / "sampled_rank-0.json.gz"
+
+
+def _limited(fn: object, *args: object, timeout_s: float = 30.0, memory_bytes: int = 0) -> object:
+    return run_limited(
+        fn, args, timeout_s=timeout_s, memory_bytes=memory_bytes, describe_error=describe_error
+    )  # type: ignore[arg-type]
+
+
+def test_child_past_the_time_limit_is_killed_with_its_reason() -> None:
+    start = time.monotonic()
+    with pytest.raises(JobFailed, match=r"time limit of 0.5 s \(STEPDOCTOR_JOB_TIMEOUT_S\)"):
+        _limited(time.sleep, 60, timeout_s=0.5)
+    assert time.monotonic() - start < 30  # killed, not waited for
+
+
+def test_child_past_the_memory_limit_fails_with_its_reason() -> None:
+    with pytest.raises(JobFailed, match=r"memory limit of 512 MiB") as info:
+        _limited(bytearray, 2 << 30, memory_bytes=512 << 20)
+    assert not info.value.internal
+    assert _limited(bytearray, 1 << 20, memory_bytes=512 << 20) == bytearray(1 << 20)
+
+
+def test_child_killed_by_a_signal_is_an_internal_error() -> None:
+    with pytest.raises(JobFailed, match="killed by SIGABRT") as info:
+        _limited(os.abort)
+    assert info.value.internal
+
+
+@pytest.fixture
+def sqlite_only(db_url: str) -> None:
+    if not db_url.startswith("sqlite"):
+        pytest.skip("in-process engine behaviour, same code on both databases")
+
+
+@pytest.mark.usefixtures("sqlite_only")
+@pytest.mark.parametrize(
+    ("limits", "reason"),
+    [
+        ({"job_timeout_s": 0.2}, "analysis exceeded the time limit of 0.2 s"),
+        ({"job_memory_limit_bytes": 200 << 20}, "analysis exceeded the memory limit of 200 MiB"),
+    ],
+)
+def test_trace_over_a_limit_fails_with_the_limit_stored(
+    client: TestClient, app: FastAPI, limits: dict[str, float], reason: str
+) -> None:
+    app.state.settings = app.state.settings.model_copy(update=limits)
+    trace_id = upload(client, BIG.read_bytes(), run="limits").json()["id"]
+    assert drain(app) == 1
+    body = client.get(f"/api/v1/traces/{trace_id}").json()
+    assert body["status"] == "failed"
+    assert body["status_reason"].startswith(reason)
+
+
+def test_retry_db_waits_out_an_outage_with_one_line_per_state_change(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    calls = {"n": 0}
+
+    def flaky() -> str:
+        calls["n"] += 1
+        if calls["n"] <= 4:
+            raise OperationalError("SELECT 1", {}, Exception("connection refused"))
+        return "stored"
+
+    with caplog.at_level(logging.WARNING, logger="stepdoctor.worker"):
+        assert retry_db(flaky, what="trace 7") == "stored"
+    assert calls["n"] == 5
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "database unreachable" in lines[0] and "reachable again" in lines[1]
+
+
+@pytest.mark.usefixtures("sqlite_only")
+def test_database_error_while_storing_is_retried_not_a_failure(
+    client: TestClient, app: FastAPI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace_id = upload(client, SMALL.read_bytes(), run="transient").json()["id"]
+    real_complete = SqlJobQueue.complete
+    failures = {"left": 2}
+
+    def complete_after_outage(self: SqlJobQueue, *args: object, **kwargs: object) -> bool:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OperationalError("UPDATE traces", {}, Exception("server closed the connection"))
+        return real_complete(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SqlJobQueue, "complete", complete_after_outage)
+    assert drain(app) == 1
+    body = client.get(f"/api/v1/traces/{trace_id}").json()
+    assert body["status"] == "done" and body["status_reason"] is None
+    assert failures["left"] == 0
+
+
+def test_a_second_delivery_never_stores_a_second_analysis(client: TestClient, app: FastAPI) -> None:
+    """Worker A was presumed dead and B took the trace over; A's late result is dropped."""
+    from stepdoctor_server.worker import analyze_limited
+
+    trace_id = upload(client, SMALL.read_bytes(), run="dup").json()["id"]
+    queue = SqlJobQueue(app.state.db)
+    with app.state.db.session() as session:
+        trace = session.get(Trace, trace_id)
+        key, name = trace.storage_key, trace.filename  # type: ignore[union-attr]
+    result = analyze_limited(app.state.settings, key, name, {})
+    assert queue.claim_trace(trace_id, "host-a:1:0")
+    assert queue.claim_trace(trace_id, "host-b:2:0")  # the engine re-delivered it to B
+    assert queue.complete(trace_id, result, "host-b:2:0")
+    assert not queue.complete(trace_id, result, "host-a:1:0")  # A wakes up late
+    assert not queue.fail(trace_id, "late", "host-a:1:0")
+    assert not queue.claim_trace(trace_id, "host-c:3:0")  # done: a third delivery does nothing
+    with app.state.db.session() as session:
+        assert session.scalar(select(func.count(Analysis.id)).where(Analysis.trace_id == trace_id)) == 1
+        trace = session.get(Trace, trace_id)
+        assert trace is not None and trace.status == "done" and trace.claimed_by == "host-b:2:0"
+
+
+def test_sqlite_page_read_answers_while_another_connection_writes(
+    db_url: str, tmp_path: Path, admin_token: str, app: FastAPI
+) -> None:
+    if not db_url.startswith("sqlite"):
+        pytest.skip("SQLite locking")
+    settings = app.state.settings.model_copy(update={"sqlite_busy_timeout_s": 1.0})
+    from stepdoctor_server.app import create_app
+
+    reader_app = create_app(settings)
+    writer = sqlite3.connect(db_url.removeprefix("sqlite:///"), isolation_level=None, timeout=5)
+    try:
+        writer.execute("BEGIN IMMEDIATE")  # holds the write lock until rollback
+        writer.execute("UPDATE teams SET name = name")
+        with TestClient(reader_app, headers={"Authorization": f"Bearer {admin_token}"}) as client:
+            started = time.monotonic()
+            resp = client.get("/api/v1/projects")
+            waited = time.monotonic() - started
+        assert resp.status_code == 200, resp.text
+        assert waited < 1.0  # it did not sit out the busy timeout behind the writer
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+        reader_app.state.db.dispose()
+
+
+@pytest.mark.postgres
+def test_replicas_migrating_together_do_not_race(tmp_path: Path) -> None:
+    reason = _postgres_unreachable_reason()
+    if reason:
+        pytest.skip(reason)
+    with _fresh_postgres_database() as url:
+        settings = Settings(data_dir=tmp_path, database_url=url)
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                migrate.upgrade(settings)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert errors == []
+        assert migrate.is_current(settings)
+        assert migrate.procrastinate_installed(settings)
