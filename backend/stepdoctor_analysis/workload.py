@@ -49,6 +49,67 @@ _DECODE_RE = re.compile(
 _PREFILL_RE = re.compile(r"[Pp]refill|PREFILL|\bEXTEND\b|forward_extend|context_attention")
 _GRAD_SYNC_RE = re.compile(r"^(?:nccl|gloo):all_reduce$|^c10d::allreduce_$")
 _GRAPH_RE = re.compile(r"^(?:cuda|hip)GraphLaunch|^cuGraphLaunch")
+# Lower-case words one of which every match of the pattern contains: a substring test skips the
+# regex on the thousands of Python-frame names a with_stack trace holds.
+_GATES = {
+    _TRAINING_RE: (
+        "backward",
+        "optimizer",
+        "_fused_",
+        "_foreach_",
+        "distributeddataparallel",
+        "reducer::",
+        "training_step",
+        "autograd::engine",
+    ),
+    _BACKWARD_KERNEL_RE: ("backward", "bwd", "dgrad", "wgrad"),
+    _GRAD_OFF_RE: ("grad_mode", "inference_mode"),
+    _SERVER_RE: (
+        "vllm",
+        "sglang",
+        "text_generation",
+        "tensorrt_llm",
+        "lmdeploy",
+        "llama_cpp",
+        "cuda_graph_runner",
+        "model_runner",
+        "execute_model",
+        "forward_batch",
+        "generate",
+    ),
+    _DECODE_RE: ("decode", "splitkv", "paged_attention", "flash_decoding"),
+    _PREFILL_RE: ("prefill", "extend", "context_attention"),
+    _GRAD_SYNC_RE: ("all_reduce", "allreduce"),
+    _GRAPH_RE: ("graphlaunch",),
+}
+
+
+class _Names:
+    """Distinct names, searched through ``_GATES``: ``str.find`` of each gate word over all the
+    lower-cased names joined in one string, the regex only on the lines the word is on."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.blob = "\n".join(names).lower()
+        self.starts = np.cumsum([0] + [len(n) + 1 for n in names[:-1]]) if names else np.zeros(0, np.int64)
+
+    def __add__(self, other: _Names) -> _Names:
+        return _Names(self.names + other.names)
+
+    def matches(self, rx: re.Pattern[str], limit: int = 3) -> list[str]:
+        found: set[int] = set()
+        for word in _GATES[rx]:
+            pos = self.blob.find(word)
+            while pos != -1:
+                line = int(self.starts.searchsorted(pos, side="right")) - 1
+                if line not in found and rx.search(self.names[line]):
+                    found.add(line)
+                end = self.starts[line + 1] if line + 1 < len(self.starts) else len(self.blob)
+                pos = self.blob.find(word, int(end))
+        return [self.names[i] for i in sorted(found)[:limit]]
+
+    def any(self, rx: re.Pattern[str]) -> bool:
+        return bool(self.matches(rx, 1))
 
 
 @dataclass(frozen=True)
@@ -73,13 +134,10 @@ def detect_workload(trace: RankTrace, steps: list[Step], metadata: dict[str, Any
     """Training or inference, from metadata, then from the ops the trace holds (module docstring)."""
     host_names = _names(trace, trace.host.name)
     kernel_mask = trace.gpu_kind(GpuKind.KERNEL) if len(trace.gpu) else np.zeros(0, np.bool_)
-    kernel_names = _names(trace, trace.gpu.name[kernel_mask]) if len(trace.gpu) else []
+    kernel_names = _names(trace, trace.gpu.name[kernel_mask]) if len(trace.gpu) else _Names([])
     per_step, median_us = _kernel_shape(trace, kernel_mask, steps)
-    graphs = any(
-        _GRAPH_RE.search(n)
-        for n in _names(trace, trace.host.name[trace.host_kind(HostKind.RUNTIME, HostKind.DRIVER)])
-    )
-    grad_off = any(_GRAD_OFF_RE.search(n) for n in host_names)
+    graphs = _names(trace, trace.host.name[trace.host_kind(HostKind.RUNTIME, HostKind.DRIVER)]).any(_GRAPH_RE)
+    grad_off = host_names.any(_GRAD_OFF_RE)
     base = Workload(
         "inference",
         grad_disabled=grad_off,
@@ -98,18 +156,17 @@ def detect_workload(trace: RankTrace, steps: list[Step], metadata: dict[str, Any
             source="metadata",
             evidence=[f"run metadata workload={declared}"],
         )
-    training = [n for n in host_names if _TRAINING_RE.search(n)][:3]
-    training += [n for n in kernel_names if _BACKWARD_KERNEL_RE.search(n)][: 3 - len(training)]
+    training = host_names.matches(_TRAINING_RE) or kernel_names.matches(_BACKWARD_KERNEL_RE)
     if training:
         return replace(base, kind="training", evidence=[f"training op: {n[:80]}" for n in training])
     evidence = ["no backward or optimizer ops"]
     if grad_off:
         evidence.append("a no_grad/inference_mode context is entered")
-    server = next((n for n in host_names if _SERVER_RE.search(n)), None)
+    server = next(iter(host_names.matches(_SERVER_RE, 1)), None)
     if server:
         evidence.append(f"serving code: {server[:80]}")
     phase = _phase(host_names, kernel_names, per_step, median_us)
-    sync_grads = next((n for n in host_names if _GRAD_SYNC_RE.search(n)), None)
+    sync_grads = next(iter(host_names.matches(_GRAD_SYNC_RE, 1)), None)
     if sync_grads and not (grad_off or server or phase or graphs):
         # A process-group all-reduce and nothing that says "serving": a capture window of a
         # data-parallel job that missed the backward pass, more likely than an inference job.
@@ -125,8 +182,12 @@ def _declared(metadata: dict[str, Any] | None) -> str:
     return str(value or "").lower()
 
 
-def _names(trace: RankTrace, ids: np.ndarray) -> list[str]:
-    return [trace.strings[int(i)] for i in np.unique(ids)] if ids.size else []
+def _names(trace: RankTrace, ids: np.ndarray) -> _Names:
+    """Distinct names among ``ids`` (a bincount: ~30× faster than ``np.unique`` on 200k events)."""
+    if not ids.size:
+        return _Names([])
+    present = np.bincount(ids, minlength=len(trace.strings)).nonzero()[0]
+    return _Names([trace.strings[int(i)] for i in present])
 
 
 def _kernel_shape(trace: RankTrace, kernels: np.ndarray, steps: list[Step]) -> tuple[float, float]:
@@ -136,10 +197,10 @@ def _kernel_shape(trace: RankTrace, kernels: np.ndarray, steps: list[Step]) -> t
     return round(int(kernels.sum()) / len(steps), 1), round(float(np.median(durs)) / 1e3, 3)
 
 
-def _phase(host: list[str], kernels: list[str], per_step: float, median_us: float) -> str | None:
+def _phase(host: _Names, kernels: _Names, per_step: float, median_us: float) -> str | None:
     names = host + kernels
-    decode = any(_DECODE_RE.search(n) for n in names)
-    prefill = any(_PREFILL_RE.search(n) for n in names)
+    decode = names.any(_DECODE_RE)
+    prefill = names.any(_PREFILL_RE)
     if decode and prefill:
         return "prefill+decode"
     if decode:
