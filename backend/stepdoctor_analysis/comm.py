@@ -149,21 +149,6 @@ def kernel_collective_types(trace: RankTrace, cmask: Mask, calls: Mask) -> list[
         for k in inside.nonzero()[0].tolist():
             out[k] = op_type[int(h.name[ops[owner[j[k]]]])] or out[k]
     return out
-    typed = typed[h.ts[typed].argsort(kind="stable")]
-    op_start, op_end = h.ts[typed], h.end[typed]
-    # The enclosing op: among ops starting at or before the launch, the one reaching furthest.
-    reach = np.maximum.accumulate(op_end)
-    reach_at = np.concatenate([[0], np.flatnonzero(np.diff(reach)) + 1])  # where the running max changes
-    owner = np.zeros(reach.size, np.int64)
-    owner[reach_at] = reach_at
-    owner = np.maximum.accumulate(owner)
-    at = np.where(launcher >= 0, h.ts[np.maximum(launcher, 0)], np.iinfo(np.int64).min)
-    j = op_start.searchsorted(at, side="right") - 1
-    inside = (launcher >= 0) & (j >= 0)
-    inside[inside] = reach[j[inside]] >= at[inside]
-    for k in inside.nonzero()[0].tolist():
-        out[k] = op_type[int(h.name[typed[owner[j[k]]]])] or out[k]
-    return out
 
 
 def _kernel_types(
@@ -180,7 +165,8 @@ def _kernel_types(
         union = iv.union(g.ts[sel], g.end[sel])
         total = tl.per_step(union, starts, ends)
         hidden = tl.per_step(iv.intersect(union, compute), starts, ends)
-        names = [trace.strings[int(i)] for i in g.name[sel]]
+        ids, top = _top_ids(g.name[sel], g.dur[sel])
+        names = [trace.strings[i] for i in ids]
         out.append(
             CollectiveStat(
                 type=kind,
@@ -189,7 +175,7 @@ def _kernel_types(
                 exposed_ns_per_step=tl.mean_or_zero(total - hidden),
                 overlapped_ns_per_step=tl.mean_or_zero(hidden),
                 libraries=sorted({library(s) for s in set(names)}),
-                top=_top_names(names, g.dur[sel]),
+                top=[trace.strings[i] for i in top],
             )
         )
     return sorted(out, key=lambda c: (-c.exposed_ns_per_step, -c.time_ns_per_step, c.type))
@@ -205,7 +191,8 @@ def _host_types(trace: RankTrace, calls: Mask, starts: I64, ends: I64) -> list[C
     for kind in sorted(set(kinds.tolist())):
         sel = idx[kinds == kind]
         total = tl.per_step(iv.union(h.ts[sel], h.end[sel]), starts, ends)
-        names = [trace.strings[int(i)] for i in h.name[sel]]
+        ids, top = _top_ids(h.name[sel], h.dur[sel])
+        names = [trace.strings[i] for i in ids]
         out.append(
             CollectiveStat(
                 type=kind,
@@ -214,17 +201,17 @@ def _host_types(trace: RankTrace, calls: Mask, starts: I64, ends: I64) -> list[C
                 exposed_ns_per_step=tl.mean_or_zero(total),
                 overlapped_ns_per_step=0.0,
                 libraries=sorted({library(s) for s in set(names)}),
-                top=_top_names(names, h.dur[sel]),
+                top=[trace.strings[i] for i in top],
             )
         )
     return sorted(out, key=lambda c: (-c.exposed_ns_per_step, c.type))
 
 
-def _top_names(names: list[str], durs: np.ndarray, k: int = 3) -> list[str]:
-    totals: dict[str, int] = {}
-    for name, d in zip(names, durs.tolist(), strict=True):
-        totals[name] = totals.get(name, 0) + int(d)
-    return [n for n, _ in sorted(totals.items(), key=lambda kv: -kv[1])[:k]]
+def _top_ids(names: np.ndarray, durs: np.ndarray, k: int = 3) -> tuple[list[int], list[int]]:
+    """Distinct name ids, and the ``k`` with the most total time (a bincount, not a Python loop)."""
+    ids, inverse = np.unique(names, return_inverse=True)
+    totals = np.bincount(inverse, weights=durs)
+    return ids.tolist(), ids[(-totals).argsort(kind="stable")[:k]].tolist()
 
 
 def _arrival(first_ts: np.ndarray, starts: I64, ends: I64) -> float | None:
