@@ -111,13 +111,15 @@ def _charged_boxes(parts: list[tuple[str, iv.Intervals]], step: Step) -> list[li
     A step with more stretches than a figure can show is cut into ``2 × MAX_BOXES`` equal bins,
     each given to the kind owning most of it, so no time disappears from the picture.
     """
-    kinds = [kind for kind, ivs in parts for _ in range(ivs[0].size)]
-    starts = np.concatenate([ivs[0] for _, ivs in parts])
-    ends = np.concatenate([ivs[1] for _, ivs in parts])
-    order = starts.argsort(kind="stable")
-    pieces = [(int(starts[i]), int(ends[i]), kinds[i]) for i in order.tolist() if ends[i] > starts[i]]
-    if len(pieces) > 2 * MAX_BOXES:
+    if sum(ivs[0].size for _, ivs in parts) > 2 * MAX_BOXES:
         pieces = _dominant_bins(parts, step, 2 * MAX_BOXES)
+    else:
+        kinds = [kind for kind, ivs in parts for _ in range(ivs[0].size)]
+        starts = np.concatenate([ivs[0] for _, ivs in parts])
+        ends = np.concatenate([ivs[1] for _, ivs in parts])
+        order = starts.argsort(kind="stable").tolist()
+        lo, hi = starts.tolist(), ends.tolist()
+        pieces = [(lo[i], hi[i], kinds[i]) for i in order if hi[i] > lo[i]]
     merged: list[list[Any]] = []
     for lo, hi, kind in pieces:
         if merged and merged[-1][2] == kind and merged[-1][1] == lo:
@@ -125,7 +127,11 @@ def _charged_boxes(parts: list[tuple[str, iv.Intervals]], step: Step) -> list[li
             merged[-1][3] += 1
         else:
             merged.append([lo, hi, kind, 1])
-    return [[_us(lo - step.start), _us(hi - step.start), kind, n] for lo, hi, kind, n in merged]
+    if not merged:
+        return []
+    lo_us = _us_list(np.array([m[0] for m in merged], np.int64) - step.start)
+    hi_us = _us_list(np.array([m[1] for m in merged], np.int64) - step.start)
+    return [[a, b, m[2], m[3]] for a, b, m in zip(lo_us, hi_us, merged, strict=True)]
 
 
 def _dominant_bins(
@@ -155,8 +161,8 @@ def _host_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dic
     h = trace.host
     if not len(h):
         return []
-    shown = trace.host_kind(HostKind.CPU_OP, HostKind.USER_ANNOTATION, HostKind.RUNTIME, HostKind.DRIVER)
-    sel = (shown & ~step_marker_mask(trace) & (h.ts < step.end) & (h.end > step.start)).nonzero()[0]
+    shown = trace.memo("step_timeline.host_shown", lambda: _host_shown(trace))
+    sel = (shown & (h.ts < step.end) & (h.end > step.start)).nonzero()[0]
     lanes = []
     for pid, tid in _busiest(h.pid[sel], h.tid[sel], h.dur[sel], MAX_THREADS):
         idx = sel[(h.pid[sel] == pid) & (h.tid[sel] == tid)]
@@ -170,6 +176,12 @@ def _host_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dic
         label = f"host thread {tid}" if len(set(h.pid[sel].tolist())) == 1 else f"host {pid}/{tid}"
         lanes.append(_lane(trace, label, "host", h.ts[idx], h.end[idx], h.name[idx], step, names))
     return lanes
+
+
+def _host_shown(trace: RankTrace) -> np.ndarray:
+    """Host events a lane draws: ops, annotations other than the step marker, runtime calls."""
+    shown = trace.host_kind(HostKind.CPU_OP, HostKind.USER_ANNOTATION, HostKind.RUNTIME, HostKind.DRIVER)
+    return np.asarray(shown & ~step_marker_mask(trace))
 
 
 def _gpu_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dict[str, Any]]:
@@ -188,13 +200,20 @@ def _gpu_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dict
 
 
 def _busiest(a: np.ndarray, b: np.ndarray, dur: np.ndarray, k: int) -> list[tuple[int, int]]:
-    """The ``k`` (a, b) pairs with the most summed duration, in (a, b) order."""
+    """The ``k`` (a, b) pairs with the most summed duration, in (a, b) order.
+
+    Two 1-D ``unique`` calls and a ``bincount``: a row-wise ``unique(axis=0)`` sorts structured
+    rows and cost most of the timeline on large traces.
+    """
     if a.size == 0:
         return []
-    pairs, inverse = np.unique(np.stack([a, b], axis=1), axis=0, return_inverse=True)
-    busy = np.bincount(inverse.ravel(), weights=dur.astype(np.float64))
-    top = sorted((-busy).argsort(kind="stable")[:k].tolist())
-    return [(int(pairs[i, 0]), int(pairs[i, 1])) for i in top]
+    a_vals, a_code = np.unique(a, return_inverse=True)
+    b_vals, b_code = np.unique(b, return_inverse=True)
+    code = a_code.astype(np.int64) * b_vals.size + b_code
+    present = np.bincount(code).nonzero()[0]  # pairs that occur (not every a meets every b)
+    busy = np.bincount(code, weights=dur.astype(np.float64))[present]
+    top = sorted(present[(-busy).argsort(kind="stable")[:k]].tolist())
+    return [(int(a_vals[c // b_vals.size]), int(b_vals[c % b_vals.size])) for c in top]
 
 
 def _lane(
@@ -216,11 +235,8 @@ def _lane(
         s, e, label_ids, counts = _merge_close(s, e, e - s, label_ids, counts, gap)
         merged = 1
         gap *= 2
-    boxes = []
-    for i in range(s.size):
-        name = trace.strings[int(label_ids[i])]
-        ref = names.setdefault(name, len(names))
-        boxes.append([_us(int(s[i])), _us(int(e[i])), ref, int(counts[i])])
+    refs = [names.setdefault(trace.strings[i], len(names)) for i in label_ids.tolist()]
+    boxes = [list(box) for box in zip(_us_list(s), _us_list(e), refs, counts.tolist(), strict=True)]
     return {"label": label, "kind": kind, "boxes": boxes, "merged": bool(merged)}
 
 
@@ -244,4 +260,10 @@ def _merge_close(
 
 
 def _us(ns: int) -> float:
-    return round(ns / 1e3, 3)
+    return round(int(ns) / 1e3, 3)
+
+
+def _us_list(ns: np.ndarray) -> list[float]:
+    """ns → µs rounded to the ns, for a whole array at once (``round`` per numpy scalar is slow)."""
+    out: list[float] = np.round(ns.astype(np.float64) / 1e3, 3).tolist()
+    return out
