@@ -42,7 +42,7 @@ class _When(msgspec.Struct, gc=False):
 
 
 _WHEN = msgspec.json.Decoder(_When)
-_WHENS = msgspec.json.Decoder(list[_When])
+_WHENS = msgspec.json.Decoder(list[_When | None])
 
 
 @dataclass(frozen=True)
