@@ -135,9 +135,25 @@ def test_reanalysis_needs_admin_and_waits_behind_fresh_uploads(
     other_team = make_token("upload", "another-team")
     fresh = upload(client, synthetic_trace(5), token=other_team, run="fresh")
     assert fresh.status_code == 201
+    postgres = app.state.settings.database_url.startswith("postgresql")
     with app.state.db.session() as session:
-        first = claim_row(session, Trace, "test:1:0", postgres=False)
+        first = claim_row(session, Trace, "test:1:0", postgres=postgres)
     assert first == fresh.json()["id"]  # the newest trace, yet first: the backlog waits
+
+
+def test_a_flooding_team_does_not_delay_another_teams_upload(
+    app: FastAPI, client: TestClient, make_token: Callable[..., str]
+) -> None:
+    flood = [_uploaded(client, run="flood")["id"] for _ in range(6)]
+    postgres = app.state.settings.database_url.startswith("postgresql")
+    with app.state.db.session() as session:
+        assert claim_row(session, Trace, "w:1", postgres=postgres) == flood[0]  # the flood runs
+    other = upload(client, synthetic_trace(5), token=make_token("upload", "quiet-team"), run="one")
+    with app.state.db.session() as session:
+        second = claim_row(session, Trace, "w:2", postgres=postgres)
+        third = claim_row(session, Trace, "w:3", postgres=postgres)
+    assert second == other.json()["id"]  # the newest trace, but its team had nothing running
+    assert third == flood[1]  # then the flood again, oldest first
 
 
 # -- privacy -------------------------------------------------------------------------------------

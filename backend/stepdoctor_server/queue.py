@@ -133,8 +133,9 @@ def claim_row(session: Session, table: JobTable, worker_id: str, *, postgres: bo
         "updated_at": now,
         "attempts": table.attempts + 1,
     }
-    # Fairness (#12): re-analyses (priority 1) wait behind every fresh upload (priority 0), so a
-    # requeued backlog delays another team's new trace by at most the jobs already running.
+    # Fairness (#12): re-analyses (priority 1) wait behind every fresh upload (priority 0), and a
+    # team with no job running goes before teams with some, so neither a requeued backlog nor
+    # another team's flood of uploads delays a trace by more than the jobs already running.
     order = [table.priority] if table is Trace else []
     oldest = (
         select(table.id)
@@ -142,16 +143,31 @@ def claim_row(session: Session, table: JobTable, worker_id: str, *, postgres: bo
         .order_by(*order, table.created_at, table.id)
         .limit(1)
     )
+    queries = [oldest]
+    if table is Trace:
+        busy_teams = select(Trace.team_id).where(Trace.status == "running")
+        queries.insert(0, oldest.where(Trace.team_id.not_in(busy_teams)))
+    for query in queries:
+        claimed = _claim_first(session, table, query, values, postgres=postgres)
+        if claimed is not None:
+            return claimed
+    return None
+
+
+def _claim_first(
+    session: Session, table: JobTable, query: Any, values: dict[str, Any], *, postgres: bool
+) -> int | None:
+    """Move the row ``query`` selects to running (concurrent claimers skip or retry); its id."""
     if postgres:
         stmt = (
             update(table)
-            .where(table.id == oldest.with_for_update(skip_locked=True).scalar_subquery())
+            .where(table.id == query.with_for_update(skip_locked=True).scalar_subquery())
             .values(**values)
             .returning(table.id)
         )
         return session.execute(stmt).scalar_one_or_none()
     for _ in range(8):
-        candidate = session.scalar(oldest)
+        candidate = session.scalar(query)
         if candidate is None:
             return None
         claimed = session.execute(
