@@ -91,7 +91,8 @@ def _defer(
     return True
 
 
-def defer_analyses(session: Session, trace_ids: Sequence[int]) -> None:
+def defer_analyses(session: Session, trace_ids: Sequence[int], *, priority: int = 0) -> None:
+    """``priority``: procrastinate fetches higher first; re-analyses pass -1 (behind fresh uploads)."""
     for trace_id in trace_ids:
         _defer(
             session,
@@ -99,6 +100,7 @@ def defer_analyses(session: Session, trace_ids: Sequence[int]) -> None:
             queue=QUEUE_ANALYSIS,
             args={"trace_id": int(trace_id)},
             lock=f"trace:{trace_id}",
+            priority=priority,
         )
 
 

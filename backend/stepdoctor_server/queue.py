@@ -414,7 +414,7 @@ def _requeue_or_give_up(session: Session, table: JobTable, ids: Sequence[int]) -
 PROCRASTINATE = "stepdoctor_procrastinate"
 
 
-def enqueue_analyses(session: Session, trace_ids: Sequence[int]) -> None:
+def enqueue_analyses(session: Session, trace_ids: Sequence[int], *, priority: int = 0) -> None:
     """Hand pending traces to the job engine inside the caller's transaction.
 
     With procrastinate the job rows are inserted by the same commit as the trace rows, so an
@@ -424,7 +424,7 @@ def enqueue_analyses(session: Session, trace_ids: Sequence[int]) -> None:
     if trace_ids and session.info.get(PROCRASTINATE):
         from stepdoctor_server import jobs
 
-        jobs.defer_analyses(session, trace_ids)
+        jobs.defer_analyses(session, trace_ids, priority=priority)
 
 
 def schedule_aggregation(session: Session, trace_id: int) -> None:
@@ -441,7 +441,7 @@ def reset_to_pending(session: Session, trace_ids: Sequence[int]) -> int:
     """Queue traces (again) for analysis; attempts restart so a retried trace gets full retries."""
     if not trace_ids:
         return 0
-    enqueue_analyses(session, trace_ids)
+    enqueue_analyses(session, trace_ids, priority=-1)  # procrastinate: behind fresh uploads (#12)
     result = session.execute(
         update(Trace)
         .where(Trace.id.in_(list(trace_ids)))
