@@ -25,7 +25,7 @@ from pathlib import PurePath
 from typing import Any
 
 from . import BOTTLENECK_KINDS
-from .job import num, step_count, step_time_us
+from .job import job_limiter, num, step_count, step_time_us
 
 STRAGGLER = 0.10
 _WORKER_RE = re.compile(r"^(.*?)(\.\d+)?\.pt\.trace\.json(\.gz)?$")  # TensorBoard's run-file pattern
@@ -226,7 +226,8 @@ def _summarise(rank: int | None, worker: str | None, reports: list[Mapping[str, 
     arrivals = [(a, w) for r, w in zip(reports, weights, strict=True) if (a := _arrival(r)) is not None]
     arrival = sum(a * w for a, w in arrivals) / sum(w for _, w in arrivals) if arrivals else None
     shares = {k: v / step for k, v in kinds.items() if k in BOTTLENECK_KINDS} if step > 0 else {}
-    primary = max(shares, key=lambda k: (shares[k], k)) if shares and max(shares.values()) > 0 else None
+    # The rank's limiter by the same rule as the job's and each trace's (``diagnose.choose_limiter``).
+    primary = job_limiter(reports).kind if shares and max(shares.values()) > 0 else None
     return RankSummary(
         rank=rank,
         worker=worker,
