@@ -9,6 +9,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from stepdoctor_analysis import ENGINE_VERSION
 from stepdoctor_server.models import Project, Run
 from support.server import TeamInfo, synthetic_trace, upload
 
@@ -117,7 +118,7 @@ def test_run_detail_carries_diagnosis_and_trace_counts(app: FastAPI, client: Tes
     with app.state.db.session() as session:
         run = session.get(Run, run_id)
         assert run is not None
-        run.diagnosis, run.primary_kind, run.diagnosis_engine_version = diagnosis, "input", "0.1.0"
+        run.diagnosis, run.primary_kind, run.diagnosis_engine_version = diagnosis, "input", ENGINE_VERSION
 
     detail = client.get(f"/api/v1/runs/{run_id}").json()
     assert detail["diagnosis"] == diagnosis and detail["primary_kind"] == "input"

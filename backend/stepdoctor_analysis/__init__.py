@@ -4,7 +4,7 @@ Pure functions over ``model.RankTrace``; no network, database or plotting here.
 Entry point for other layers: ``stepdoctor_analysis.pipeline.analyze_path``.
 """
 
-ENGINE_VERSION = "0.1.0"
+ENGINE_VERSION = "0.2.0"  # 0.2: the verdict is the limiter (#9); older stored analyses are redone
 # Bump when the JSON report changes incompatibly; stored analyses with an older engine are redone.
 SCHEMA_VERSION = 1
 
