@@ -204,3 +204,16 @@ def test_pending_pages_refresh_and_deep_analyses_need_hta(
         assert "critical-path" not in page  # not offered where the server cannot run it
         refused = browser.post(f"/traces/{made['id']}/deep/critical-path", content="")
         assert refused.status_code in (403, 501) and "<html" in refused.text
+
+
+def test_compare_warns_when_the_setups_differ(client: TestClient, app: FastAPI, read_token: str) -> None:
+    a100 = {"devices": [{"name": "NVIDIA A100"}], "loader": {"batch_size": 32}, "world_size": 8}
+    h100 = {"devices": [{"name": "NVIDIA H100"}], "loader": {"batch_size": 64}, "world_size": 8}
+    base = upload(client, TWO_STEPS.read_bytes(), project="p", run="a100", metadata=a100).json()
+    other = upload(client, FAST.read_bytes(), project="p", run="h100", metadata=h100).json()
+    drain(app)
+    with _browser(app, read_token) as browser:
+        page = browser.get(f"/compare?base={base['run_id']}&other={other['run_id']}").text
+    assert "differ in devices: NVIDIA A100 vs NVIDIA H100" in page
+    assert "differ in batch size: 32 vs 64" in page
+    assert "world size" not in page  # equal: no warning
