@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stepdoctor_analysis import parse
 from stepdoctor_analysis.errors import TraceError, TraceTooLarge
 from stepdoctor_analysis.model import NONE, CopyKind, GpuKind, HostKind, HostMem, RankTrace
-from stepdoctor_analysis.parse import _CHUNK, load_job, load_trace
+from stepdoctor_analysis.parse import load_job, load_trace
+from stepdoctor_analysis.parsing import reading, splitting
 from stepdoctor_analysis.steps import launching_call
 from support.fixtures import (
     CPU_FIXTURES,
@@ -198,9 +198,9 @@ def _same(a: RankTrace, b: RankTrace) -> None:
 def inflate_lib(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run with ISA-L (the [analyze] extra) and with the stdlib zlib it falls back to."""
     if request.param == "zlib":
-        monkeypatch.setattr(parse, "_inflate_lib", zlib)
+        monkeypatch.setattr(reading, "_inflate_lib", zlib)
     else:
-        assert parse._inflate_lib.__name__.startswith("isal"), "the [analyze] extra installs isal"
+        assert reading._inflate_lib.__name__.startswith("isal"), "the [analyze] extra installs isal"
     return str(request.param)
 
 
@@ -216,9 +216,9 @@ def test_small_chunks_one_line_json_and_multi_member_gzip_give_the_same_trace(
     members = tmp_path / "members.json.gz"
     half = len(plain) // 2
     members.write_bytes(gzip.compress(plain[:half]) + gzip.compress(plain[half:]))
-    monkeypatch.setattr(parse, "_CHUNK", 16 << 10)
-    monkeypatch.setattr(parse, "_OUT_BLOCK", 10_000)
-    monkeypatch.setattr(parse, "_SMALL_FILE", 0)  # many blocks, even for these small files
+    monkeypatch.setattr(splitting, "_CHUNK", 16 << 10)
+    monkeypatch.setattr(reading, "_OUT_BLOCK", 10_000)
+    monkeypatch.setattr(reading, "_SMALL_FILE", 0)  # many blocks, even for these small files
     _same(ref, load_trace(fixture(rel)))
     _same(ref, load_trace(one_line))
     _same(ref, load_trace(members))
@@ -279,9 +279,9 @@ def test_label_pids_in_one_chunk_keep_later_chunks_numeric(
          "dur": 1, "args": {"External id": i}}
         for i in range(3000)
     ]  # fmt: skip
-    monkeypatch.setattr(parse, "_CHUNK", 4 << 10)
-    monkeypatch.setattr(parse, "_OUT_BLOCK", 4 << 10)
-    monkeypatch.setattr(parse, "_SMALL_FILE", 0)
+    monkeypatch.setattr(splitting, "_CHUNK", 4 << 10)
+    monkeypatch.setattr(reading, "_OUT_BLOCK", 4 << 10)
+    monkeypatch.setattr(reading, "_SMALL_FILE", 0)
     tr = load_trace(write_trace(tmp_path / "labels.json", events))
     assert tr.host.pid[0] < -1 and tr.host.tid[0] < -1  # labels get negative ids
     assert tr.host.pid[1:].tolist() == [10 + i % 3 for i in range(3000)]
@@ -419,7 +419,7 @@ def test_flow_links_needed_partway_through_a_multi_chunk_trace(tmp_path: Path) -
             ]
     path = tmp_path / "mixed.json"
     path.write_text(json.dumps({"schemaVersion": 1, "traceEvents": events}))
-    assert path.stat().st_size > 4 * _CHUNK  # several parser chunks
+    assert path.stat().st_size > 4 * splitting._CHUNK  # several parser chunks
 
     trace = load_trace(path)
     gpu, host = trace.gpu, trace.host

@@ -1,0 +1,80 @@
+"""Kineto Chrome trace -> columnar ``RankTrace``, in bounded memory, in five steps.
+
+Traces of 1-2 GB are normal, so the file is never held as Python dicts:
+
+- ``reading``: the file or stream is decompressed (gzip by magic number, ISA-L when installed) in blocks;
+- ``splitting``: the ``traceEvents`` array is cut into chunks of about 512 KB at event boundaries;
+- ``schema``: each chunk is decoded in place by msgspec into small tagged Structs (only the fields we
+  use; metadata, other phases and, unless correlation ids are missing, flows decode to empty Structs).
+  The ``args`` read are declared once, in ``schema.ARGS``, which generates the decoders and dtypes;
+- ``columns``: the Structs are folded into numpy columns, and dropped;
+- ``assembly``: the chunks' columns are joined, put on one ns clock, sorted, and correlation ids
+  missing in old traces are recovered from flow events.
+
+Peak memory is the columns plus a few chunks, whatever the file size. Every format generation of
+anchors §1 is accepted: fractional-µs Kineto, float ns-resolution, 2021 ``Operator/Runtime/Kernel/
+Memcpy/Memset`` categories, ``ac2g``/``async_cpu_to_gpu``/``async``/``launch`` flows (used to recover a
+missing correlation id), AMD ``hip*`` runtime calls, Triton's ``cuLaunchKernel`` (``cuda_driver``),
+CPU-only traces.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import BinaryIO
+
+from ..errors import TraceError
+from ..model import RankTrace
+from .assembly import assemble
+from .columns import Builder
+from .reading import DEFAULT_MAX_BYTES, decompressed_blocks
+from .splitting import StreamParser
+
+__all__ = ["DEFAULT_MAX_BYTES", "load_job", "load_trace"]
+
+
+def load_trace(
+    path: str | Path | BinaryIO, *, max_bytes: int | None = None, name: str | None = None
+) -> RankTrace:
+    """Parse one rank's trace (``.json`` or gzip, detected by content) into a ``RankTrace``.
+
+    ``path`` may also be a readable binary stream (an object-store reader), read once front to
+    back, so a server worker needs no local copy; ``name`` labels it in messages.
+    """
+    cap = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+    if isinstance(path, str | Path):
+        p = Path(path)
+        if not p.is_file():
+            raise TraceError(f"{p.name}: no such trace file")
+        source: Path | BinaryIO = p
+        builder, label = Builder(str(p)), p.name
+    else:
+        source = path
+        label = name or Path(str(getattr(path, "name", "") or "trace")).name
+        builder = Builder(label)
+    # Decompression runs inline: a producer thread lost more to GIL hand-offs than it overlapped
+    # (measured 8-20% slower, from 2 MB to 800 MB traces, on 2 cores).
+    blocks = decompressed_blocks(source, cap, label)
+    try:
+        StreamParser(builder, label).run(blocks)
+    except RecursionError:  # msgspec recurses per nesting level
+        raise TraceError(f"{label}: JSON nested too deeply to be a trace") from None
+    finally:
+        blocks.close()  # closes the file at once, also when parsing failed
+    return assemble(builder)
+
+
+def load_job(path: str | Path, *, max_bytes: int | None = None) -> list[RankTrace]:
+    """Parse a file, or a directory of per-rank ``.json``/``.json.gz`` files, sorted by rank."""
+    p = Path(path)
+    if p.is_file():
+        return [load_trace(p, max_bytes=max_bytes)]
+    if not p.is_dir():
+        raise TraceError(f"{p.name}: no such trace file or directory")
+    files = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith((".json", ".json.gz")))
+    if not files:
+        raise TraceError(f"{p.name}: directory holds no .json or .json.gz trace files")
+    traces = [load_trace(f, max_bytes=max_bytes) for f in files]
+    # Rank from distributedInfo; traces without one keep their file order after ranked ones.
+    order = sorted(range(len(traces)), key=lambda i: (traces[i].rank is None, traces[i].rank or 0, i))
+    return [traces[i] for i in order]

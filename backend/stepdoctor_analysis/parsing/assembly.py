@@ -1,0 +1,221 @@
+"""Per-chunk columns -> one ``RankTrace``: joined, on one ns clock, sorted by time, correlations repaired."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import TraceError
+from ..model import (
+    NONE,
+    CopyKind,
+    DeviceInfo,
+    GpuEvents,
+    GpuKind,
+    HostEvents,
+    HostKind,
+    HostMem,
+    MemoryEvents,
+    RankTrace,
+)
+from .schema import GPU, HOST, LEGACY_CATEGORIES, MEMORY, to_int
+
+if TYPE_CHECKING:
+    from .columns import Builder
+
+_MEMCPY = int(GpuKind.MEMCPY)
+_FLOW_DTYPES = {"id": np.int64, "start": np.bool_, "pid": np.int64, "tid": np.int64, "ts": np.float64}
+_DIRECTIONS = (
+    ("HtoD", CopyKind.HTOD),
+    ("DtoH", CopyKind.DTOH),
+    ("DtoD", CopyKind.DTOD),
+    ("HtoH", CopyKind.HTOH),
+    ("PtoP", CopyKind.PTOP),
+)
+
+
+def assemble(b: Builder) -> RankTrace:
+    """The finished trace: every table sorted by start time, times as int64 ns from one origin."""
+    if not b.host and not b.gpu and not b.mem:
+        raise TraceError(f"{Path(b.source).name}: the trace contains no events")
+    host = concat(b.host, HOST.dtypes)
+    gpu = concat(b.gpu, GPU.dtypes)
+    mem = concat(b.mem, MEMORY.dtypes)
+    origin = _origin(host["ts"], gpu["ts"], mem["ts"])
+    host_ts, gpu_ts, mem_ts = (to_ns(a, origin) for a in (host["ts"], gpu["ts"], mem["ts"]))
+    host_dur, gpu_dur = (
+        np.maximum(np.rint(a * 1000.0), 0).astype(np.int64) for a in (host["dur"], gpu["dur"])
+    )
+    strings = list(b.ids)
+    if b.flows:
+        repair_correlation(b.flows, host, host_ts, gpu, gpu_ts, origin)
+    ho = np.argsort(host_ts, kind="stable")
+    go = np.argsort(gpu_ts, kind="stable")
+    mo = np.argsort(mem_ts, kind="stable")
+    copy_table, mem_table = _copy_tables(strings)
+    gname = gpu["name"][go]
+    gkind = gpu["kind"][go]
+    is_copy = gkind == _MEMCPY
+    host_events = HostEvents(
+        name=host["name"][ho],
+        kind=host["kind"][ho],
+        ts=host_ts[ho],
+        dur=host_dur[ho],
+        pid=host["pid"][ho],
+        tid=host["tid"][ho],
+        **_in_order(host, HOST.arg_columns, ho),
+    )
+    gpu_events = GpuEvents(
+        name=gname,
+        kind=gkind,
+        ts=gpu_ts[go],
+        dur=gpu_dur[go],
+        copy_kind=np.where(is_copy, copy_table[gname], np.int8(CopyKind.NONE)),
+        host_mem=np.where(is_copy, mem_table[gname], np.int8(HostMem.NONE)),
+        **_in_order(gpu, GPU.arg_columns, go),
+    )
+    memory = MemoryEvents(ts=mem_ts[mo], **_in_order(mem, MEMORY.arg_columns, mo))
+    top = b.top
+    dist = top.get("distributedInfo")
+    dist = dist if isinstance(dist, dict) else {}
+    rank = to_int(dist.get("rank"))
+    world = to_int(dist.get("world_size"))
+    return RankTrace(
+        source=b.source,
+        strings=strings,
+        host=host_events,
+        gpu=gpu_events,
+        memory=memory,
+        devices=_devices(top.get("deviceProperties")),
+        rank=rank if rank != NONE else None,
+        world_size=world if world != NONE else None,
+        out_of_memory=b.oom,
+        format="legacy-2021" if any(c in b.codes for c in LEGACY_CATEGORIES) else "kineto",
+        metadata={
+            k: v for k, v in top.items() if k not in ("deviceProperties", "distributedInfo") and _small(v)
+        },
+        distributed=dist,
+    )
+
+
+def _in_order(cols: dict[str, np.ndarray], names: tuple[str, ...], order: np.ndarray) -> dict[str, Any]:
+    """The named columns (a table's arg columns, generated from ``schema.ARGS``), in time order."""
+    return {c: cols[c][order] for c in names}
+
+
+def repair_correlation(
+    flows: list[dict[str, np.ndarray]],
+    host: dict[str, np.ndarray],
+    host_ts: np.ndarray,
+    gpu: dict[str, np.ndarray],
+    gpu_ts: np.ndarray,
+    origin: int,
+) -> None:
+    """Old traces link launches to GPU ops only by flow events: turn flow ids into correlations.
+
+    A flow start binds to the host slice on its thread beginning at its timestamp, a flow end to
+    the GPU slice on its (pid, tid) beginning at its timestamp (Chrome's ``bp: e`` binding).
+    """
+    need_h = np.flatnonzero(
+        (host["correlation"] == NONE) & np.isin(host["kind"], (HostKind.RUNTIME, HostKind.DRIVER))
+    )
+    need_g = np.flatnonzero(gpu["correlation"] == NONE)
+    if need_h.size == 0 and need_g.size == 0:
+        return
+    f = concat(flows, _FLOW_DTYPES)
+    f_ts = to_ns(f["ts"], origin)
+    keys = zip(
+        f["pid"].tolist(),
+        f["tid"].tolist(),
+        f_ts.tolist(),
+        f["id"].tolist(),
+        f["start"].tolist(),
+        strict=True,
+    )
+    starts: dict[tuple[int, int, int], int] = {}
+    ends: dict[tuple[int, int, int], int] = {}
+    for pid, tid, ts, cid, is_start in keys:
+        (starts if is_start else ends)[(pid, tid, ts)] = cid
+    for i in need_h:
+        c = starts.get((int(host["pid"][i]), int(host["tid"][i]), int(host_ts[i])))
+        if c is not None:
+            host["correlation"][i] = c
+    for i in need_g:
+        c = ends.get((int(gpu["pid"][i]), int(gpu["tid"][i]), int(gpu_ts[i])))
+        if c is not None:
+            gpu["correlation"][i] = c
+
+
+def concat(parts: list[dict[str, np.ndarray]], dtypes: dict[str, Any]) -> dict[str, np.ndarray]:
+    """One table's chunks joined (the list is emptied to free them early); empty columns when none."""
+    if not parts:
+        return {k: np.empty(0, dt) for k, dt in dtypes.items()}
+    if len(parts) == 1:
+        return parts[0]
+    out = {k: np.concatenate([p[k] for p in parts]) for k in dtypes}
+    parts.clear()
+    return out
+
+
+def _origin(*arrays: np.ndarray) -> int:
+    """Whole-µs origin: subtracting it first keeps the µs→ns conversion exact for epoch times."""
+    lows = [float(a.min()) for a in arrays if a.size]
+    return int(np.floor(min(lows))) if lows else 0
+
+
+def to_ns(ts_us: np.ndarray, origin: int) -> np.ndarray:
+    # ts - origin is exact in float64 (both near each other), so rounding happens on small values.
+    return origin * 1000 + np.rint((ts_us - origin) * 1000.0).astype(np.int64)
+
+
+def _copy_tables(strings: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-string memcpy direction and host memory kind, parsed once per distinct name."""
+    n = len(strings)
+    kinds = np.full(max(n, 1), CopyKind.NONE, np.int8)
+    mems = np.full(max(n, 1), HostMem.NONE, np.int8)
+    for i, s in enumerate(strings):
+        if "Memcpy" in s or "memcpy" in s:
+            kinds[i], mems[i] = _copy_kind(s)
+    return kinds, mems
+
+
+def _copy_kind(name: str) -> tuple[int, int]:
+    kind = next((k for tag, k in _DIRECTIONS if tag in name), CopyKind.UNKNOWN)
+    if kind in (CopyKind.HTOD, CopyKind.DTOH, CopyKind.HTOH):
+        mem = (
+            HostMem.PAGEABLE
+            if "Pageable" in name
+            else HostMem.PINNED
+            if "Pinned" in name
+            else HostMem.UNKNOWN
+        )
+    else:
+        mem = HostMem.NONE
+    return int(kind), int(mem)
+
+
+def _devices(props: Any) -> list[DeviceInfo]:
+    if not isinstance(props, list):
+        return []
+    out = []
+    for i, d in enumerate(props):
+        if not isinstance(d, dict):
+            continue
+        dev_id = to_int(d.get("id"))
+        out.append(
+            DeviceInfo(
+                id=dev_id if dev_id != NONE else i,
+                name=str(d.get("name", "")),
+                total_memory=max(to_int(d.get("totalGlobalMem")), 0),
+                num_sms=max(to_int(d.get("numSms")), 0),
+                compute_major=max(to_int(d.get("computeMajor")), 0),
+                compute_minor=max(to_int(d.get("computeMinor")), 0),
+            )
+        )
+    return out
+
+
+def _small(v: Any) -> bool:
+    return isinstance(v, (str, int, float, bool)) or v is None

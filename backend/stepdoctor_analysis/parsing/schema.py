@@ -1,0 +1,326 @@
+"""What a Kineto event means to us: the argument table, the msgspec event types and the categories.
+
+The ``args`` we read are declared once, in ``ARGS``. Everything else that names an argument is
+generated from it: the typed ``Args`` Struct the fast decoder fills (in C), the untyped ``LaxArgs``
+used for producers that write odd values, the coercion of those values, and the numeric records and
+column dtypes of each table (``HOST``, ``GPU``, ``MEMORY``). Adding a kernel argument is one row here
+(plus its field in ``model.GpuEvents``, the contract analyzers read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+import msgspec
+import numpy as np
+
+from ..model import NONE, GpuKind, HostKind
+
+NAN = float("nan")
+ABSENT = -(2**62)  # stream/device arg missing (distinct from a real -1, e.g. "Event Sync" on stream -1)
+
+
+def to_int(v: Any) -> int:
+    """Best-effort integer for an untyped arg value; NONE when absent or unusable."""
+    if type(v) is int:
+        return v
+    if v is None or isinstance(v, bool):
+        return NONE
+    if isinstance(v, float):
+        return int(v) if v == v else NONE
+    if isinstance(v, str):
+        try:
+            return int(v, 0) if v[:2].lower() == "0x" else int(float(v))
+        except ValueError:
+            return NONE
+    return NONE
+
+
+def to_float(v: Any) -> float:
+    """Best-effort float for an untyped value; NaN when absent or unusable."""
+    if type(v) is float or type(v) is int:
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            return NAN
+    return NAN
+
+
+# --------------------------------------------------------------------------- the argument table
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One ``args`` entry we read, and the column(s) it fills.
+
+    ``dtype`` is the column's dtype in the model. ``absent`` marks a loose argument: the fast
+    decoder accepts any JSON value for it (AMD writes some streams as hex strings), a missing one
+    reads as ``ABSENT`` and the column takes the event's own ``pid`` or ``tid`` instead (see
+    ``columns.FALLBACKS``). Two args naming the same column are two spellings of it: the first wins,
+    the next fills where it is missing.
+    """
+
+    attr: str  # attribute on the decoded Struct (unique)
+    key: str  # the JSON key inside the event's "args"
+    dtype: str  # numpy dtype of the model column
+    host: str | None = None  # the column it fills in each table, if any
+    gpu: str | None = None
+    memory: str | None = None
+    absent: str | None = None  # loose: "pid" or "tid", the event field a missing value falls back to
+
+    @property
+    def is_float(self) -> bool:
+        return np.dtype(self.dtype).kind == "f"
+
+    @property
+    def record_dtype(self) -> np.dtype[Any]:
+        """What the decoded value is read into: loose args hold the 64-bit ``ABSENT`` marker first."""
+        return np.dtype(np.int64) if self.absent else np.dtype(self.dtype)
+
+    @property
+    def default(self) -> Any:
+        return ABSENT if self.absent else NAN if self.is_float else NONE
+
+    def coerce(self, v: Any) -> Any:
+        """An untyped value (lax path) in the form the typed decoder would have produced."""
+        if self.absent and v is None:
+            return ABSENT
+        return to_float(v) if self.is_float else to_int(v)
+
+
+ARGS: tuple[Arg, ...] = (
+    #   attribute             JSON key                       dtype  column(s) it fills
+    Arg("correlation",        "correlation",                 "i8",  host="correlation", gpu="correlation"),
+    Arg("external_id",        "External id",                 "i8",  host="external_id"),
+    Arg("external_id_legacy", "external id",                 "i8",  host="external_id"),
+    Arg("device",             "device",                      "i4",  gpu="device", absent="pid"),
+    Arg("stream",             "stream",                      "i8",  gpu="stream", absent="tid"),
+    Arg("nbytes",             "bytes",                       "i8",  gpu="bytes"),
+    Arg("blocks_per_sm",      "blocks per SM",               "f4",  gpu="blocks_per_sm"),
+    Arg("occupancy",          "est. achieved occupancy %",   "f4",  gpu="occupancy"),
+    Arg("device_type",        "Device Type",                 "i1",  memory="device_type"),
+    Arg("device_id",          "Device Id",                   "i4",  memory="device_id"),
+    Arg("addr",               "Addr",                        "i8",  memory="addr"),
+    Arg("mem_bytes",          "Bytes",                       "i8",  memory="bytes"),
+    Arg("total_allocated",    "Total Allocated",             "i8",  memory="total_allocated"),
+    Arg("total_reserved",     "Total Reserved",              "i8",  memory="total_reserved"),
+)  # fmt: skip
+
+
+def args_struct(args: tuple[Arg, ...], *, lax: bool = False) -> type[msgspec.Struct]:
+    """The Struct an event's ``args`` decode into: typed (fast, converted in C) or ``lax`` (any value)."""
+    fields = []
+    for a in args:
+        kind: Any = Any if lax or a.absent else float if a.is_float else int
+        name = a.key if a.key != a.attr else None
+        fields.append((a.attr, kind, msgspec.field(default=None if lax else a.default, name=name)))
+    return msgspec.defstruct("LaxArgs" if lax else "Args", fields, gc=False, module=__name__)
+
+
+# Event fields every table's record starts with, then the columns filled around the args.
+_EVENT_FIELDS = {"host": ("ts", "dur"), "gpu": ("ts", "dur"), "memory": ("ts",)}
+_OWN_COLUMNS = {
+    "host": {"name": "i4", "kind": "i1", "ts": "f8", "dur": "f8", "pid": "i8", "tid": "i8"},
+    "gpu": {"name": "i4", "kind": "i1", "ts": "f8", "dur": "f8", "pid": "i8", "tid": "i8"},
+    "memory": {"ts": "f8"},
+}
+
+
+@dataclass(frozen=True)
+class Table:
+    """How one model table is read: the args that fill it, one numeric record per event, its columns."""
+
+    name: str
+    args: tuple[Arg, ...]  # in ARGS order
+    fields: tuple[str, ...]  # attribute paths read per event ("ts", "args.correlation", ...)
+    record: np.dtype[Any]  # one typed row per event, named "ts", "dur" and each arg's attr
+    record_ids: np.dtype[Any]  # the same, then pid and tid
+    dtypes: dict[str, np.dtype[Any]]  # the finished columns (event fields and arg columns)
+    arg_columns: tuple[str, ...]  # the columns args fill, each once
+
+    def column(self, arg: Arg) -> str:
+        col: str = getattr(arg, self.name)
+        return col
+
+
+def table(name: str, args: tuple[Arg, ...] = ARGS) -> Table:
+    """Generate a table's record and column dtypes from the argument table."""
+    mine = tuple(a for a in args if getattr(a, name) is not None)
+    events = _EVENT_FIELDS[name]
+    if len({a.attr for a in args} | set(events) | {"pid", "tid"}) != len(args) + len(events) + 2:
+        raise ValueError("argument attributes must be unique and differ from the event fields")
+    record = np.dtype([(f, "f8") for f in events] + [(a.attr, a.record_dtype) for a in mine])
+    dtypes = {k: np.dtype(v) for k, v in _OWN_COLUMNS[name].items()}
+    for a in mine:
+        dtypes.setdefault(getattr(a, name), np.dtype(a.dtype))
+    return Table(
+        name=name,
+        args=mine,
+        fields=events + tuple(f"args.{a.attr}" for a in mine),
+        record=record,
+        record_ids=np.dtype([*record.descr, ("pid", "i8"), ("tid", "i8")]),
+        dtypes=dtypes,
+        arg_columns=tuple(dict.fromkeys(getattr(a, name) for a in mine)),
+    )
+
+
+HOST, GPU, MEMORY = table("host"), table("gpu"), table("memory")
+Args = args_struct(ARGS)
+LaxArgs = args_struct(ARGS, lax=True)
+
+
+# --------------------------------------------------------------------------- event types
+
+
+class Complete(msgspec.Struct, tag_field="ph", tag="X", gc=False):
+    """A duration event (``ph: X``): every host op, launch call and GPU op."""
+
+    cat: str = ""
+    name: str | None = None
+    ts: float = NAN
+    dur: float = NAN
+    pid: int | str = NONE
+    tid: int | str = NONE
+    args: Args = msgspec.field(default_factory=Args)  # type: ignore[valid-type]
+
+
+class Instant(msgspec.Struct, tag_field="ph", tag="i", gc=False):
+    """An instant event: ``[memory]`` and ``[OutOfMemory]`` are the ones we keep."""
+
+    name: str | None = None
+    ts: float = NAN
+    args: Args = msgspec.field(default_factory=Args)  # type: ignore[valid-type]
+
+
+class InstantLegacy(Instant, tag="I"):
+    pass
+
+
+class FlowStart(msgspec.Struct, tag_field="ph", tag="s", gc=False):
+    """Flow endpoints: only needed to recover correlation ids in traces that lack them."""
+
+    cat: str = ""
+    id: int | str | None = None
+    ts: float = NAN
+    pid: int | str = NONE
+    tid: int | str = NONE
+
+
+class FlowEnd(FlowStart, tag="f"):
+    pass
+
+
+class FlowStep(FlowStart, tag="t"):
+    pass
+
+
+# Every other Chrome trace phase decodes into an empty Struct: parsed, never materialised.
+SKIPPED = tuple(
+    msgspec.defstruct(f"_Skip{i}", [], tag_field="ph", tag=ph, gc=False)
+    for i, ph in enumerate(
+        ("M", "B", "E", "C", "b", "n", "e", "P", "N", "O", "D", "V", "v", "R", "c", "(", ")")
+    )
+)
+Event = Any  # one of the tagged Structs above
+
+# Type codes: 0 complete, 1 instant, 2/3/4 flow start/end/step, 5 skipped, 6 flow skipped by the lean decoder.
+COMPLETE, INSTANT, FLOW_START, SKIPPED_CODE, FLOW_SKIPPED = 0, 1, 2, 5, 6
+TYPE_CODES: dict[type, int] = {
+    Complete: COMPLETE,
+    Instant: INSTANT,
+    InstantLegacy: INSTANT,
+    FlowStart: FLOW_START,
+    FlowEnd: 3,
+    FlowStep: 4,
+}
+TYPE_CODES.update(dict.fromkeys(SKIPPED, SKIPPED_CODE))
+_EventUnion = Union[(Complete, Instant, InstantLegacy, FlowStart, FlowEnd, FlowStep, *SKIPPED)]  # type: ignore[valid-type]
+# Flow events are a third of a modern trace but only matter when correlation ids are missing (old
+# traces): the lean decoder skips them (type code 6); a chunk that turns out to need them is decoded
+# again in full, and so is the rest of that trace.
+_FLOWS_SKIPPED = tuple(
+    msgspec.defstruct(f"_SkipFlow{i}", [], tag_field="ph", tag=ph, gc=False) for i, ph in enumerate("sft")
+)
+TYPE_CODES.update(dict.fromkeys(_FLOWS_SKIPPED, FLOW_SKIPPED))
+_LeanUnion = Union[(Complete, Instant, InstantLegacy, *_FLOWS_SKIPPED, *SKIPPED)]  # type: ignore[valid-type]
+
+
+class LaxEvent(msgspec.Struct, gc=False):
+    """Any event, untyped: for producers that write odd values (null, strings, lists)."""
+
+    ph: Any = ""
+    cat: Any = ""
+    name: Any = None
+    ts: Any = None
+    dur: Any = None
+    pid: Any = None
+    tid: Any = None
+    id: Any = None
+    args: Any = None
+
+
+EVENTS_DECODER = msgspec.json.Decoder(list[_EventUnion])
+LEAN_DECODER = msgspec.json.Decoder(list[_LeanUnion])
+LAX_DECODER = msgspec.json.Decoder(list[LaxEvent], strict=False)
+_FLOW_TYPES = {"s": FlowStart, "f": FlowEnd, "t": FlowStep}
+
+
+def _id_or(v: Any, default: Any) -> Any:
+    return v if isinstance(v, (int, str)) and not isinstance(v, bool) else default
+
+
+def tighten(events: list[LaxEvent]) -> list[Event]:
+    """Coerce untyped events into the typed form, value by value (slow path, rare)."""
+    out: list[Event] = []
+    for e in events:
+        ph = e.ph if isinstance(e.ph, str) else ""
+        a = e.args
+        args = Args()
+        if isinstance(a, dict):
+            lax = msgspec.convert(a, LaxArgs, strict=False)
+            for arg in ARGS:
+                setattr(args, arg.attr, arg.coerce(getattr(lax, arg.attr)))
+        name = None if e.name is None else str(e.name)
+        ts = to_float(e.ts) if e.ts is not None else NAN
+        pid, tid = _id_or(e.pid, NONE), _id_or(e.tid, NONE)
+        cat = e.cat if isinstance(e.cat, str) else ""
+        if ph == "X":
+            dur = to_float(e.dur) if e.dur is not None else NAN
+            out.append(Complete(cat=cat, name=name, ts=ts, dur=dur, pid=pid, tid=tid, args=args))
+        elif ph in ("i", "I"):
+            out.append(Instant(name=name, ts=ts, args=args))
+        elif ph in _FLOW_TYPES:
+            out.append(_FLOW_TYPES[ph](cat=cat, id=_id_or(e.id, None), ts=ts, pid=pid, tid=tid))
+        else:
+            out.append(SKIPPED[0]())
+    return out
+
+
+# --------------------------------------------------------------------------- categories
+
+# Category -> kind. Host kinds are 0..9, GPU kinds are offset by GPU_OFFSET.
+GPU_OFFSET = 100
+CATEGORIES: dict[str, int] = {
+    "cpu_op": HostKind.CPU_OP,
+    "operator": HostKind.CPU_OP,
+    "python": HostKind.CPU_OP,  # legacy autograd-profiler Python ops; tb-profiler counts them as CPU ops
+    "user_annotation": HostKind.USER_ANNOTATION,
+    "python_function": HostKind.PYTHON_FUNCTION,
+    "cuda_runtime": HostKind.RUNTIME,
+    "runtime": HostKind.RUNTIME,
+    "hip_runtime": HostKind.RUNTIME,
+    "cuda_driver": HostKind.DRIVER,
+    "overhead": HostKind.OVERHEAD,
+    "kernel": GPU_OFFSET + GpuKind.KERNEL,
+    "gpu_memcpy": GPU_OFFSET + GpuKind.MEMCPY,
+    "memcpy": GPU_OFFSET + GpuKind.MEMCPY,
+    "gpu_memset": GPU_OFFSET + GpuKind.MEMSET,
+    "memset": GPU_OFFSET + GpuKind.MEMSET,
+    "cuda_sync": GPU_OFFSET + GpuKind.SYNC,
+    "gpu_user_annotation": GPU_OFFSET + GpuKind.ANNOTATION,
+}
+FLOW_CATEGORIES = frozenset({"ac2g", "async_cpu_to_gpu", "async", "launch", "async_gpu"})
+LEGACY_CATEGORIES = frozenset({"Operator", "Runtime", "Kernel", "Memcpy", "Memset"})
