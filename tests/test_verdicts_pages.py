@@ -9,19 +9,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from support import verdict_traces as vt
-from support.server import drain, upload
-
-
-def _browser(app: FastAPI, token: str) -> TestClient:
-    client = TestClient(app)
-    resp = client.post(
-        "/login",
-        content=f"token={token}&next=/",
-        headers={"Content-Type": "application/x-www-form-urlencoded"},
-        follow_redirects=False,
-    )
-    assert resp.status_code == 303
-    return client
+from support.server import drain, logged_in, upload
 
 
 def _verdict(page: str) -> str:
@@ -50,7 +38,7 @@ def test_run_and_compare_pages_follow_the_limiter(
     comparison = cmp.get("comparison", cmp)
     assert (comparison["primary"]["base"], comparison["primary"]["other"]) == ("input", "compute")
 
-    with _browser(app, read_token) as browser:
+    with logged_in(app, read_token) as browser:
         page = browser.get(f"/runs/{slow['run_id']}").text
         verdict = _verdict(page)
         assert ">input</strong>" in verdict and "more DataLoader workers" in verdict

@@ -354,3 +354,16 @@ def _wait_ready(server: ServerProcess, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"stepdoctor serve not ready after {timeout_s}s:\n{server.output()}")
         time.sleep(0.2)
+
+
+def logged_in(app: FastAPI, token: str) -> TestClient:
+    """A dashboard client logged in with ``token`` (the session cookie the login form sets)."""
+    client = TestClient(app)
+    resp = client.post(
+        "/login",
+        content=f"token={token}&next=/",
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+        follow_redirects=False,
+    )
+    assert resp.status_code == 303, resp.text
+    return client
