@@ -9,12 +9,12 @@ holds each trace's user-facing state (pending/running/done/failed); procrastinat
   commits with the trace row, so none is lost or orphaned). ``lock`` and ``queueing_lock``
   ``trace:N`` mean at most one delivery runs and one waits; the claim in ``traces`` and the
   ``claimed_by`` guard on completion mean a second delivery never stores a second analysis.
-- ``stepdoctor.aggregate_run(run_id)``: deferred by the transaction that ends a trace; the
-  queueing lock coalesces the run's finishing traces into one waiting job and the lock
-  serialises it per run. It aggregates once no trace of the run is waiting, and skips when the
-  inputs are those of the stored diagnosis.
-- ``stepdoctor.retry_stalled`` (every 5 s): jobs of workers whose heartbeat is older than
-  ``STEPDOCTOR_WORKER_STALLED_AFTER_S`` (killed, hung, host gone) go back to the queue.
+- ``stepdoctor.aggregate_run(run_id)``: deferred by the transaction that ends a trace and
+  serialised per run by its lock. It aggregates once no trace of the run is waiting, and skips
+  when the inputs are those of the stored diagnosis, so a run is aggregated once.
+- Stalled-job retry: every worker checks every few seconds (in its event loop, not as a job, so
+  busy job slots never delay it) for jobs of workers whose heartbeat is older than
+  ``STEPDOCTOR_WORKER_STALLED_AFTER_S`` (killed, hung, host gone) and puts them back.
 - ``stepdoctor.sweep_pending`` (every 30 s): the outbox safety net; a pending trace without a
   waiting job (written by an older version, or reset by hand) gets one.
 
@@ -31,7 +31,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import text
@@ -47,8 +46,6 @@ ANALYZE = "stepdoctor.analyze_trace"
 AGGREGATE = "stepdoctor.aggregate_run"
 QUEUE_ANALYSIS = "analysis"
 QUEUE_AGGREGATION = "aggregation"
-# Traces finishing within this window share one aggregation job.
-AGGREGATION_DELAY_S = 0.0
 
 _DEFER = text(
     "SELECT procrastinate_defer_jobs_v1(ARRAY[ROW(CAST(:queue AS varchar), CAST(:task AS varchar), "
@@ -67,11 +64,10 @@ def _defer(
     queue: str,
     args: dict[str, Any],
     lock: str,
+    queueing_lock: str | None,
     priority: int = 0,
-    delay_s: float = 0,
 ) -> bool:
     """Insert one job row in the session's transaction; False when one already waits (queueing lock)."""
-    at = datetime.now(timezone.utc) + timedelta(seconds=delay_s) if delay_s else None
     try:
         with session.begin_nested():
             session.execute(
@@ -81,9 +77,9 @@ def _defer(
                     "task": task,
                     "priority": priority,
                     "lock": lock,
-                    "qlock": lock,
+                    "qlock": queueing_lock,
                     "args": json.dumps(args),
-                    "at": at,
+                    "at": None,  # run as soon as committed
                 },
             )
     except IntegrityError:  # the queueing lock: a job for the same object is already waiting
@@ -100,6 +96,7 @@ def defer_analyses(session: Session, trace_ids: Sequence[int], *, priority: int 
             queue=QUEUE_ANALYSIS,
             args={"trace_id": int(trace_id)},
             lock=f"trace:{trace_id}",
+            queueing_lock=f"trace:{trace_id}",
             priority=priority,
         )
 
@@ -111,8 +108,12 @@ def defer_aggregation(session: Session, run_id: int) -> None:
         queue=QUEUE_AGGREGATION,
         args={"run_id": int(run_id)},
         lock=f"run:{run_id}",
+        # No queueing lock: coalescing at defer time would race with a waiting job that starts
+        # before this transaction commits (and skips, seeing this trace still running). One job
+        # per finished trace, serialised by the lock; all but the last skip after two cheap
+        # queries (traces waiting? inputs digest unchanged?), so reports are read once.
+        queueing_lock=None,
         priority=1,
-        delay_s=AGGREGATION_DELAY_S,
     )
 
 
@@ -177,20 +178,6 @@ def _blueprint() -> Any:
 
         runtime: Runtime = context.additional_context["runtime"]
         worker.aggregate_when_finished(runtime, run_id)
-
-    @bp.periodic(cron="* * * * * */5", periodic_id="stalled")
-    @bp.task(name="stepdoctor.retry_stalled", queue=QUEUE_AGGREGATION, pass_context=True)
-    async def retry_stalled(context: Any, timestamp: int) -> None:
-        runtime: Runtime = context.additional_context["runtime"]
-        manager = context.app.job_manager
-        stalled = await manager.get_stalled_jobs(
-            seconds_since_heartbeat=runtime.settings.worker_stalled_after_s
-        )
-        for job in stalled:
-            log.warning(
-                "job %s (%s %s) lost its worker; queueing it again", job.id, job.task_name, job.task_kwargs
-            )
-            await manager.retry_job(job)
 
     @bp.periodic(cron="* * * * * */30", periodic_id="pending")
     @bp.task(name="stepdoctor.sweep_pending", queue=QUEUE_AGGREGATION, pass_context=True)
@@ -302,6 +289,7 @@ async def _serve(
                 shutdown_graceful_timeout=10.0,
             )
         )
+        sweeper = asyncio.create_task(_retry_stalled_forever(app, settings))
         parent = os.getppid()
         while not worker.done():
             # A pool child whose parent was SIGKILLed cannot be stopped by it: exit instead.
@@ -309,7 +297,37 @@ async def _serve(
                 worker.cancel()
                 break
             await asyncio.sleep(0.2)
+        sweeper.cancel()
         try:
             await worker
         except asyncio.CancelledError:
             return
+
+
+async def _retry_stalled_forever(app: Any, settings: Settings) -> None:
+    """Requeue the jobs of workers whose heartbeat stopped (SIGKILL, hang, lost host).
+
+    Every worker runs this; two of them retrying one job is harmless (the second finds it no
+    longer ``doing``). The job's own lock keeps the trace from running twice at once.
+    """
+    interval = max(0.5, min(5.0, settings.worker_stalled_after_s / 3))
+    manager = app.job_manager
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            stalled = await manager.get_stalled_jobs(seconds_since_heartbeat=settings.worker_stalled_after_s)
+            for job in stalled:
+                log.warning(
+                    "job %s (%s %s) lost its worker; queueing it again",
+                    job.id,
+                    job.task_name,
+                    job.task_kwargs,
+                )
+                try:
+                    await manager.retry_job(job)
+                except Exception as exc:  # another worker retried it first
+                    log.debug("job %s: not retried: %s", job.id, exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the database is away: the worker loop reports that once
+            log.debug("stalled-job check failed: %s", exc)
