@@ -177,3 +177,14 @@ def test_gpu_trace_without_device_properties_is_a_gpu(tmp_path: Path) -> None:
     assert "GPU (name unknown)" in text and "CPU only" not in text
     # Unknown capability: no precision advice that may not fit the device.
     assert "compute.mixed_precision" not in _ids(d["findings"])
+
+
+def test_no_overlap_advice_without_compute(tmp_path: Path) -> None:
+    r = _analyze(vt.communication_only(tmp_path / "comm.json"))
+    assert r["primary"]["kind"] == "communication"
+    assert "communication.overlap" not in _ids(r["recommendations"])  # nothing to hide it behind
+    overlap = next(f for f in r["findings"] if f["id"] == "communication.overlap")
+    assert overlap["expected_speedup"] <= 1.05
+    assert (
+        not r["recommendations"] or r["recommendations"][0]["kind"] == "communication" or r["primary"]["note"]
+    )

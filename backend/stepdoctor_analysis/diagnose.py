@@ -44,7 +44,7 @@ from .inputs import InputStats
 from .memory import MemoryStats
 from .model import INT64_MIN, HostKind, RankTrace, Step
 from .ops import COMPUTE_OP_RE, MEMORY_OP_RE, median_dur_by_name
-from .rules import KINDS, RULES, Context, Hit, Rule, speedup
+from .rules import KINDS, NO_COMPUTE_RATIO, RULES, Context, Hit, Rule, speedup
 from .steps import device_op_mask, launching_call
 from .sync import SyncStats
 from .timeline import Accounting
@@ -422,7 +422,7 @@ def _note(
         if ctx.has_gpu and (caps is None or caps.autocast_dtype is None):
             return "No faster precision is known for this device, so no compute change is proposed." + nxt
         return "The compute is busy with work no rule can make cheaper from the trace alone." + nxt
-    if kind == "communication" and ctx.ns("compute") < 0.1 * ctx.ns("communication"):
+    if kind == "communication" and ctx.ns("compute") < NO_COMPUTE_RATIO * ctx.ns("communication"):
         return (
             "There is almost no compute to hide communication behind: send less (fewer, larger or "
             "compressed collectives) or fix a straggler rank." + nxt

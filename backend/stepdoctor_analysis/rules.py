@@ -308,8 +308,13 @@ def _comm(ctx: Context) -> Hit | None:
         "overlap_fraction": round(c.overlap_fraction, 3),
         "top_collectives": [{"name": n, "count": k, "total_us": _us(t)} for n, k, t in c.top_kernels[:3]],
     }
-    # Overlap can hide communication only behind compute that exists: at most the step's compute time.
-    return Hit(ctx.share("communication"), min(exposed, compute), evidence)
+    # Overlap can hide communication only behind compute that exists: at most the step's compute
+    # time, and nothing worth a change when compute is under a tenth of the exposed collectives.
+    hideable = min(exposed, compute) if compute >= NO_COMPUTE_RATIO * exposed else 0.0
+    return Hit(ctx.share("communication"), hideable, evidence)
+
+
+NO_COMPUTE_RATIO = 0.1  # compute below this fraction of exposed communication: "compute ≈ 0"
 
 
 # Fraction of FP32 (SIMT) and TF32 matmul time that lower precision removes: low, point, high.

@@ -167,3 +167,27 @@ def without_device_properties(path: Path) -> Path:
         b.step(n + 1, start, t + 10 - start)
         t += 20
     return b.write(path)
+
+
+def communication_only(path: Path, *, steps: int = 5) -> Path:
+    """Each step is a 3 ms all-reduce and 0.1 ms of other work: nothing to hide the collective behind."""
+    b = TraceBuilder(device_name="NVIDIA A100-SXM4-80GB", rank=0, world_size=2)
+    t = 100.0
+    for n in range(steps):
+        start = t
+        b.cpu_op("nccl:all_reduce", t, 15)
+        b.launch(
+            "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevComm*, unsigned long, ncclWork*)",
+            t + 3,
+            8,
+            t + 15,
+            3_000,
+        )
+        b.runtime("cudaStreamSynchronize", t + 20, 3_000)
+        t += 3_030
+        b.cpu_op("aten::add", t, 8)
+        b.launch("void at::native::vectorized_elementwise_kernel<4>(add)", t + 1, 5, t + 10, 100)
+        t += 120
+        b.step(n + 1, start, t - start)
+        t += 20
+    return b.write(path)
