@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from sqlalchemy import select, update
+from sqlalchemy import select, text, update
+from sqlalchemy.exc import ProgrammingError
 
 from stepdoctor_server import cli
 from stepdoctor_server.models import Analysis, Token, Trace, utcnow
@@ -139,6 +140,27 @@ def test_reanalysis_needs_admin_and_waits_behind_fresh_uploads(
     with app.state.db.session() as session:
         first = claim_row(session, Trace, "test:1:0", postgres=postgres)
     assert first == fresh.json()["id"]  # the newest trace, yet first: the backlog waits
+
+
+def test_reanalysis_jobs_are_deferred_behind_uploads_in_procrastinate(
+    app: FastAPI, client: TestClient
+) -> None:
+    """On PostgreSQL the job engine is procrastinate: it fetches higher ``priority`` first."""
+    if not app.state.settings.database_url.startswith("postgresql"):
+        pytest.skip("procrastinate runs on PostgreSQL only")
+    jobs_of = text("SELECT priority FROM procrastinate_jobs WHERE args->>'trace_id' = :id ORDER BY id")
+    trace = _uploaded(client)
+    with app.state.db.session() as session:
+        try:
+            fresh = session.execute(jobs_of, {"id": str(trace["id"])}).scalars().all()
+        except ProgrammingError:
+            pytest.skip("this database has no procrastinate schema")
+        session.execute(text("UPDATE procrastinate_jobs SET status = 'succeeded'"))
+        session.execute(update(Trace).values(status="done"))
+    assert fresh == [0]
+    assert client.post(f"/api/v1/traces/{trace['id']}/reanalyze").status_code == 202
+    with app.state.db.session() as session:
+        assert session.execute(jobs_of, {"id": str(trace["id"])}).scalars().all() == [0, -1]
 
 
 def test_a_flooding_team_does_not_delay_another_teams_upload(
