@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -232,23 +233,29 @@ def test_docker_compose_file_is_valid() -> None:
     cmd = _compose_command()
     if cmd is None:
         pytest.skip("no docker compose client installed")
-    out = subprocess.run(
+    args = (
         [*cmd, "-f", str(REPO / "docker-compose.yml"), "config", "--format", "json"]
         if cmd == ["docker", "compose"]
-        else [*cmd, "-f", str(REPO / "docker-compose.yml"), "config"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
+        else [*cmd, "-f", str(REPO / "docker-compose.yml"), "config"]
     )
+    env = {k: v for k, v in os.environ.items() if k not in ("POSTGRES_PASSWORD", "S3_SECRET_KEY")}
+    # Secrets have no defaults: without them the file refuses to render.
+    refused = subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    assert refused.returncode != 0 and "set POSTGRES_PASSWORD" in refused.stderr
+    env.update(POSTGRES_PASSWORD="test-password", S3_SECRET_KEY="test-secret")
+    out = subprocess.run(args, capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
     assert out.returncode == 0, out.stderr
     text = out.stdout
     if cmd == ["docker", "compose"]:
         services = json.loads(text)["services"]
-        assert services["backend"]["depends_on"]["db"]["condition"] == "service_healthy"
+        assert services["migrate"]["depends_on"]["db"]["condition"] == "service_healthy"
+        assert services["api"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+        assert services["api"]["ports"][0]["host_ip"] == "127.0.0.1"
     else:
-        assert "service_healthy" in text
+        assert "service_healthy" in text and "service_completed_successfully" in text
+        assert "127.0.0.1:8000:8000" in text or "host_ip: 127.0.0.1" in text
     assert "healthcheck" in text and "pg_isready" in text
+    assert "--workers" in text and "worker" in text
 
 
 def _closure(names: set[str]) -> set[str]:
