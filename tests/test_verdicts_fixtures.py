@@ -154,3 +154,12 @@ def test_bf16_inference_gets_no_precision_advice() -> None:
 def test_fixture_list_is_complete() -> None:
     assert len(ALL) >= 25 and all((TRACES / r).is_file() for r in ALL)
     assert Path(TRACES / "tracelens").is_dir()
+
+
+def test_open_step_around_untraced_work_claims_nothing() -> None:
+    """triton_example: one 1.8 µs kernel in a 13.3 s step left open around untraced work (compilation,
+    export). The silence after the last kernel is unexplained time, not a 20× sync bubble."""
+    d = _report("hta/triton_example/triton_example.json.gz").to_dict()
+    assert d["metrics"]["shares"]["other"] > 0.99
+    assert d["recommendations"] == []
+    assert "Nothing in the step is removable" in d["primary"]["note"]
