@@ -7,55 +7,28 @@ import json
 import logging
 import os
 import time
-import uuid
 from pathlib import Path
 
 import pytest
-import torch
 
 from stepdoctor import sync, transport
 from stepdoctor.config import Delivery
-from stepdoctor.spool import EXPORT_SUFFIX, META_SUFFIX, PARTIAL, TRACE_SUFFIX, Spool
+from stepdoctor.spool import EXPORT_SUFFIX, META_SUFFIX, PARTIAL, TRACE_SUFFIX, UPLOADED_DIR, Spool
 from stepdoctor.worker import DeliveryWorker
+from support import spooling
 from support.fake_server import TOKEN, Failure, FakeServer
+from support.spooling import spool_traces
 
 FAST = Delivery(flush_timeout=10.0, http_timeout=2.0, backoff_base=0.02, backoff_max=0.2, compresslevel=1)
 
 # An agent bug raised on the delivery thread (STEPDOCTOR_RAISE_ERRORS=1) must fail the test, not just warn.
 pytestmark = pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+real_trace = spooling.real_trace  # a small real Kineto trace (module-scoped fixture)
 
 
 @pytest.fixture(autouse=True)
 def _raise_agent_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STEPDOCTOR_RAISE_ERRORS", "1")
-
-
-@pytest.fixture(scope="module")
-def real_trace(tmp_path_factory: pytest.TempPathFactory) -> bytes:
-    """A small real Kineto Chrome trace recorded once with plain torch.profiler."""
-    path = tmp_path_factory.mktemp("trace") / "t.json"
-    model = torch.nn.Linear(16, 4)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(2):
-            model(torch.randn(8, 16)).sum().backward()
-            prof.step()
-    prof.export_chrome_trace(str(path))
-    return path.read_bytes()
-
-
-def spool_traces(spool: Spool, trace: bytes, count: int, server: str | None, run: str = "r1") -> list[str]:
-    """Commit ``count`` captures the way the agent does (export, rename, sidecar); returns their keys."""
-    directory = spool.run_dir("proj", run)
-    keys = []
-    for index in range(count):
-        stem = Spool.new_stem()
-        Spool.export_partial(directory, stem).write_bytes(trace)
-        key = uuid.uuid4().hex
-        window = {"index": index, "first_step": 10 * index, "last_step": 10 * index + 2}
-        sidecar = {"idempotency_key": key, "project": "proj", "run": run, "rank": 0, "window": window}
-        Spool.commit_capture(directory, stem, {**sidecar, "server": server, "metadata": {"host": "h"}})
-        keys.append(key)
-    return keys
 
 
 def worker_for(
@@ -66,7 +39,19 @@ def worker_for(
 
 
 def spool_files(spool: Spool) -> list[str]:
-    return sorted(str(p.relative_to(spool.root)) for p in spool.root.rglob("*") if p.is_file())
+    """Files still waiting or failed: everything but the local copies of uploaded traces."""
+    return sorted(
+        str(p.relative_to(spool.root))
+        for p in spool.root.rglob("*")
+        if p.is_file() and p.relative_to(spool.root).parts[0] != UPLOADED_DIR
+    )
+
+
+def uploaded_keys(spool: Spool) -> set[str]:
+    return {
+        json.loads(p.read_text())["idempotency_key"]
+        for p in spool.root.glob(f"{UPLOADED_DIR}/*/*/*{META_SUFFIX}")
+    }
 
 
 @pytest.mark.parametrize(
@@ -96,6 +81,7 @@ def test_each_trace_arrives_exactly_once_despite_failures(
         assert worker.stats.delivered == 3 and worker.stats.retries >= 1
         assert [r.mode for r in server.requests][: len(failures)] == [f.mode for f in failures]
         assert spool_files(spool) == []
+        assert uploaded_keys(spool) == set(keys)  # local copies of what the server acknowledged
         assert all(u.trace["traceEvents"] for u in server.uploads.values())
         worker.close(1.0)
 

@@ -100,7 +100,8 @@ def test_traces_arrive_with_metadata_rank_and_loader_settings(
         assert (window["first_step"], window["last_step"]) == (2 + 3 * index, 3 + 3 * index)
         assert step_names(upload.trace) == [window["first_step"], window["last_step"]]
         assert upload.trace["distributedInfo"] == {"rank": 3, "world_size": 4}
-    assert not list(tmp_path.rglob(f"*{META_SUFFIX}"))  # acknowledged traces leave the spool
+    assert not list(tmp_path.glob(f"*/*/*{META_SUFFIX}"))  # acknowledged traces leave the queue
+    assert len(list(tmp_path.glob(f"uploaded/agent-test/meta/*{TRACE_SUFFIX}"))) == 2  # as local copies
 
 
 def test_without_a_server_traces_stay_in_tensorboard_layout(tmp_path: Path) -> None:

@@ -119,7 +119,8 @@ def test_agent_uploads_are_analysed_and_download_byte_identical(tmp_path: Path) 
             timeout=120,
         )
         assert sync.returncode == 0, sync.stderr
-        assert not list(spool.rglob("*.pt.trace.json.gz")), "acknowledged traces leave the spool"
+        assert not list(spool.glob("*/*/*.pt.trace.json.gz")), "acknowledged traces leave the queue"
+        assert len(list(spool.glob("uploaded/*/*/*.pt.trace.json.gz"))) == 2  # kept as local copies
 
         with httpx.Client(
             base_url=server.url, headers={"Authorization": f"Bearer {read_token}"}, timeout=30

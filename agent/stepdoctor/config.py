@@ -93,9 +93,28 @@ class Schedule:
         return self.skip_first, self.every - cycle, self.warmup, self.active, repeat
 
 
+#: Default spool cap: room for local copies of uploaded traces; unsent traces are never deleted for it.
+SPOOL_MAX_BYTES = 1 << 30
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([kmgt]?)(i?)b?\s*$", re.I)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``4e9``, ``500MB``, ``4GiB``, ``1024`` (decimal units, ``i`` for binary ones)."""
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (examples: 500MB, 4GiB, 1e9)")
+    number, unit, binary = match.groups()
+    power = "kmgt".find(unit.lower()) + 1 if unit else 0
+    return int(float(number) * (1024 if binary else 1000) ** power)
+
+
 @dataclass(frozen=True)
 class Delivery:
-    """Upload tuning; tests shrink the timeouts and backoff to keep the suite fast."""
+    """Upload tuning; tests shrink the timeouts and backoff to keep the suite fast.
+
+    ``spool_max_bytes`` caps the spool: delivered traces stay as local copies under
+    ``SPOOL/uploaded`` and the oldest go first when the spool outgrows it (0 keeps none).
+    """
 
     flush_timeout: float = 10.0
     http_timeout: float = 30.0
@@ -103,11 +122,28 @@ class Delivery:
     backoff_max: float = 60.0
     retry_after_max: float = 3600.0
     compresslevel: int = 1
+    spool_max_bytes: int = SPOOL_MAX_BYTES
 
 
 def default_flush_timeout() -> float:
     """Seconds the agent may spend delivering at exit (``STEPDOCTOR_FLUSH_TIMEOUT``, default 10)."""
     return float(os.environ.get("STEPDOCTOR_FLUSH_TIMEOUT") or Delivery.flush_timeout)
+
+
+def default_spool_max_bytes() -> int:
+    """``STEPDOCTOR_SPOOL_MAX_BYTES`` (sizes as written: ``2GiB``, ``500MB``), default 1 GiB."""
+    value = os.environ.get("STEPDOCTOR_SPOOL_MAX_BYTES", "").strip()
+    return parse_size(value) if value else SPOOL_MAX_BYTES
+
+
+def ca_bundle() -> str | None:
+    """CA certificates to trust for an ``https://`` server (a private CA): ``STEPDOCTOR_CA_BUNDLE``,
+    else the variables requests and OpenSSL users already set on their clusters."""
+    for var in ("STEPDOCTOR_CA_BUNDLE", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE"):
+        value = os.environ.get(var, "").strip()
+        if value:
+            return os.path.expanduser(value)
+    return None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
@@ -39,6 +40,22 @@ def log_once(key: str, level: int, message: str, *args: object, exc_info: bool =
             return
         _reported.add(key)
     logger.log(level, message, *args, exc_info=exc_info)
+
+
+def say(message: str, key: str | None = None) -> None:
+    """One line on stderr, whatever the logging setup: what a user must see (where the traces
+    went, a spool over its cap) should not depend on the script configuring ``logging``.
+    With ``key``, only the first call per process prints."""
+    if key is not None:
+        with _reported_lock:
+            if key in _reported:
+                return
+            _reported.add(key)
+    try:
+        sys.stderr.write(message.rstrip("\n") + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError, AttributeError):  # closed or missing stderr (daemons, pythonw)
+        logger.warning("%s", message)
 
 
 def reset_reported() -> None:

@@ -20,8 +20,8 @@ from typing import Any
 
 from stepdoctor import config as _config
 from stepdoctor import metadata as _metadata
-from stepdoctor.guard import guarded, log_once, logger, raise_errors
-from stepdoctor.spool import Spool
+from stepdoctor.guard import guarded, log_once, raise_errors, say
+from stepdoctor.spool import FAILED_DIR, UPLOADED_DIR, Spool
 from stepdoctor.worker import DeliveryWorker, Stats
 
 _live: weakref.WeakSet[Profile] = weakref.WeakSet()
@@ -65,6 +65,9 @@ class NoopProfile:
 
     def flush(self, timeout: float | None = None) -> bool:
         return True
+
+    def summary(self) -> str:
+        return "stepdoctor: disabled, nothing captured"
 
 
 class Profile:
@@ -334,24 +337,44 @@ class Profile:
         self._worker.notify()
 
     def _report(self) -> None:
+        """One line on stderr at the end: what was captured, where it is, what was uploaded."""
+        say(self.summary())
+
+    def summary(self) -> str:
         assert self._worker is not None
-        count, size = self._worker.spool.pending()
+        cfg = self.config
+        spool = self._worker.spool
+        captured = f"stepdoctor: {_plural(self.captured, 'trace')} captured for {cfg.project}/{cfg.run}"
+        if self.captured == 0 and self._schedule is None:
+            _, _, warmup, _, _ = resolved = cfg.schedule.resolved()
+            first = next_window_start(0, *resolved) + warmup
+            captured += f" (the loop ran {_plural(self._step_num, 'step')}; recording starts at step {first})"
+        if cfg.server is None:
+            return (
+                f"{captured}, in {self.run_dir} (no STEPDOCTOR_SERVER: not uploaded); read them with "
+                f"`stepdoctor analyze {self.run_dir}` or `tensorboard --logdir {cfg.spool}`"
+            )
         stats = self._worker.stats
-        where = self.config.spool
-        if self.config.server is None:
-            logger.info(
-                "stepdoctor: %d trace(s) captured; %d trace(s) in local spool %s "
-                "(open with `stepdoctor analyze %s` or `tensorboard --logdir %s`)",
-                self.captured, count, where, self.run_dir, where,
-            )  # fmt: skip
-            return
-        level = logging.WARNING if count else logging.INFO
-        logger.log(
-            level,
-            "stepdoctor: %d trace(s) captured, %d uploaded to %s, %d rejected; %d trace(s) (%.1f MB) left in spool %s%s",
-            self.captured, stats.delivered, self.config.server, stats.rejected, count, size / 1e6, where,
-            " (the next run or `stepdoctor sync` will upload them)" if count else "",
-        )  # fmt: skip
+        count, size = spool.pending()
+        parts = [f"{stats.delivered} uploaded to {cfg.server}"]
+        if stats.delivered and cfg.delivery.spool_max_bytes > 0:
+            parts[0] += f" (local copies in {spool.root / UPLOADED_DIR})"
+        if stats.rejected:
+            parts.append(
+                f"{stats.rejected} refused by the server (in {spool.root / FAILED_DIR}, see .reason.txt)"
+            )
+        if count:
+            parts.append(
+                f"{_plural(count, 'trace')} ({size / 1e6:.1f} MB) waiting in {spool.root} "
+                "for the next run or `stepdoctor sync`"
+            )
+        else:
+            parts.append("nothing left to send")
+        return f"{captured}; " + ", ".join(parts)
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def next_window_start(step: int, skip_first: int, wait: int, warmup: int, active: int, repeat: int) -> int:
@@ -395,6 +418,7 @@ def profile(
     backoff_base: float = 1.0,
     backoff_max: float = 60.0,
     compresslevel: int = 1,
+    spool_max_bytes: int | None = None,
 ) -> Profile | NoopProfile:
     """Profile a training loop; call ``prof.step()`` once per step.
 
@@ -402,10 +426,14 @@ def profile(
     (or one window every ``every`` steps). Without a server, traces stay in the spool directory in
     TensorBoard's layout. Any torch.profiler option goes through ``profiler_kwargs``. Returns a
     no-op object with the same API when disabled (``STEPDOCTOR_DISABLED=1``) or torch is missing.
+    ``spool_max_bytes`` (default ``$STEPDOCTOR_SPOOL_MAX_BYTES`` or 1 GiB) caps the spool; only
+    local copies of uploaded traces are ever deleted for it.
     """
     try:
         if flush_timeout is None:
             flush_timeout = _config.default_flush_timeout()
+        if spool_max_bytes is None:
+            spool_max_bytes = _config.default_spool_max_bytes()
         cfg = _config.resolve(
             project=project,
             run=run,
@@ -421,6 +449,7 @@ def profile(
                 backoff_base=backoff_base,
                 backoff_max=backoff_max,
                 compresslevel=compresslevel,
+                spool_max_bytes=spool_max_bytes,
             ),
         )
         if cfg.disabled:

@@ -5,13 +5,19 @@ Layout (TensorBoard profiler plugin compatible, so ``tensorboard --logdir SPOOL`
     SPOOL/PROJECT/RUN/{host}_{pid}.{time_ns}.pt.trace.json.gz   compressed Chrome trace
     SPOOL/PROJECT/RUN/{host}_{pid}.{time_ns}.stepdoctor.meta     sidecar JSON (idempotency key, ...)
     SPOOL/failed/PROJECT/RUN/...                                 rejected by the server, with .reason.txt
+    SPOOL/uploaded/PROJECT/RUN/...                               local copies of delivered traces
+
+The spool has a size cap (``STEPDOCTOR_SPOOL_MAX_BYTES``): over it, the oldest uploaded copies are
+deleted first; a trace not yet sent (pending or failed) is never deleted to make room, and when
+those alone exceed the cap the agent says so once instead.
 
 A capture moves through states, each entered by an atomic rename so a process killed at any
 instant leaves either a complete file or a ``.partial`` that is never uploaded:
 
     .export.partial  (torch writing)  ->  .export  (complete raw JSON)  ->  sidecar .stepdoctor.meta
-    -> .pt.trace.json.gz.partial (worker compressing)  ->  .pt.trace.json.gz  ->  deleted after the
-    server acknowledged it (trace first, sidecar last).
+    -> .pt.trace.json.gz.partial (worker compressing)  ->  .pt.trace.json.gz  ->  moved to
+    ``uploaded/`` (or deleted, with no room for copies) after the server acknowledged it (trace
+    first, sidecar last).
 
 The sidecar is the commit point: nothing without one is compressed or uploaded. Several processes
 (ranks, the next run's agent, ``stepdoctor sync``) may share a spool; a POSIX record lock on the
@@ -45,6 +51,7 @@ EXPORT_SUFFIX = ".export"
 PARTIAL = ".partial"
 REASON_SUFFIX = ".reason.txt"
 FAILED_DIR = "failed"
+UPLOADED_DIR = "uploaded"
 SIDECAR_FORMAT = 1
 
 _STEM_RE = re.compile(r"^(?P<host>.+)_(?P<pid>\d+)\.(?P<ns>\d+)")
@@ -206,6 +213,57 @@ class Spool:
         entry.trace.unlink(missing_ok=True)
         entry.export.unlink(missing_ok=True)
         entry.sidecar.unlink(missing_ok=True)
+
+    def keep_uploaded(self, entry: Entry) -> Path:
+        """Keep a delivered trace as a local copy under ``uploaded/`` (same layout, so
+        ``tensorboard --logdir SPOOL/uploaded`` and ``stepdoctor analyze`` still read it).
+        The trace moves first: a crash before the sidecar follows leaves a pending sidecar with
+        no trace, which the next pass treats as delivered."""
+        dest = self.root / UPLOADED_DIR / entry.directory.relative_to(self.root)
+        dest.mkdir(parents=True, exist_ok=True)
+        os.replace(entry.trace, dest / entry.trace.name)
+        entry.export.unlink(missing_ok=True)
+        os.replace(entry.sidecar, dest / entry.sidecar.name)
+        return dest
+
+    def uploaded_copies(self) -> list[Path]:
+        """Local copies of delivered traces, oldest capture first."""
+        found = list(self.root.glob(f"{UPLOADED_DIR}/*/*/*{TRACE_SUFFIX}"))
+        return sorted(found, key=lambda p: (_stem_time(p.name), p.name))
+
+    def usage(self) -> tuple[int, int]:
+        """(bytes of traces not yet delivered, pending or failed; bytes of uploaded copies)."""
+        unsent = copies = 0
+        for path in self.root.rglob("*"):
+            try:
+                if not path.is_file():
+                    continue
+                size = path.stat().st_size
+            except OSError:  # delivered or moved by another process meanwhile
+                continue
+            if path.relative_to(self.root).parts[0] == UPLOADED_DIR:
+                copies += size
+            else:
+                unsent += size
+        return unsent, copies
+
+    def enforce_cap(self, max_bytes: int) -> tuple[int, int]:
+        """Delete the oldest uploaded copies until the spool fits ``max_bytes``; never an unsent trace.
+
+        Returns (copies deleted, bytes by which unsent traces alone still exceed the cap).
+        """
+        unsent, copies = self.usage()
+        deleted = 0
+        for trace in self.uploaded_copies():
+            if unsent + copies <= max_bytes:
+                break
+            with contextlib.suppress(OSError):
+                copies -= trace.stat().st_size
+            stem = trace.name[: -len(TRACE_SUFFIX)]
+            trace.unlink(missing_ok=True)
+            trace.with_name(stem + META_SUFFIX).unlink(missing_ok=True)
+            deleted += 1
+        return deleted, max(0, unsent - max_bytes)
 
     def move_failed(self, entry: Entry, reason: str) -> Path:
         """Park a trace the server refused for good, with the reason next to it."""

@@ -1,7 +1,9 @@
 """``stepdoctor sync``: upload every trace left in the spool (server down during training, offline runs).
 
-Each trace goes to ``--server`` if given, else to the server recorded in its sidecar; traces
-captured without a server need ``--server``. Retries back off like the agent, bounded by ``--timeout``.
+Each trace goes to ``--server`` (default ``$STEPDOCTOR_SERVER``) if set, else to the server recorded
+in its sidecar; traces captured without a server need one of the two. ``--spool`` and ``--token``
+default to ``$STEPDOCTOR_SPOOL`` and ``$STEPDOCTOR_TOKEN``, like the agent. Retries back off like the
+agent, bounded by ``--timeout``; proxies, the CA bundle and the spool cap are the agent's too.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from stepdoctor.config import Delivery, default_spool
+from stepdoctor.config import Delivery, default_spool, default_spool_max_bytes
 from stepdoctor.spool import Spool
 from stepdoctor.worker import DeliveryWorker
 
@@ -25,7 +27,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--spool", help="spool directory (default: $STEPDOCTOR_SPOOL or ~/.cache/stepdoctor/spool)"
     )
-    parser.add_argument("--server", help="upload everything here (default: each trace's own server)")
+    parser.add_argument(
+        "--server",
+        help="upload everything here (default: $STEPDOCTOR_SERVER, else each trace's own server)",
+    )
     parser.add_argument("--token", help="API token (default: $STEPDOCTOR_TOKEN)")
     parser.add_argument(
         "--retry-failed", action="store_true", help="also resend traces the server refused (failed/)"
@@ -47,14 +52,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not spool.root.is_dir():
         print(f"stepdoctor sync: spool {spool.root} does not exist", file=sys.stderr)
         return 2
-    override = args.server.rstrip("/") if args.server else None
+    server = args.server or os.environ.get("STEPDOCTOR_SERVER", "").strip()
+    override = server.rstrip("/") if server else None
     token = args.token or os.environ.get("STEPDOCTOR_TOKEN") or None
 
     def route(meta: dict[str, Any]) -> tuple[str, str | None] | None:
         server = override or meta.get("server")
         return (str(server), token) if server else None
 
+    try:
+        spool_max_bytes = default_spool_max_bytes()
+    except ValueError as exc:
+        print(f"stepdoctor sync: STEPDOCTOR_SPOOL_MAX_BYTES: {exc}", file=sys.stderr)
+        return 2
     delivery = Delivery(
+        spool_max_bytes=spool_max_bytes,
         http_timeout=args.http_timeout,
         backoff_base=args.backoff_base,
         backoff_max=args.backoff_max,
@@ -76,8 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parts.append(f"{stats.rejected} rejected (moved to {spool.root / 'failed'})")
     parts.append(
         f"{remaining} left in {spool.root}"
-        + (f" ({unsent} captured without a server: pass --server)" if unsent else "")
+        + (f" ({unsent} captured without a server: set STEPDOCTOR_SERVER or pass --server)" if unsent else "")
     )
+    if remaining and stats.last_error:
+        parts.append(f"last error: {stats.last_error}")
     print("stepdoctor sync: " + ", ".join(parts))
     return 1 if remaining or stats.rejected else 0
 

@@ -1,21 +1,30 @@
 """One HTTP upload attempt, classified into delivered / retry / rejected (stdlib ``http.client``).
 
 The request body streams from the spooled gzip file, so memory stays flat for multi-GB traces.
+Clusters reach the outside through proxies and private CAs: the standard ``HTTPS_PROXY`` /
+``HTTP_PROXY`` / ``NO_PROXY`` variables are honoured (HTTPS through a ``CONNECT`` tunnel, so the
+proxy never sees the token or the trace), and a CA bundle comes from ``STEPDOCTOR_CA_BUNDLE``
+(or ``REQUESTS_CA_BUNDLE`` / ``SSL_CERT_FILE``).
 """
 
 from __future__ import annotations
 
+import base64
 import email.utils
+import functools
 import http.client
 import json
 import os
+import ssl
 import time
 import urllib.parse
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from stepdoctor import __version__
+from stepdoctor.config import ca_bundle
 
 METADATA_HEADER_MAX = 8 * 1024
 RETRYABLE_4XX = {408, 429}
@@ -92,12 +101,15 @@ def upload(
     }
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    conn_cls = http.client.HTTPSConnection if url.scheme == "https" else http.client.HTTPConnection
-    conn = conn_cls(url.hostname, url.port, timeout=timeout, blocksize=1 << 16)
+    try:
+        conn, target, proxy_headers = connection(url, timeout)
+    except (OSError, ValueError) as exc:  # unreadable CA bundle, malformed proxy URL
+        return Result("retry", None, _describe(exc))
+    headers.update(proxy_headers)
     try:
         try:
             with open(trace, "rb") as body:
-                conn.request("POST", path, body=body, headers=headers)
+                conn.request("POST", target + path, body=body, headers=headers)
         except OSError as exc:
             # A server may answer (401, 413) and close before reading a large body: use its answer.
             early = _early_response(conn)
@@ -109,6 +121,67 @@ def upload(
         return Result("retry", None, _describe(exc))
     finally:
         conn.close()
+
+
+def proxy_for(url: urllib.parse.SplitResult) -> urllib.parse.SplitResult | None:
+    """The proxy the environment names for this URL, or None (no proxy, or NO_PROXY matches)."""
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if not proxy or urllib.request.proxy_bypass(url.netloc):
+        return None
+    parsed = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    if parsed.scheme != "http" or not parsed.hostname:
+        raise ValueError(f"unsupported proxy {proxy!r}: use http://HOST:PORT")
+    return parsed
+
+
+@functools.lru_cache(maxsize=4)
+def _ssl_context(cafile: str | None, _mtime: float) -> ssl.SSLContext:
+    if cafile and os.path.isdir(cafile):
+        return ssl.create_default_context(capath=cafile)
+    return ssl.create_default_context(cafile=cafile)
+
+
+def ssl_context() -> ssl.SSLContext:
+    """System CAs, or the configured bundle (reloaded when the file changes)."""
+    cafile = ca_bundle()
+    return _ssl_context(cafile, os.stat(cafile).st_mtime if cafile else 0.0)
+
+
+def connection(
+    url: urllib.parse.SplitResult, timeout: float
+) -> tuple[http.client.HTTPConnection, str, dict[str, str]]:
+    """(connection, request-target prefix, extra headers) for ``url``, through the proxy if one applies.
+
+    HTTPS tunnels through the proxy with ``CONNECT`` and verifies the server's own certificate;
+    plain HTTP sends the absolute URL to the proxy, as HTTP/1.1 proxies expect.
+    """
+    assert url.hostname is not None
+    proxy = proxy_for(url)
+    auth: dict[str, str] = {}
+    if proxy is not None and proxy.username:
+        userinfo = f"{urllib.parse.unquote(proxy.username)}:{urllib.parse.unquote(proxy.password or '')}"
+        auth["Proxy-Authorization"] = "Basic " + base64.b64encode(userinfo.encode()).decode("ascii")
+    if url.scheme == "https":
+        context = ssl_context()
+        if proxy is None:
+            return (
+                http.client.HTTPSConnection(
+                    url.hostname, url.port, timeout=timeout, context=context, blocksize=1 << 16
+                ),
+                "",
+                {},
+            )
+        tunnel = http.client.HTTPSConnection(
+            proxy.hostname or "", proxy.port or 80, timeout=timeout, context=context, blocksize=1 << 16
+        )
+        tunnel.set_tunnel(url.hostname, url.port or 443, headers=auth)
+        return tunnel, "", {}
+    if proxy is None:
+        return http.client.HTTPConnection(url.hostname, url.port, timeout=timeout, blocksize=1 << 16), "", {}
+    conn = http.client.HTTPConnection(
+        proxy.hostname or "", proxy.port or 80, timeout=timeout, blocksize=1 << 16
+    )
+    return conn, f"http://{url.netloc}", auth
 
 
 def _early_response(conn: http.client.HTTPConnection) -> Result | None:

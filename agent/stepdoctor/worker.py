@@ -25,7 +25,7 @@ from typing import Any
 
 from stepdoctor import transport
 from stepdoctor.config import Delivery
-from stepdoctor.guard import guarded, log_once, logger
+from stepdoctor.guard import guarded, log_once, logger, say
 from stepdoctor.spool import Entry, Spool
 
 #: Maps a trace's sidecar to (server, token) to send it to, or None to leave it in the spool.
@@ -38,6 +38,7 @@ class Stats:
     rejected: int = 0
     retries: int = 0
     last_error: str = ""
+    pruned: int = 0  # uploaded copies deleted to keep the spool under its cap
     delivered_keys: list[str] = field(default_factory=list)
 
 
@@ -192,7 +193,23 @@ class DeliveryWorker:
                 if entry is None:
                     continue  # another process (rank, sync) is handling it
                 remaining += int(not self._handle_safely(entry))
+        self._enforce_cap()
         return remaining
+
+    @guarded()
+    def _enforce_cap(self) -> None:
+        """Keep the spool under its cap with uploaded copies only; say once when unsent traces alone
+        exceed it (they are the user's data: never deleted to make room)."""
+        cap = self.delivery.spool_max_bytes
+        deleted, excess = self.spool.enforce_cap(cap)
+        self.stats.pruned += deleted
+        if excess:
+            say(
+                f"stepdoctor: traces not yet uploaded take {(cap + excess) / 1e6:.1f} MB in {self.spool.root}, over "
+                f"the spool cap of {cap / 1e6:.1f} MB (STEPDOCTOR_SPOOL_MAX_BYTES); none are deleted: "
+                "start the server or run `stepdoctor sync`, or raise the cap",
+                key=f"spool-cap:{self.spool.root}",
+            )
 
     @guarded(default=False)
     def _handle_safely(self, entry: Entry) -> bool:
@@ -225,7 +242,10 @@ class DeliveryWorker:
             timeout = max(0.5, min(timeout, deadline - time.monotonic()))
         result = transport.upload(server, token, entry.trace, entry.meta, timeout)
         if result.outcome == "delivered":
-            Spool.remove(entry)
+            if self.delivery.spool_max_bytes > 0:
+                self.spool.keep_uploaded(entry)  # a local copy, pruned oldest first under the cap
+            else:
+                Spool.remove(entry)
             self._backoff.succeeded()
             self.stats.delivered += 1
             self.stats.delivered_keys.append(entry.key)

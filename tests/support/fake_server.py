@@ -12,6 +12,7 @@ import gzip
 import json
 import re
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -70,12 +71,19 @@ class FakeServer:
     """``with FakeServer() as srv:`` serves on ``srv.url``; ``FakeServer(start=False)`` is down until ``up()``."""
 
     def __init__(
-        self, *, token: str = TOKEN, port: int | None = None, start: bool = True, parse: bool = True
+        self,
+        *,
+        token: str = TOKEN,
+        port: int | None = None,
+        start: bool = True,
+        parse: bool = True,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.token = token
         self.parse = parse  # False: store bodies unparsed (the benchmark keeps the server's CPU use low)
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = tls  # a server-side context: HTTPS on https://localhost:PORT (the certificate's name)
+        self.url = f"https://localhost:{self.port}" if tls else f"http://127.0.0.1:{self.port}"
         self.state = _State()
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -92,6 +100,8 @@ class FakeServer:
         ThreadingHTTPServer.allow_reuse_address = True
         self._httpd = ThreadingHTTPServer(("127.0.0.1", self.port), handler)
         self._httpd.daemon_threads = True
+        if self.tls is not None:
+            self._httpd.socket = self.tls.wrap_socket(self._httpd.socket, server_side=True)
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
         )
