@@ -168,3 +168,28 @@ def test_inline_script_hashes_skip_data_blocks_and_external_scripts() -> None:
     )
     expected = [base64.b64encode(hashlib.sha256(s).digest()).decode() for s in (b"go()", b"m()")]
     assert inline_script_hashes(html) == expected
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/runs?tag=a%00b",
+        "/runs?q=a%00",
+        "/projects/1?q=%00",
+        "/api/v1/runs?tag=%00",
+        "/api/v1/runs?project=%00",
+        "/api/v1/traces/1/download?steps=%00",
+        "/traces/%00",
+    ],
+)
+def test_nul_in_any_url_is_400(app: FastAPI, read_token: str, admin_token: str, url: str) -> None:
+    """PostgreSQL text cannot hold NUL: every URL carrying one is refused before any route runs."""
+    with TestClient(app) as browser:
+        upload(browser, synthetic_trace(5), token=admin_token)
+        _login(browser, read_token)
+        headers = bearer(read_token) if url.startswith("/api") else {}
+        response = browser.get(url, headers=headers)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["code"] == "invalid_request"
+        assert response.headers["x-frame-options"] == "DENY"
+        assert browser.get("/runs?tag=ok").status_code == 200

@@ -35,7 +35,7 @@ from stepdoctor_server.db import Database
 from stepdoctor_server.errors import ApiError
 from stepdoctor_server.models import TRACE_STATUSES, Trace
 from stepdoctor_server.schemas import ErrorResponse, HealthOut
-from stepdoctor_server.security import SameOriginMiddleware, SecurityHeadersMiddleware
+from stepdoctor_server.security import NulGuardMiddleware, SameOriginMiddleware, SecurityHeadersMiddleware
 from stepdoctor_server.settings import Settings, get_settings
 from stepdoctor_server.storage import make_store
 from stepdoctor_server.timeouts import BodyReadTimeoutMiddleware
@@ -312,6 +312,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         min_rate_bytes_s=settings.body_min_rate_bytes_s,
     )
     app.add_middleware(SameOriginMiddleware)
+    app.add_middleware(NulGuardMiddleware)
     app.add_middleware(SecurityHeadersMiddleware)
     app.include_router(api_traces.router)
     app.include_router(api_catalog.router)

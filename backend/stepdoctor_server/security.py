@@ -188,6 +188,33 @@ def cross_origin_reason(scope: Scope) -> str | None:
     return None
 
 
+def _refusal(status: int, code: str, message: str) -> tuple[Message, Message]:
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    start = {
+        "type": "http.response.start",
+        "status": status,
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+    }
+    return start, {"type": "http.response.body", "body": body}
+
+
+class NulGuardMiddleware:
+    """400 for a NUL byte anywhere in the path or query: no route wants one, and PostgreSQL text
+    cannot hold one (a ``?tag=%00`` filter would otherwise fail in the driver, a 500)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (
+            "\x00" in scope.get("path", "") or b"%00" in scope.get("query_string", b"")
+        ):
+            for message in _refusal(400, "invalid_request", "NUL characters are not allowed in URLs"):
+                await send(message)
+            return
+        await self.app(scope, receive, send)
+
+
 class SameOriginMiddleware:
     """Refuses cross-origin state-changing requests that could ride on the dashboard cookie (403)."""
 
@@ -198,17 +225,7 @@ class SameOriginMiddleware:
         if scope["type"] == "http":
             reason = cross_origin_reason(scope)
             if reason is not None:
-                body = json.dumps({"error": {"code": "cross_origin", "message": reason}}).encode()
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 403,
-                        "headers": [
-                            (b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                        ],
-                    }
-                )
-                await send({"type": "http.response.body", "body": body})
+                for message in _refusal(403, "cross_origin", reason):
+                    await send(message)
                 return
         await self.app(scope, receive, send)
