@@ -295,7 +295,7 @@ def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep)
     ).all()
     trace_count = int(session.scalar(select(func.count(Trace.id)).where(Trace.run_id == run.id)) or 0)
     rep_id, warnings = _run_facts(session, run.id)
-    report = _report(session, rep_id) if rep_id is not None else {}
+    report = _facts_report(session, rep_id) if rep_id is not None else {}
     figs = {}
     if diagnosis.get("breakdown"):
         figs["breakdown"] = figures.to_json(figures.breakdown_figure(diagnosis["breakdown"]))
@@ -351,6 +351,29 @@ def _run_facts(session: Session, run_id: int) -> tuple[int | None, list[str]]:
 def _report(session: Session, trace_id: int) -> dict[str, Any]:
     report = session.scalar(select(Analysis.report).where(Analysis.trace_id == trace_id))
     return report if isinstance(report, dict) else {}
+
+
+def _facts_report(session: Session, trace_id: int) -> dict[str, Any]:
+    """The parts of a report the run page shows (device, GPU and memory metrics, tables), read as
+    JSON fields: the whole report also holds the drawn steps, which only the trace page needs."""
+    metrics = Analysis.report["metrics"]
+    row = session.execute(
+        select(
+            Analysis.report["device"],
+            metrics["gpu"],
+            metrics["memory"]["devices"],
+            Analysis.report["tables"],
+        ).where(Analysis.trace_id == trace_id)
+    ).first()
+    if row is None:
+        return {}
+    device, gpu, memory, tables = row
+    return {
+        "device": device,
+        "metrics": {"gpu": gpu, "memory": {"devices": memory}},
+        "tables": tables,
+        "analysed": True,
+    }
 
 
 def _device_facts(report: dict[str, Any]) -> dict[str, Any]:
