@@ -295,8 +295,11 @@ class S3Store(TraceStore):
     def open(self, storage_key: str) -> BinaryIO:
         import obstore
 
-        reader = obstore.open_reader(self.client, check_key(storage_key), buffer_size=READ_CHUNK)
-        return io.BufferedReader(_ObjectReader(reader), buffer_size=READ_CHUNK)
+        # One GET streamed in >= 1 MiB chunks: 2.7x faster than obstore's ranged reader, which
+        # issues a request per buffer (bench/storage_clients.py).
+        result = obstore.get(self.client, check_key(storage_key))
+        stream = result.stream(min_chunk_size=READ_CHUNK)
+        return io.BufferedReader(_ObjectReader(stream, result.meta["size"]), buffer_size=READ_CHUNK)
 
     def delete(self, storage_key: str) -> None:
         import obstore
@@ -321,8 +324,8 @@ class S3Store(TraceStore):
         if self.presign:
             url = obstore.sign(self.client, "GET", check_key(storage_key), timedelta(minutes=15))
             return RedirectResponse(url, status_code=307, headers=headers)
-        size = obstore.head(self.client, check_key(storage_key))["size"]
         reader = self.open(storage_key)
+        size = reader.raw.size  # type: ignore[attr-defined]
         return StreamingResponse(
             _chunks(reader),
             media_type=media_type,
@@ -358,22 +361,30 @@ class StoredObject:
 
 
 class _ObjectReader(io.RawIOBase):
-    """obstore's reader (which returns its own buffer type) as standard raw binary I/O."""
+    """obstore's chunk stream of one GET (its own buffer type) as standard raw binary I/O."""
 
-    def __init__(self, reader: Any) -> None:
-        self._reader = reader
+    def __init__(self, chunks: Any, size: int) -> None:
+        self._chunks = iter(chunks)
+        self._current = memoryview(b"")
+        self.size = size  # the parser sizes its buffers by it
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
-        data = memoryview(self._reader.read(len(buffer))).cast("B")
-        buffer[: len(data)] = data
-        return len(data)
+        while not self._current:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._current = memoryview(chunk).cast("B")
+        n = min(len(buffer), len(self._current))
+        buffer[:n] = self._current[:n]
+        self._current = self._current[n:]
+        return n
 
     def close(self) -> None:
-        if not self.closed:
-            self._reader.close()
+        self._chunks = iter(())  # drop the connection's remaining body
+        self._current = memoryview(b"")
         super().close()
 
 

