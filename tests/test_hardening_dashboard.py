@@ -193,3 +193,42 @@ def test_nul_in_any_url_is_400(app: FastAPI, read_token: str, admin_token: str, 
         assert response.json()["error"]["code"] == "invalid_request"
         assert response.headers["x-frame-options"] == "DENY"
         assert browser.get("/runs?tag=ok").status_code == 200
+
+
+ODD_VALUES = ["", "0", "-1", str(2**31), str(2**63), str(2**64), "1e400", "nan", "x" * 300, "é", "../", "<b>"]
+
+
+def _page_routes() -> list[tuple[str, list[str]]]:
+    """(path with ids filled in, query parameter names) of every dashboard GET page."""
+    from fastapi.routing import APIRoute
+
+    from stepdoctor_dashboard import routes
+
+    pages = []
+    for route in routes.router.routes:
+        if not isinstance(route, APIRoute) or "GET" not in route.methods or route.path == "/logout":
+            continue
+        params = [p.alias for p in route.dependant.query_params]
+        for dependency in route.dependant.dependencies:
+            params += [p.alias for p in dependency.query_params]
+        pages.append((re.sub(r"\{[a-z_]+\}", "1", route.path), params))
+    return pages
+
+
+def test_dashboard_pages_answer_odd_query_values_without_server_errors(
+    app: FastAPI, read_token: str, admin_token: str
+) -> None:
+    """Every query parameter of every page, set to each odd value: never a 5xx."""
+    pages = _page_routes()
+    assert len(pages) >= 8
+    with TestClient(app, raise_server_exceptions=False) as browser:
+        upload(browser, synthetic_trace(5), token=admin_token)
+        _login(browser, read_token)
+        failures = []
+        for path, params in pages:
+            for name in params:
+                for value in ODD_VALUES:
+                    response = browser.get(path, params={name: value}, follow_redirects=False)
+                    if response.status_code >= 500:
+                        failures.append(f"{path}?{name}={value[:20]} -> {response.status_code}")
+        assert not failures, failures
