@@ -163,3 +163,19 @@ def test_open_step_around_untraced_work_claims_nothing() -> None:
     assert d["metrics"]["shares"]["other"] > 0.99
     assert d["recommendations"] == []
     assert "Nothing in the step is removable" in d["primary"]["note"]
+
+
+@pytest.mark.parametrize(
+    "rel",
+    ["hta/trace_diff/control/control.json.gz", "hta/negative_queue_length_values_check/rank0.json.gz"],
+)
+def test_fused_optimizer_gets_no_foreach_advice(rel: str) -> None:
+    """These A100 ranks step with FusedAdam (multi-tensor kernels): never advise foreach for it."""
+    ids = [f["id"] for f in _report(rel).to_dict()["findings"]]
+    assert "launch.foreach_optimizer" not in ids
+
+
+def test_foreach_advice_names_the_traced_sgd() -> None:
+    d = _report("hta/df_index_resolver/df_index_resolver.json.gz").to_dict()
+    rec = next(f for f in d["findings"] if f["id"] == "launch.foreach_optimizer")
+    assert rec["change"].startswith("torch.optim.SGD(") and "AdamW" not in rec["change"]

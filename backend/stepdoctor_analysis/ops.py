@@ -170,6 +170,13 @@ def _single_tensor_optimizer(trace: RankTrace, in_steps: np.ndarray, n: int) -> 
     per_call = int(np.count_nonzero(single)) / calls
     if foreach.any() or per_call < 20:
         return None
+    # Fused optimizers (apex/DeepSpeed FusedAdam, multi_tensor_apply kernels) already update all
+    # tensors at once; their remaining per-tensor ops are bookkeeping, not the update.
+    span_name = trace.strings[int(h.name[steps_mask.nonzero()[0][0]])]
+    if "fused" in span_name.lower() or (
+        len(trace.gpu) and trace.gpu_named(lambda s: "multi_tensor_apply" in s, "multi_tensor").any()
+    ):
+        return None
     opt_ns = int(h.dur[steps_mask].sum()) / n
     # Upper bound: the foreach path keeps roughly one launch per op kind instead of one per tensor.
     return AntiPattern(
