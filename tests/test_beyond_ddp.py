@@ -245,6 +245,16 @@ def test_hipfree_dominated_ddp_is_memory_bound(tmp_path: Path) -> None:
     assert "launch.cuda_graphs" not in _ids(r) and "memory.allocator_steady_state" not in _ids(r)
 
 
+def test_allocator_missing_its_cache_in_steady_state_is_thrashing_not_disabled(tmp_path: Path) -> None:
+    from support.synthetic import allocator_churn_trace
+
+    r = _analyze(allocator_churn_trace(tmp_path / "churn.json"))
+    mem = r["metrics"]["memory"]
+    assert mem["allocator"] == "thrashing"  # 2 calls per step, reserved above allocated: a cache that misses
+    assert mem["allocator_evidence"]["by_api"] == {"cudaFree": 5, "cudaMalloc": 5}
+    assert "memory.allocator_steady_state" in _ids(r) and "memory.allocator_disabled" not in _ids(r)
+
+
 # --- 6. inference gets inference advice ---------------------------------------------------------
 
 

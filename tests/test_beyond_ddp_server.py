@@ -61,3 +61,16 @@ def test_windows_without_upload_rank_use_distributed_info(
     assert cli["ranks"]["stragglers"] == [] and server["stragglers"] == []
     assert cli["primary"]["kind"] == server["primary"]["kind"] == "communication"
     assert server["recommendations"][0]["id"] == "communication.all_to_all"
+
+
+def test_workload_tag_from_the_agent_reaches_the_analysis(
+    client: TestClient, app: FastAPI, tmp_path: Path
+) -> None:
+    trace = sd.all_to_all_trace(tmp_path / "t.json")  # has backward ops: training by the trace alone
+    meta = {"host": "node1", "window": {"index": 0}, "tags": {"workload": "inference"}}
+    resp = upload(client, gzip.compress(trace.read_bytes()), run="tagged", metadata=meta)
+    assert resp.status_code == 201, resp.text
+    drain(app)
+    report = client.get(f"/api/v1/traces/{resp.json()['id']}").json()["analysis"]["report"]
+    assert report["workload"]["kind"] == "inference" and report["workload"]["source"] == "metadata"
+    assert not any(r["id"] == "communication.overlap" for r in report["findings"])
