@@ -293,6 +293,15 @@ def test_cpu_eval_loop_gets_inference_advice(eval_trace: Path) -> None:
     assert "input.dataloader_workers" not in _ids(r)
 
 
+def test_decode_loop_recognised_by_many_tiny_kernels_per_token(tmp_path: Path) -> None:
+    r = _analyze(sd.decode_loop_trace(tmp_path / "decode.json"))
+    assert r["workload"]["kind"] == "inference" and r["workload"]["phase"] == "decode"
+    assert r["primary"]["kind"] == "launch"
+    first = r["recommendations"][0]
+    assert first["id"] == "inference.cuda_graphs" and 'cache_implementation = "static"' in first["change"]
+    assert not _ids(r) & TRAINING_ADVICE
+
+
 @pytest.mark.parametrize(
     ("name", "phase"),
     [

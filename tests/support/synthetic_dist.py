@@ -217,3 +217,21 @@ def tp_inference_trace(path: Path, rank: int = 0, world_size: int = 2, steps: in
             c.g = g + 500
 
     return _steps(b, path, steps, body)
+
+
+def decode_loop_trace(path: Path, steps: int = 6, kernels: int = 300) -> Path:
+    """A batch-1 decode loop in eager mode: per token, ``kernels`` tiny kernels launched one by one
+    (4 µs of GPU work each, 20 µs of host dispatch), no phase named anywhere: the shape says decode."""
+    b = TraceBuilder(training=False)
+    t = 100.0
+    for n in range(steps):
+        start = t
+        for _ in range(kernels):
+            b.cpu_op("aten::linear", t, 18)
+            b.launch(
+                "void gemv2T_kernel_val<int, int, __nv_bfloat16, 128, 16, 4, 4>(...)", t + 8, 6, t + 16, 4
+            )
+            t += 20
+        b.step(n + 1, start, t + 5 - start)
+        t += 10
+    return b.write(path)
