@@ -1,0 +1,117 @@
+"""The parser in parts: the argument table is the one place an ``args`` entry is declared.
+
+Everything that names an argument (the typed and lax msgspec Structs, the lax coercion, each table's
+record and column dtypes, the model's fields) is checked against ``schema.ARGS`` row by row, and a
+row added here, test-locally, reaches a column with no other edit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from operator import attrgetter
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from stepdoctor_analysis import parse, parsing
+from stepdoctor_analysis.model import NONE, GpuEvents, HostEvents, MemoryEvents
+from stepdoctor_analysis.parsing import columns, reading, schema, splitting
+from stepdoctor_analysis.parsing.schema import ARGS, Arg, args_struct, table
+
+MODEL = {"host": HostEvents, "gpu": GpuEvents, "memory": MemoryEvents}
+TABLES = {"host": schema.HOST, "gpu": schema.GPU, "memory": schema.MEMORY}
+
+
+def _fields(struct: Any) -> dict[str, msgspec.structs.FieldInfo]:
+    return {f.name: f for f in msgspec.structs.fields(struct)}
+
+
+@pytest.mark.parametrize("arg", ARGS, ids=lambda a: a.attr)
+def test_every_row_generates_both_decoders(arg: Arg) -> None:
+    strict, lax = _fields(schema.Args)[arg.attr], _fields(schema.LaxArgs)[arg.attr]
+    assert strict.encode_name == lax.encode_name == arg.key
+    assert lax.type is Any and lax.default is None
+    if arg.absent:
+        assert strict.type is Any and strict.default == schema.ABSENT
+    elif arg.is_float:
+        assert strict.type is float and math.isnan(strict.default)
+    else:
+        assert strict.type is int and strict.default == NONE
+    # The typed decoder reads the value from its JSON key; the lax path coerces a string to the same.
+    typed = msgspec.json.decode(msgspec.json.encode({arg.key: 7}), type=schema.Args)
+    assert getattr(typed, arg.attr) == 7
+    loose = msgspec.convert({arg.key: "7"}, schema.LaxArgs)
+    assert arg.coerce(getattr(loose, arg.attr)) == 7
+
+
+def test_every_row_generates_its_columns_and_each_column_is_in_the_model() -> None:
+    for name, tab in TABLES.items():
+        mine = [a for a in ARGS if getattr(a, name) is not None]
+        assert tab.args == tuple(mine)
+        for a in mine:
+            assert f"args.{a.attr}" in tab.fields
+            assert tab.record.fields is not None and tab.record.fields[a.attr][0] == a.record_dtype
+            assert tab.dtypes[tab.column(a)] == np.dtype(a.dtype)
+        model_fields = {f.name for f in dataclasses.fields(MODEL[name])}
+        assert set(tab.arg_columns) <= model_fields, f"{name}: an arg column the model lacks"
+    assert {a.attr for a in ARGS} == set(_fields(schema.Args)) == set(_fields(schema.LaxArgs))
+
+
+def test_a_new_kernel_argument_is_one_row() -> None:
+    """A row added test-locally is decoded (typed and lax), read into the record and becomes a column."""
+    rows = (*ARGS, Arg("registers", "registers per thread", "i4", gpu="registers"))
+    typed, lax = args_struct(rows), args_struct(rows, lax=True)
+    gpu = table("gpu", rows)
+    assert "args.registers" in gpu.fields and gpu.dtypes["registers"] == np.int32
+    assert "registers" in gpu.arg_columns
+
+    decoded = msgspec.json.decode(b'{"registers per thread": 32, "correlation": 5, "stream": 7}', type=typed)
+    coerced = msgspec.convert({"registers per thread": "0x10"}, lax)
+    absent = typed()
+    for a in rows:  # the slow path's coercion, as schema.tighten does it
+        setattr(absent, a.attr, a.coerce(getattr(coerced, a.attr)))
+    events = [
+        SimpleNamespace(ts=1.0, dur=2.0, pid=0, tid=9, args=decoded),
+        SimpleNamespace(ts=3.0, dur=1.0, pid=1, tid=9, args=absent),
+    ]
+    rec = np.fromiter(map(attrgetter(*gpu.fields, "pid", "tid"), events), gpu.record_ids, len(events))
+    cols = columns.arg_columns(rec, gpu, rec["pid"], rec["tid"])
+    assert cols["registers"].tolist() == [32, 16] and cols["registers"].dtype == np.int32
+    assert cols["correlation"].tolist() == [5, NONE]
+    assert cols["stream"].tolist() == [7, 9]  # a missing stream falls back to the event's tid
+
+
+def test_a_second_spelling_fills_where_the_first_is_missing() -> None:
+    host = schema.HOST
+    ext = [a for a in host.args if host.column(a) == "external_id"]
+    assert [a.key for a in ext] == ["External id", "external id"]
+    rec = np.zeros(3, host.record)
+    rec["external_id"] = [4, NONE, NONE]
+    rec["external_id_legacy"] = [8, 6, NONE]
+    pid = tid = np.zeros(3, np.int64)
+    assert columns.arg_columns(rec, host, pid, tid)["external_id"].tolist() == [4, 6, NONE]
+
+
+def test_an_attribute_clashing_with_an_event_field_is_refused() -> None:
+    with pytest.raises(ValueError, match="unique"):
+        table("gpu", (*ARGS, Arg("ts", "launch ts", "f8", gpu="launch_ts")))
+    with pytest.raises(ValueError, match="unique"):
+        table("host", (*ARGS, Arg("correlation", "Correlation", "i8", host="correlation")))
+
+
+def test_facade_keeps_the_callers_names_and_no_tuning_knobs() -> None:
+    """``parse`` re-exports the parts (the same objects); knobs live where they are read, so a test
+    patching ``parse._CHUNK`` fails loudly instead of silently changing nothing."""
+    assert parse.load_trace is parsing.load_trace and parse.load_job is parsing.load_job
+    assert parse._StreamParser is splitting.StreamParser
+    assert parse._decompressed_blocks is reading.decompressed_blocks
+    assert parse._Builder is columns.Builder
+    assert parse.DEFAULT_MAX_BYTES == reading.DEFAULT_MAX_BYTES
+    for knob in ("_CHUNK", "_OUT_BLOCK", "_SMALL_FILE", "_inflate_lib", "_MAX_UNCUT"):
+        assert not hasattr(parse, knob)
+    assert hasattr(splitting, "_CHUNK") and hasattr(splitting, "_MAX_UNCUT")
+    assert hasattr(reading, "_OUT_BLOCK") and hasattr(reading, "_SMALL_FILE")
