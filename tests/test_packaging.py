@@ -308,3 +308,26 @@ def test_server_modules_import_only_what_the_server_extra_installs() -> None:
                     if not dists & installed:
                         missing[f"{py.relative_to(REPO)}: {name}"] = ", ".join(sorted(dists))
     assert not missing, f"imported at module level but not installed by stepdoctor[server]: {missing}"
+
+
+@pytest.mark.parametrize(
+    ("module", "absent", "extra"),
+    [
+        ("stepdoctor.integrations.lightning", "lightning,pytorch_lightning", "lightning"),
+        ("stepdoctor.integrations.transformers", "transformers", "transformers"),
+    ],
+)
+def test_an_integration_without_its_framework_names_the_extra(module: str, absent: str, extra: str) -> None:
+    code = f"""
+import sys
+for name in {absent!r}.split(","):
+    sys.modules[name] = None
+import stepdoctor.integrations
+try:
+    import {module}
+except ImportError as exc:
+    print(exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"pip install 'stepdoctor[{extra}]'" in out.stdout

@@ -11,6 +11,7 @@ import platform
 import re
 import socket
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -135,12 +136,16 @@ def redacted_argv(argv: list[str]) -> list[str]:
 
 
 def loader_settings(loader: Any) -> dict[str, Any]:
-    """The DataLoader knobs the input-bound diagnosis reasons about (None where absent)."""
+    """The DataLoader knobs the input-bound diagnosis reasons about (None where absent).
+
+    ``loader`` is the DataLoader itself, or a mapping of the settings a framework knows (its
+    ``type`` key names the loader class)."""
     settings: dict[str, Any] = {}
+    known = isinstance(loader, Mapping)
     for name in LOADER_FIELDS:
-        value = getattr(loader, name, None)
+        value = loader.get(name) if known else getattr(loader, name, None)
         settings[name] = value if isinstance(value, (int, float, bool, str, type(None))) else str(value)
-    settings["type"] = type(loader).__name__
+    settings["type"] = str(loader.get("type", "DataLoader")) if known else type(loader).__name__
     return settings
 
 

@@ -80,6 +80,7 @@ class Profile:
         cfg: _config.AgentConfig,
         *,
         loader: Any = None,
+        metadata: dict[str, Any] | None = None,
         activities: Any = None,
         profile_memory: bool = True,
         record_shapes: bool = True,
@@ -92,6 +93,7 @@ class Profile:
         self.run_dir: Path | None = None
         self.captured = 0
         self._loader = loader
+        self._extra_meta = dict(metadata or {})
         self._profiler_options = {
             "activities": activities,
             "profile_memory": profile_memory,
@@ -147,7 +149,8 @@ class Profile:
         cfg = self.config
         spool = Spool(cfg.spool)
         self.run_dir = spool.run_dir(cfg.project, cfg.run)
-        self._static_meta = _metadata.collect(cfg.tags, self._loader)
+        # Extra metadata (a framework's settings) never replaces what the agent measured itself.
+        self._static_meta = {**self._extra_meta, **_metadata.collect(cfg.tags, self._loader)}
         self._worker = DeliveryWorker(spool, self._router(), cfg.delivery, cleanup=True)
         self._worker.notify()  # deliver what earlier runs left behind while we train
         self._tp = tp
@@ -401,6 +404,7 @@ def profile(
     disabled: bool | None = None,
     tags: dict[str, str] | None = None,
     loader: Any = None,
+    metadata: dict[str, Any] | None = None,
     skip_first: int = 10,
     wait: int = 0,
     warmup: int = 2,
@@ -426,6 +430,8 @@ def profile(
     (or one window every ``every`` steps). Without a server, traces stay in the spool directory in
     TensorBoard's layout. Any torch.profiler option goes through ``profiler_kwargs``. Returns a
     no-op object with the same API when disabled (``STEPDOCTOR_DISABLED=1``) or torch is missing.
+    ``loader`` is a DataLoader or a mapping of its settings; ``metadata`` adds JSON-serialisable
+    fields to every trace's metadata (integrations record their trainer's settings there).
     ``spool_max_bytes`` (default ``$STEPDOCTOR_SPOOL_MAX_BYTES`` or 1 GiB) caps the spool; only
     local copies of uploaded traces are ever deleted for it.
     """
@@ -468,6 +474,7 @@ def profile(
     return Profile(
         cfg,
         loader=loader,
+        metadata=metadata,
         activities=activities,
         profile_memory=profile_memory,
         record_shapes=record_shapes,
