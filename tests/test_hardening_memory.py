@@ -112,6 +112,46 @@ def test_whitespace_padding_does_not_change_the_events(tmp_path: Path) -> None:
     assert (a.host.ts == b.host.ts).all() and (a.host.name == b.host.name).all()
 
 
+def write_long_names_trace(path: Path, n_events: int, name_chars: int) -> None:
+    """``n_events`` events, each with its own ``name_chars``-long name and category (compressible)."""
+    with gzip.open(path, "wb", compresslevel=1) as out:
+        out.write(b'{"traceEvents": [')
+        for i in range(n_events):
+            name = str(i).encode() + (b"A" * name_chars)
+            cat = str(i).encode() + (b"c" * name_chars)
+            event = b'{"ph": "X", "cat": "%s", "name": "%s", "pid": 1, "tid": 1, "ts": %d, "dur": 1}'
+            out.write((b"," if i else b"") + event % (cat, name, i * 10))
+        out.write(b"]}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc for VmHWM")
+def test_long_distinct_names_cost_memory_per_event_not_per_character(tmp_path: Path) -> None:
+    """3,000 events with distinct 100 KB names and categories: 600 MB of text, names cut to 8 KiB."""
+    path = tmp_path / "names.json.gz"
+    write_long_names_trace(path, 3000, 100_000)
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path)], capture_output=True, text=True, cwd=REPO, check=True
+    )
+    outcome, peak = done.stdout.strip().splitlines()
+    assert outcome == "analysed", outcome
+    assert int(peak) < 250 * MiB, f"peak RSS {int(peak) / MiB:.0f} MiB"
+
+
+def test_long_names_are_cut_and_distinct_names_budgeted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stepdoctor_analysis.parsing import columns
+
+    path = tmp_path / "names.json.gz"
+    write_long_names_trace(path, 20, 10_000)
+    trace = parse.load_trace(path)
+    names = [trace.strings[i] for i in set(trace.host.name.tolist())]
+    assert len(names) == 20 and all(len(n) == columns.MAX_NAME_CHARS for n in names)
+    monkeypatch.setattr(columns, "MAX_NAMES_CHARS", 50_000)
+    with pytest.raises(TraceError, match="event names total more than"):
+        parse.load_trace(path)
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [

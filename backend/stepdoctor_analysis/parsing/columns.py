@@ -72,10 +72,26 @@ def arg_columns(record: Any, table: Table, pid: np.ndarray, tid: np.ndarray) -> 
     return {k: v.astype(table.dtypes[k], copy=False) for k, v in out.items()}
 
 
+# Bounded memory (#12): names are kept once each, so their total is what a trace could inflate.
+# A longer name is cut (real kernel names stay under ~3,000 characters) and is not kept under its
+# full spelling; past the total budget the trace is refused rather than held.
+MAX_NAME_CHARS = 8192
+MAX_NAMES_CHARS = 256 << 20
+
+
 class _Interner(dict[str, int]):
     """Name -> dense id; ``__getitem__`` stays in C for names already seen."""
 
+    chars = 0
+
     def __missing__(self, key: str) -> int:
+        if key is not None and len(key) > MAX_NAME_CHARS:
+            return self[key[: MAX_NAME_CHARS - 1] + "…"]
+        self.chars += len(key or "")
+        if self.chars > MAX_NAMES_CHARS:
+            raise TraceError(
+                f"event names total more than {MAX_NAMES_CHARS >> 20} Mi characters; refusing the trace"
+            )
         v = self[key] = len(self)
         return v
 
@@ -85,7 +101,9 @@ class _Codes(dict[str, int]):
 
     def __missing__(self, cat: str) -> int:
         code = CATEGORIES.get(cat)
-        v = self[cat] = int(code if code is not None else CATEGORIES.get(cat.lower(), HostKind.OTHER))
+        v = int(code if code is not None else CATEGORIES.get(cat.lower(), HostKind.OTHER))
+        if len(cat) <= 256:  # real categories are short; an absurd one is not kept (bounded memory)
+            self[cat] = v
         return v
 
 
