@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import gzip
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -26,7 +26,7 @@ BIG_IDS = (0, -1, 2**31, 2**31 + 5, 2**63 - 1, 2**63, 2**64)
 
 
 def _uploaded(client: TestClient, run: str = "r1", **kwargs: object) -> dict[str, int]:
-    response = upload(client, synthetic_trace(5), run=run, **kwargs)  # type: ignore[arg-type]
+    response = upload(client, synthetic_trace(5), run=run, **kwargs)  # type: ignore[arg-type,unused-ignore]
     assert response.status_code == 201, response.text
     return dict(response.json())
 
@@ -112,7 +112,7 @@ def test_reused_idempotency_key_with_another_request_is_422(app: FastAPI, client
         {"body": body, "rank": 3},
     ):
         sent = dict(kwargs)
-        response = upload(client, sent.pop("body"), idempotency_key="k-1", **sent)  # type: ignore[arg-type]
+        response = upload(client, sent.pop("body"), idempotency_key="k-1", **sent)  # type: ignore[arg-type,unused-ignore]
         assert response.status_code == 422, (kwargs, response.text)
         assert response.json()["error"]["code"] == "idempotency_key_reused"
     assert row_counts(app) == before_rows and store_files(app) == before_files
@@ -232,7 +232,7 @@ def test_expired_and_revoked_tokens_are_refused(app: FastAPI, client: TestClient
 
 
 @pytest.fixture
-def cli_env(server_settings: object, monkeypatch: pytest.MonkeyPatch, app: FastAPI) -> None:
+def cli_env(server_settings: object, monkeypatch: pytest.MonkeyPatch, app: FastAPI) -> Iterator[None]:
     """The CLI (which reads the environment) on the test database."""
     monkeypatch.setenv("STEPDOCTOR_DATA_DIR", str(app.state.settings.data_dir))
     monkeypatch.setenv("STEPDOCTOR_DATABASE_URL", app.state.settings.database_url)

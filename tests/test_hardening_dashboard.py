@@ -206,7 +206,7 @@ def _page_routes() -> list[tuple[str, list[str]]]:
 
     pages = []
     for route in routes.router.routes:
-        if not isinstance(route, APIRoute) or "GET" not in route.methods or route.path == "/logout":
+        if not isinstance(route, APIRoute) or "GET" not in (route.methods or ()) or route.path == "/logout":
             continue
         params = [p.alias for p in route.dependant.query_params]
         for dependency in route.dependant.dependencies:
