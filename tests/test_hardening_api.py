@@ -86,7 +86,8 @@ def _cursor(*parts: object) -> str:
 def test_edge_filters_and_forged_cursors_are_422(client: TestClient, query: str) -> None:
     _uploaded(client, metadata={"tags": ["ok"]})
     response = client.get(f"/api/v1/runs?{query}")
-    assert response.status_code == 422, response.text
+    # A NUL is refused for every URL (400) before the route; the rest by the route's checks (422).
+    assert response.status_code == (400 if "%00" in query else 422), response.text
     assert response.json()["error"]["code"] in {"invalid_request", "invalid_cursor"}
     assert client.get("/api/v1/runs?tag=ok").json()["items"]  # the filter itself still works
 
