@@ -211,7 +211,10 @@ def test_eight_rank_run_is_shared_by_two_workers_and_aggregated_once(cluster: Cl
             assert [p for p in w.data_dir.rglob("*") if p.is_file()] == []
 
 
-def test_worker_killed_mid_job_its_job_completes_on_the_other(cluster: Cluster) -> None:
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_worker_lost_mid_job_its_job_completes_on_the_other(cluster: Cluster, how: signal.Signals) -> None:
+    """SIGKILL: the host is gone. SIGSTOP: the worker hangs, then wakes up after its job was taken
+    over; its late result must not be stored (exactly one analysis either way)."""
     token = cluster.token()
     with ExitStack() as stack:
         workers = {n: stack.enter_context(worker_process(cluster, n)) for n in ("a", "b")}
@@ -227,15 +230,18 @@ def test_worker_killed_mid_job_its_job_completes_on_the_other(cluster: Cluster) 
         first_owner = _statuses(cluster.db)[trace_id][1]
         victim = next(w for w in workers.values() if _worker_pid(w) == _pid(first_owner))
         survivor = next(w for w in workers.values() if w is not victim)
-        os.killpg(victim.process.pid, signal.SIGKILL)  # the host is gone, job children included
-        victim.process.wait()
+        os.killpg(victim.process.pid, how)  # the whole process group, job children included
         killed_at = time.monotonic()
         _wait("job completed elsewhere", lambda: _statuses(cluster.db)[trace_id][0] == "done", 60, survivor)
         assert time.monotonic() - killed_at < 60
         _status, owner = _statuses(cluster.db)[trace_id]
         assert _pid(owner) == _worker_pid(survivor)
+        if how == signal.SIGSTOP:  # the hung worker wakes up and finishes its (stale) job
+            os.killpg(victim.process.pid, signal.SIGCONT)
+            _wait("the woken worker gave up its result", lambda: "not stored" in victim.output(), 60, victim)
         with cluster.db.session() as session:
             assert session.scalar(select(func.count(Analysis.id)).where(Analysis.trace_id == trace_id)) == 1
+        assert _pid(_statuses(cluster.db)[trace_id][1]) == _worker_pid(survivor)
         assert "lost its worker; queueing it again" in survivor.output()
 
 

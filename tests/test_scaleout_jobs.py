@@ -198,3 +198,19 @@ def test_replicas_migrating_together_do_not_race(tmp_path: Path) -> None:
         assert errors == []
         assert migrate.is_current(settings)
         assert migrate.procrastinate_installed(settings)
+
+
+@pytest.mark.usefixtures("sqlite_only")
+def test_worker_metrics_expose_durations_failures_and_queue_depth(client: TestClient, app: FastAPI) -> None:
+    from prometheus_client import generate_latest
+
+    from stepdoctor_server.worker import WorkerMetrics
+
+    upload(client, SMALL.read_bytes(), run="metrics")
+    metrics = WorkerMetrics(app.state.settings)
+    metrics.observe("analyze", "done", 0.3)
+    metrics.observe("analyze", "failed", 1.0, "analysis exceeded the time limit of 5 s")
+    text = generate_latest(metrics.registry).decode()
+    assert 'stepdoctor_job_duration_seconds_count{outcome="done",task="analyze"} 1.0' in text
+    assert 'stepdoctor_job_failures_total{cause="time_limit",task="analyze"} 1.0' in text
+    assert 'stepdoctor_queue_depth{queue="analysis"} 1.0' in text
