@@ -278,3 +278,30 @@ def test_api_with_no_workers_runs_no_analysis_and_no_migration(cluster: Cluster,
         assert result.returncode == 1
         assert "not at the latest schema revision: run `stepdoctor db upgrade` first" in result.stderr
         assert migrate.current_revision(Settings(data_dir=tmp_path, database_url=empty_url)) is None
+
+
+def test_deep_analysis_runs_on_a_procrastinate_worker_from_s3(cluster: Cluster) -> None:
+    from stepdoctor_analysis import deep
+
+    if not deep.available():
+        pytest.skip("HolisticTraceAnalysis (stepdoctor[hta]) missing")
+    token = cluster.token()
+    trace = HTA / "critical_path" / "cuda_event_sync" / "event_sync_trace.json.gz"
+    with ExitStack() as stack:
+        worker = stack.enter_context(worker_process(cluster, "a"))
+        api_env = {**cluster.env, "STEPDOCTOR_DATA_DIR": str(cluster.tmp / "api")}
+        api = stack.enter_context(serve_subprocess(api_env))
+        headers = {"Authorization": f"Bearer {token}"}
+        with httpx.Client(base_url=api.url, headers=headers, timeout=60) as client:
+            trace_id = upload(client, trace.read_bytes(), run="deep").json()["id"]
+            resp = client.post(f"/api/v1/traces/{trace_id}/deep/critical-path")
+            assert resp.status_code == 202, resp.text
+
+            def deep_status() -> str:
+                return str(client.get(f"/api/v1/traces/{trace_id}/deep").json()[0]["status"])
+
+            _wait("deep job finished", lambda: deep_status() in ("done", "failed"), 120, worker)
+            job = client.get(f"/api/v1/traces/{trace_id}/deep").json()[0]
+        assert job["status"] == "done", job
+        assert job["result"]["length_us"] > 0
+        assert [p for p in worker.data_dir.rglob("*") if p.is_file()] == []  # the copy was temporary

@@ -17,6 +17,7 @@ holds each trace's user-facing state (pending/running/done/failed); procrastinat
   ``STEPDOCTOR_WORKER_STALLED_AFTER_S`` (killed, hung, host gone) and puts them back.
 - ``stepdoctor.sweep_pending`` (every 30 s): the outbox safety net; a pending trace without a
   waiting job (written by an older version, or reset by hand) gets one.
+- ``stepdoctor.deep_analyses`` (every 5 s): drains the optional HTA jobs of ``deep_analyses``.
 
 The analysis itself runs in a child process under the job's time and memory limits (``limits``).
 """
@@ -46,6 +47,7 @@ ANALYZE = "stepdoctor.analyze_trace"
 AGGREGATE = "stepdoctor.aggregate_run"
 QUEUE_ANALYSIS = "analysis"
 QUEUE_AGGREGATION = "aggregation"
+QUEUE_DEEP = "deep"
 
 _DEFER = text(
     "SELECT procrastinate_defer_jobs_v1(ARRAY[ROW(CAST(:queue AS varchar), CAST(:task AS varchar), "
@@ -195,6 +197,20 @@ def _blueprint() -> Any:
             if ids:
                 log.info("queueing %d pending trace(s) that had no job", len(ids))
                 defer_analyses(session, ids)
+
+    @bp.periodic(cron="* * * * * */5", periodic_id="deep")
+    @bp.task(name="stepdoctor.deep_analyses", queue=QUEUE_DEEP, pass_context=True)
+    def deep_analyses(context: Any, timestamp: int) -> None:
+        """Optional HTA analyses stay rows of ``deep_analyses`` (claimed like the embedded pool
+        does): whichever worker runs this tick drains them, one claim at a time."""
+        from stepdoctor_server.queue import SqlDeepQueue
+        from stepdoctor_server.storage import make_store
+        from stepdoctor_server.worker import process_one_deep
+
+        runtime: Runtime = context.additional_context["runtime"]
+        queue, store = SqlDeepQueue(runtime.db), make_store(runtime.settings)
+        while process_one_deep(runtime.db, queue, store, runtime.worker_id):
+            pass
 
     return bp
 
