@@ -11,6 +11,7 @@ stores the report with its precomputed step timeline (``step_timeline``, at most
 and tables (50 rows each), so a page reads one bounded JSON document.
 
     .venv/bin/python bench/dashboard_pages.py [--runs 10000] [--repeat 15] [--database-url URL]
+        [--big-trace-mb 850]   # also: a trace of that size (the big fixture tiled), analysed, paged, cut
 """
 
 from __future__ import annotations
@@ -38,13 +39,14 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=10_000)
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--database-url", default="", help="default: a SQLite file in a temporary directory")
+    p.add_argument("--big-trace-mb", type=int, default=0, help="tile the big fixture to about this size")
     args = p.parse_args()
 
     from fastapi.testclient import TestClient
 
     from stepdoctor_server import auth, migrate
     from stepdoctor_server.app import create_app
-    from stepdoctor_server.models import Run
+    from stepdoctor_server.models import Analysis, Run
     from stepdoctor_server.settings import Settings
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -55,10 +57,36 @@ def main() -> int:
             team, _ = auth.get_or_create_team(session, f"bench-{int(time.time())}")
             _, admin = auth.create_token(session, team, scope="admin", name="bench")
             team_id = team.id
+        source = BIG
+        if args.big_trace_mb:
+            t0 = time.perf_counter()
+            source = tile_trace(BIG, Path(tmp) / "tiled.pt.trace.json.gz", args.big_trace_mb)
+            print(
+                f"tiled {BIG.name} to {source.stat().st_size / 2**20:.0f} MiB gzip in {time.perf_counter() - t0:.0f} s"
+            )
         with TestClient(app, headers={"Authorization": f"Bearer {admin}"}) as api:
-            big = upload(api, BIG.read_bytes(), project="bench", run="big").json()
+            t0 = time.perf_counter()
+            big = upload(api, source.read_bytes(), project="bench", run="big").json()
+            print(f"uploaded in {time.perf_counter() - t0:.1f} s")
             small = upload(api, SMALL.read_bytes(), project="bench", run="small").json()
+        t0 = time.perf_counter()
         drain(app)
+        print(f"analysed in {time.perf_counter() - t0:.1f} s")
+        if args.big_trace_mb:
+            from stepdoctor_analysis.trim import trim_trace
+
+            with app.state.db.session() as session:
+                numbers = [
+                    s["number"]
+                    for s in session.get(Analysis, _analysis_id(session, big["id"])).report["steps"]
+                ]
+            t0 = time.perf_counter()
+            cut = trim_trace(source, Path(tmp) / "cut.pt.trace.json.gz", numbers[0], numbers[0])
+            size = (Path(tmp) / "cut.pt.trace.json.gz").stat().st_size
+            print(
+                f"trimmed step {numbers[0]} in {time.perf_counter() - t0:.1f} s: kept {cut.kept:,} of "
+                f"{cut.kept + cut.dropped:,} events, {size / 2**20:.1f} MiB"
+            )
         with app.state.db.session() as session:
             diagnosis = session.get(Run, big["run_id"]).diagnosis
             project_id = session.get(Run, big["run_id"]).project_id
@@ -121,6 +149,55 @@ def main() -> int:
         del team_id
         app.state.db.dispose()
     return 0
+
+
+def _analysis_id(session: object, trace_id: int) -> int:
+    from sqlalchemy import select
+
+    from stepdoctor_server.models import Analysis
+
+    return int(session.scalar(select(Analysis.id).where(Analysis.trace_id == trace_id)))  # type: ignore[attr-defined]
+
+
+def tile_trace(src: Path, dst: Path, target_mb: int) -> Path:
+    """``src`` repeated, each copy shifted after the previous one in time, with its steps renumbered and
+    its correlation/flow ids offset, until the decompressed text is about ``target_mb``: a trace of
+    that size with real events, for timing what depends on size."""
+    import gzip
+    import json
+
+    doc = json.loads(gzip.decompress(src.read_bytes()))
+    events = doc.pop("traceEvents")
+    timed = [e for e in events if isinstance(e.get("ts"), int | float)]
+    span = max(e["ts"] + (e.get("dur") or 0) for e in timed) - min(e["ts"] for e in timed)
+    copies = max(1, round(target_mb * 1e6 / len(json.dumps(events))))
+    with gzip.open(dst, "wt", compresslevel=1) as out:
+        out.write('{"traceEvents": [\n')
+        first = True
+        for k in range(copies):
+            for e in events:
+                e = dict(e)
+                if isinstance(e.get("ts"), int | float):
+                    e["ts"] = e["ts"] + k * (span + 1000)
+                name = e.get("name")
+                if isinstance(name, str) and name.startswith("ProfilerStep#"):
+                    e["name"] = f"ProfilerStep#{int(name[13:]) + k * 1000}"
+                if "id" in e and isinstance(e["id"], int):
+                    e["id"] += k * 10**8
+                args = e.get("args")
+                if isinstance(args, dict):
+                    args = dict(args)
+                    for key in ("correlation", "External id"):
+                        if isinstance(args.get(key), int):
+                            args[key] += k * 10**8
+                    e["args"] = args
+                out.write(("" if first else ",\n") + json.dumps(e))
+                first = False
+        out.write("\n]")
+        for key, value in doc.items():
+            out.write(f",\n{json.dumps(key)}: {json.dumps(value)}")
+        out.write("}\n")
+    return dst
 
 
 if __name__ == "__main__":

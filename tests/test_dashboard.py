@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import plotly.graph_objects as go
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
@@ -59,7 +58,7 @@ def test_memory_figure_only_when_the_trace_had_memory_events() -> None:
     fig = figures.memory_figure(
         {"curves": [{"device": "cuda:0", "t_us": [0, 1000], "allocated": [0, 2**21]}]}
     )
-    assert isinstance(fig, go.Figure)
+    assert isinstance(fig, figures.Fig)
     assert list(fig.data[0].y) == [0.0, 2.0]
 
 

@@ -1,7 +1,10 @@
 """Plotly figures built server-side from stored diagnoses; pages only call ``Plotly.newPlot``.
 
-Pure functions from the JSON the engine and the aggregator store to ``go.Figure``: no database,
-no request, so they are tested directly.
+Pure functions from the JSON the engine and the aggregator store to the figure's plotly JSON: no
+database, no request, so they are tested directly. Figures are plain dicts (``Fig``), not
+``plotly.graph_objects``: building a ``go.Figure`` validates every property and cost 60-80 ms per
+figure, most of a page's server time; plotly.js validates what it draws anyway. The ``plotly_white``
+theme travels as JSON in each layout (plotly.js knows no templates by name).
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import plotly.graph_objects as go
 import plotly.io as pio
 
 # The TensorBoard profiler plugin's categories, in its priority order, with stable colours.
@@ -35,7 +37,7 @@ KIND_COLORS = {
     "compute": "#4c78a8",
     "other": "#bab0ac",
 }
-_LAYOUT = {"margin": {"l": 60, "r": 20, "t": 40, "b": 40}, "template": "plotly_white", "height": 320}
+_LAYOUT: dict[str, Any] = {"margin": {"l": 60, "r": 20, "t": 40, "b": 40}, "height": 320}
 # Legends go under the plot, in rows: eight categories fit a half-width figure without clipping.
 _LEGEND_BELOW = {
     "orientation": "h",
@@ -47,125 +49,158 @@ _LEGEND_BELOW = {
 }
 
 
-def to_json(fig: go.Figure | dict[str, Any]) -> str:
-    """Plotly JSON; a figure already built as a plain dict (``step_figure``) is dumped as it is.
+class Fig(dict[str, Any]):
+    """A figure's plotly JSON, also readable like a ``go.Figure`` (``fig.data[0].x``,
+    ``fig.layout.title.text``) so tests and callers read it either way."""
 
-    Such figures carry the ``plotly_white`` template as JSON (``_white_template``): plotly.js
-    does not know templates by name.
-    """
-    if isinstance(fig, dict):
-        return json.dumps(fig, separators=(",", ":"))
-    return str(pio.to_json(fig, validate=False))
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return _view(self[name])
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _view(value: Any) -> Any:
+    if isinstance(value, dict) and not isinstance(value, Fig):
+        return Fig(value)
+    if isinstance(value, list):
+        return [_view(v) for v in value]
+    return value
+
+
+def figure(data: list[dict[str, Any]], title: str, **layout: Any) -> Fig:
+    """A figure in the dashboard's style: white theme, title, the given layout over the defaults."""
+    return Fig(
+        data=data,
+        layout={**_LAYOUT, "template": _white_template(), "title": {"text": title}, **layout},
+    )
+
+
+def _axis(title: str, **more: Any) -> dict[str, Any]:
+    return {"title": {"text": title}, **more}
+
+
+def to_json(fig: Mapping[str, Any]) -> str:
+    return json.dumps(fig, separators=(",", ":"), allow_nan=False, default=_jsonable)
+
+
+def _jsonable(value: Any) -> Any:
+    raise TypeError(f"a figure holds a {type(value).__name__}")
 
 
 def _num(value: Any) -> float:
-    return float(value) if isinstance(value, int | float) else 0.0
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
 
-def breakdown_figure(breakdown: Mapping[str, Any], title: str = "Average step time breakdown") -> go.Figure:
+def breakdown_figure(breakdown: Mapping[str, Any], title: str = "Average step time breakdown") -> Fig:
     """One horizontal stacked bar: where an average step's wall time goes (µs → ms)."""
-    fig = go.Figure()
-    for category, value in _ordered(breakdown):
-        fig.add_bar(
-            y=["step"],
-            x=[_num(value) / 1000.0],
-            name=category,
-            orientation="h",
-            marker_color=CATEGORY_COLORS.get(category),
-            hovertemplate=f"{category}: %{{x:.3f}} ms<extra></extra>",
-        )
-    fig.update_layout(
+    data = [
+        {
+            "type": "bar",
+            "orientation": "h",
+            "y": ["step"],
+            "x": [_num(value) / 1000.0],
+            "name": category,
+            "marker": {"color": CATEGORY_COLORS.get(category)},
+            "hovertemplate": f"{category}: %{{x:.3f}} ms<extra></extra>",
+        }
+        for category, value in _ordered(breakdown)
+    ]
+    return figure(
+        data,
+        title,
         barmode="stack",
-        title=title,
-        xaxis_title="ms per step (TensorBoard's categories)",
+        xaxis=_axis("ms per step (TensorBoard's categories)"),
         legend=_LEGEND_BELOW,
-        **{**_LAYOUT, "height": 280, "margin": {"l": 50, "r": 20, "t": 40, "b": 110}},
+        height=280,
+        margin={"l": 50, "r": 20, "t": 40, "b": 110},
     )
-    return fig
 
 
-def shares_figure(shares: Mapping[str, Any], title: str = "Bottleneck shares of step time") -> go.Figure:
+def shares_figure(shares: Mapping[str, Any], title: str = "Bottleneck shares of step time") -> Fig:
     items = sorted(((k, _num(v)) for k, v in shares.items()), key=lambda kv: -kv[1])
-    fig = go.Figure(
-        go.Bar(
-            x=[k for k, _ in items],
-            y=[v * 100.0 for _, v in items],
-            marker_color=[KIND_COLORS.get(k, "#888") for k, _ in items],
-            hovertemplate="%{x}: %{y:.1f}%<extra></extra>",
-        )
-    )
-    fig.update_layout(title=title, yaxis_title="% of step time", **_LAYOUT)
-    return fig
+    bar = {
+        "type": "bar",
+        "x": [k for k, _ in items],
+        "y": [v * 100.0 for _, v in items],
+        "marker": {"color": [KIND_COLORS.get(k, "#888") for k, _ in items]},
+        "hovertemplate": "%{x}: %{y:.1f}%<extra></extra>",
+    }
+    return figure([bar], title, yaxis=_axis("% of step time"))
 
 
-def steps_figure(report: Mapping[str, Any], title: str = "Where each step's time goes") -> go.Figure:
+def steps_figure(report: Mapping[str, Any], title: str = "Where each step's time goes") -> Fig:
     """Stacked bars per profiled step of the bottleneck kinds the engine attributed (``steps[].kinds``)."""
     steps = [s for s in report.get("steps") or [] if isinstance(s, Mapping)]
     labels = [str(s.get("number", i)) for i, s in enumerate(steps)]
     kinds = [k for k in KIND_COLORS if any(_num((s.get("kinds") or {}).get(k)) > 0 for s in steps)]
-    fig = go.Figure()
-    for kind in kinds:
-        fig.add_bar(
-            x=labels,
-            y=[_num((s.get("kinds") or {}).get(kind)) / 1000.0 for s in steps],
-            name=kind,
-            marker_color=KIND_COLORS[kind],
-        )
-    fig.update_layout(
+    data = [
+        {
+            "type": "bar",
+            "x": labels,
+            "y": [_num((s.get("kinds") or {}).get(kind)) / 1000.0 for s in steps],
+            "name": kind,
+            "marker": {"color": KIND_COLORS[kind]},
+        }
+        for kind in kinds
+    ]
+    return figure(
+        data,
+        title,
         barmode="stack",
-        title=title,
-        xaxis_title="step",
-        xaxis_type="category",
-        yaxis_title="ms",
+        xaxis=_axis("step", type="category"),
+        yaxis=_axis("ms"),
         legend=_LEGEND_BELOW,
-        **{**_LAYOUT, "height": 360, "margin": {"l": 60, "r": 20, "t": 40, "b": 100}},
+        height=360,
+        margin={"l": 60, "r": 20, "t": 40, "b": 100},
     )
-    return fig
 
 
-def ranks_figure(ranks: Sequence[Mapping[str, Any]], title: str = "Step time per rank") -> go.Figure:
+def ranks_figure(ranks: Sequence[Mapping[str, Any]], title: str = "Step time per rank") -> Fig:
     labels = ["?" if r.get("rank") is None else str(r["rank"]) for r in ranks]
-    fig = go.Figure(
-        go.Bar(x=labels, y=[_num(r.get("step_time_us")) / 1000.0 for r in ranks], marker_color="#4c78a8")
-    )
-    fig.update_layout(title=title, xaxis_title="rank", yaxis_title="ms per step", **_LAYOUT)
-    return fig
+    bar = {
+        "type": "bar",
+        "x": labels,
+        "y": [_num(r.get("step_time_us")) / 1000.0 for r in ranks],
+        "marker": {"color": "#4c78a8"},
+    }
+    return figure([bar], title, xaxis=_axis("rank", type="category"), yaxis=_axis("ms per step"))
 
 
-def compare_figure(comparison: Mapping[str, Any], base_name: str, other_name: str) -> go.Figure:
+def compare_figure(comparison: Mapping[str, Any], base_name: str, other_name: str) -> Fig:
     """Grouped bars per category, before and after."""
     cats = comparison.get("categories") or {}
     names = list(cats)
-    fig = go.Figure()
-    fig.add_bar(x=names, y=[_num(cats[c].get("base_us")) / 1000.0 for c in names], name=base_name)
-    fig.add_bar(x=names, y=[_num(cats[c].get("other_us")) / 1000.0 for c in names], name=other_name)
-    fig.update_layout(
-        barmode="group", title="Before / after, per category", yaxis_title="ms per step", **_LAYOUT
-    )
-    return fig
+    data = [
+        {"type": "bar", "x": names, "y": [_num(cats[c].get(key)) / 1000.0 for c in names], "name": label}
+        for key, label in (("base_us", base_name), ("other_us", other_name))
+    ]
+    return figure(data, "Before / after, per category", barmode="group", yaxis=_axis("ms per step"))
 
 
-def memory_figure(series: Mapping[str, Any], title: str = "Memory over the capture") -> go.Figure | None:
+def memory_figure(series: Mapping[str, Any], title: str = "Memory over the capture") -> Fig | None:
     """Allocated/reserved curves per device from a report's memory series, when the trace had them."""
     curves = [c for c in series.get("curves") or [] if isinstance(c, Mapping)] if series else []
     if not curves:
         return None
-    fig = go.Figure()
+    data = []
     for curve in curves:
         t = [x / 1000.0 for x in curve.get("t_us") or []]
         label = str(curve.get("device", "device"))
-        if curve.get("allocated"):
-            fig.add_scatter(
-                x=t, y=[b / 2**20 for b in curve["allocated"]], name=f"{label} allocated", mode="lines"
-            )
-        if curve.get("reserved"):
-            fig.add_scatter(
-                x=t, y=[b / 2**20 for b in curve["reserved"]], name=f"{label} reserved", mode="lines"
-            )
-    fig.update_layout(
-        title=title, xaxis_title="ms since the first profiled step", yaxis_title="MiB", **_LAYOUT
+        for key in ("allocated", "reserved"):
+            if curve.get(key):
+                data.append(
+                    {
+                        "type": "scatter",
+                        "mode": "lines",
+                        "x": t,
+                        "y": [b / 2**20 for b in curve[key]],
+                        "name": f"{label} {key}",
+                    }
+                )
+    return figure(
+        data, title, xaxis=_axis("ms since the first profiled step"), yaxis=_axis("MiB"), legend=_LEGEND_BELOW
     )
-    return fig
 
 
 # HTA critical-path bound types (``stepdoctor_analysis.deep.BOUND_TYPES``), coloured like our kinds.
@@ -180,26 +215,24 @@ BOUND_COLORS = {
 }
 
 
-def critical_path_figure(result: Mapping[str, Any], title: str = "Critical path by bound type") -> go.Figure:
+def critical_path_figure(result: Mapping[str, Any], title: str = "Critical path by bound type") -> Fig:
     """Bars of a critical-path result's ``breakdown`` (µs → ms), in bound-type order, share on hover."""
     breakdown = result.get("breakdown") or {}
     shares = result.get("shares") or {}
     names = [k for k in BOUND_COLORS if k in breakdown] + sorted(
         k for k in breakdown if k not in BOUND_COLORS
     )
-    fig = go.Figure(
-        go.Bar(
-            x=names,
-            y=[_num(breakdown[k]) / 1000.0 for k in names],
-            customdata=[_num(shares.get(k)) * 100.0 for k in names],
-            marker_color=[BOUND_COLORS.get(k, "#bab0ac") for k in names],
-            hovertemplate="%{x}: %{y:.3f} ms (%{customdata:.1f}% of the path)<extra></extra>",
-        )
-    )
+    bar = {
+        "type": "bar",
+        "x": names,
+        "y": [_num(breakdown[k]) / 1000.0 for k in names],
+        "customdata": [_num(shares.get(k)) * 100.0 for k in names],
+        "marker": {"color": [BOUND_COLORS.get(k, "#bab0ac") for k in names]},
+        "hovertemplate": "%{x}: %{y:.3f} ms (%{customdata:.1f}% of the path)<extra></extra>",
+    }
     step = result.get("step")
     full_title = f"{title} (step {step})" if step is not None else title
-    fig.update_layout(title=full_title, yaxis_title="ms on the critical path", **_LAYOUT)
-    return fig
+    return figure([bar], full_title, yaxis=_axis("ms on the critical path"))
 
 
 def _ordered(values: Mapping[str, Any]) -> list[tuple[str, Any]]:
@@ -230,12 +263,11 @@ def _op_color(lane_kind: str, name: str) -> str:
     return _OP_COLORS["kernel"]
 
 
-def step_figure(step: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
+def step_figure(step: Mapping[str, Any], names: Sequence[str]) -> Fig:
     """One step on a time axis: a row per host thread and GPU stream, and a bottom row with every
     stretch coloured by the bottleneck kind it was charged to (from the report's ``timeline``).
 
-    Built as the plain plotly JSON dict, not ``go`` objects: their validation costs ~0.1 s per
-    thousand boxes on the request path, and these figures hold a few thousand.
+    Lanes hold up to a few thousand boxes; each lane is one bar trace with per-box colours.
     """
     lanes = [lane for lane in step.get("lanes") or [] if isinstance(lane, Mapping)]
     rows = [str(lane.get("label")) for lane in lanes]
@@ -283,43 +315,38 @@ def step_figure(step: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]
                 }
             )
     height = 120 + 34 * len(rows)
-    layout = {
-        **_LAYOUT,
-        "template": _white_template(),
-        "height": max(300, height + 60),
-        "margin": {"l": 20, "r": 20, "t": 40, "b": 90},
-        "barmode": "overlay",
-        "bargap": 0.25,
-        "title": {
-            "text": f"Step {step.get('number')} ({step.get('why', '')}): host threads, GPU streams, charged time"
-        },
-        "xaxis": {"title": {"text": "ms since the step began"}},
-        "yaxis": {"categoryorder": "array", "categoryarray": list(reversed(rows)), "automargin": True},
-        "legend": {**_LEGEND_BELOW, "y": -0.35 if len(rows) < 4 else -0.2, "title": {"text": "charged to: "}},
-    }
-    return {"data": data, "layout": layout}
+    return figure(
+        data,
+        f"Step {step.get('number')} ({step.get('why', '')}): host threads, GPU streams, charged time",
+        height=max(300, height + 60),
+        margin={"l": 20, "r": 20, "t": 40, "b": 90},
+        barmode="overlay",
+        bargap=0.25,
+        xaxis=_axis("ms since the step began"),
+        yaxis={"categoryorder": "array", "categoryarray": list(reversed(rows)), "automargin": True},
+        legend={**_LEGEND_BELOW, "y": -0.35 if len(rows) < 4 else -0.2, "title": {"text": "charged to: "}},
+    )
 
 
-def kind_delta_figure(kinds: Mapping[str, Any]) -> go.Figure:
+def kind_delta_figure(kinds: Mapping[str, Any]) -> Fig:
     """µs per step each bottleneck kind gained (+) or lost (−) from base to other run."""
     items = [(k, _num(v.get("delta_us"))) for k, v in kinds.items() if isinstance(v, Mapping)]
     items = [(k, d) for k, d in items if abs(d) > 0]
     items.sort(key=lambda kv: kv[1])
-    fig = go.Figure(
-        go.Bar(
-            y=[k for k, _ in items],
-            x=[d / 1000.0 for _, d in items],
-            orientation="h",
-            marker_color=["#12b76a" if d < 0 else "#f04438" for _, d in items],
-            hovertemplate="%{y}: %{x:+.3f} ms per step<extra></extra>",
-        )
+    bar = {
+        "type": "bar",
+        "orientation": "h",
+        "y": [k for k, _ in items],
+        "x": [d / 1000.0 for _, d in items],
+        "marker": {"color": ["#12b76a" if d < 0 else "#f04438" for _, d in items]},
+        "hovertemplate": "%{y}: %{x:+.3f} ms per step<extra></extra>",
+    }
+    return figure(
+        [bar],
+        "Which bottleneck shrank (green) or grew (red)",
+        xaxis=_axis("change in ms per step"),
+        height=120 + 28 * max(1, len(items)),
     )
-    fig.update_layout(
-        title="Which bottleneck shrank (green) or grew (red)",
-        xaxis_title="change in ms per step",
-        **{**_LAYOUT, "height": 120 + 28 * max(1, len(items))},
-    )
-    return fig
 
 
 @functools.cache
