@@ -214,3 +214,34 @@ def test_worker_metrics_expose_durations_failures_and_queue_depth(client: TestCl
     assert 'stepdoctor_job_duration_seconds_count{outcome="done",task="analyze"} 1.0' in text
     assert 'stepdoctor_job_failures_total{cause="time_limit",task="analyze"} 1.0' in text
     assert 'stepdoctor_queue_depth{queue="analysis"} 1.0' in text
+
+
+def test_worker_without_database_logs_the_outage_once(tmp_path: Path) -> None:
+    """Unreachable PostgreSQL: backoff and one warning, not a traceback per poll."""
+    import signal
+    import subprocess
+    import sys
+
+    from support.server import REPO_ROOT
+
+    env = {
+        **os.environ,
+        "STEPDOCTOR_DATABASE_URL": "postgresql+psycopg://postgres@127.0.0.1:1/nowhere",
+        "STEPDOCTOR_DATA_DIR": str(tmp_path),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stepdoctor", "worker", "-n", "1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=str(REPO_ROOT),
+    )
+    try:
+        time.sleep(6)  # several backoff rounds (0.5, 1, 2 s ...)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert out.count("database unreachable") == 1, out
+    assert "Traceback" not in out and "psycopg.pool" not in out, out

@@ -258,7 +258,10 @@ def run_worker(
     """
     from stepdoctor_server.db import Database
 
+    # psycopg's pool warns on every reconnect attempt; the outage is reported once, below.
+    logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
     db = Database(settings)
+    app = make_app(settings)
     runtime = Runtime(settings=settings, db=db, worker_id=name, metrics=metrics)
     state = _StateLog()
     backoff = 0.5
@@ -266,7 +269,8 @@ def run_worker(
         while not stop.is_set():
             started = time.monotonic()
             try:
-                asyncio.run(_serve(settings, runtime, concurrency, name, stop, state, watch_parent))
+                db.ping()  # cheap probe before procrastinate opens its pool and listener
+                asyncio.run(_serve(app, settings, runtime, concurrency, name, stop, state, watch_parent))
                 return
             except Exception as exc:
                 if time.monotonic() - started > 60:
@@ -280,6 +284,7 @@ def run_worker(
 
 
 async def _serve(
+    app: Any,
     settings: Settings,
     runtime: Runtime,
     concurrency: int,
@@ -288,7 +293,6 @@ async def _serve(
     state: _StateLog,
     watch_parent: bool,
 ) -> None:
-    app = make_app(settings)
     async with app.open_async():
         await app.check_connection_async()
         state.ok()
