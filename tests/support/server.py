@@ -227,7 +227,7 @@ def synthetic_trace(n_events: int = 10, *, compress: bool = True) -> bytes:
         for i in range(n_events)
     ]
     raw = json.dumps({"schemaVersion": 1, "traceEvents": events}).encode()
-    return gzip.compress(raw) if compress else raw
+    return gzip.compress(raw, mtime=0) if compress else raw  # deterministic, as the agent writes it
 
 
 def upload(
