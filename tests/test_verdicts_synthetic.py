@@ -175,8 +175,13 @@ def test_gpu_trace_without_device_properties_is_a_gpu(tmp_path: Path) -> None:
     assert d["device"]["type"] == "gpu" and d["device"]["name"] is None
     text = report.render_text()
     assert "GPU (name unknown)" in text and "CPU only" not in text
-    # Unknown capability: no precision advice that may not fit the device.
-    assert "compute.mixed_precision" not in _ids(d["findings"])
+    # No properties: the volta_* kernels bound the architecture from below (sm_70+), so the advice is
+    # the one every such device supports: fp16 with a GradScaler, never bf16.
+    assert d["device"]["arch"] == "sm_70+" and d["device"]["precisions"] == ["fp16"]
+    amp = next(r for r in d["recommendations"] if r["id"] == "compute.mixed_precision")
+    assert (
+        "torch.float16" in amp["change"] and "GradScaler" in amp["change"] and "bfloat16" not in amp["change"]
+    )
 
 
 def test_no_overlap_advice_without_compute(tmp_path: Path) -> None:

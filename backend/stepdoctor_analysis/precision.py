@@ -161,9 +161,55 @@ def trace_caps(trace: RankTrace) -> DeviceCaps | None:
         if not trace.has_gpu or not len(trace.gpu):
             return None
         device = trace.devices[0] if trace.devices else None
-        return device_caps(device, amd=_launched_via_hip(trace))
+        amd = _launched_via_hip(trace)
+        caps = device_caps(device, amd=amd)
+        if caps.arch == "unknown" and not amd:
+            floor = _kernel_arch_floor(trace)
+            if floor is not None:
+                major, minor = floor
+                # Kernels built for sm_XY run on sm_XY or newer: a lower bound, so advice that
+                # fits it (fp16 on sm_70, bf16 on sm_80) fits the device too.
+                caps = DeviceCaps(
+                    "nvidia",
+                    f"sm_{major}{minor}+",
+                    fp16=major >= 7,
+                    bf16=major >= 8,
+                    tf32=major >= 8,
+                    fp8=(major, minor) >= (8, 9),
+                    source="kernel names",
+                )
+        return caps
 
     return trace.memo("precision.caps", evaluate)
+
+
+# cuBLAS/cuDNN/CUTLASS kernels name the architecture they were built for.
+_ARCH_PREFIXES = {
+    "maxwell_": (5, 0),
+    "pascal_": (6, 0),
+    "volta_": (7, 0),
+    "turing_": (7, 5),
+    "ampere_": (8, 0),
+}
+_ARCH_RE = re.compile(r"(?:^|[^a-z0-9])(?:sm|cutlass_)(\d)(\d)_")
+
+
+def _kernel_arch_floor(trace: RankTrace) -> tuple[int, int] | None:
+    """The newest architecture the trace's library kernels were built for (None when none say)."""
+    kernels = trace.gpu_kind(GpuKind.KERNEL)
+    if not kernels.any():
+        return None
+    best: tuple[int, int] | None = None
+    for i in np.unique(trace.gpu.name[kernels]).tolist():
+        name = trace.strings[i]
+        low = name.lower()
+        found = [v for p, v in _ARCH_PREFIXES.items() if low.startswith(p) or f" {p}" in low]
+        m = _ARCH_RE.search(low)
+        if m:
+            found.append((int(m.group(1)), int(m.group(2))))
+        for v in found:
+            best = v if best is None or v > best else best
+    return best
 
 
 def _launched_via_hip(trace: RankTrace) -> bool:
