@@ -341,11 +341,25 @@ def _analysis_out(analysis: Analysis, filename: str) -> AnalysisOut:
     responses={200: {"description": "the original uploaded bytes"}, **_ERRORS},
     summary="Download the trace as uploaded (open it in Perfetto or chrome://tracing)",
 )
-def download_trace(trace_id: int, request: Request, principal: ReadTeam, session: SessionDep) -> Response:
+def download_trace(
+    trace_id: int,
+    request: Request,
+    principal: ReadTeam,
+    session: SessionDep,
+    steps: Annotated[
+        str | None,
+        Query(max_length=32, description="only these ProfilerSteps, e.g. 5 or 5-6 (a smaller trace)"),
+    ] = None,
+) -> Response:
     trace, _, _ = load_trace(session, principal, trace_id)
     store: TraceStore = request.app.state.store
     if not store.exists(trace.storage_key):
         raise ApiError(410, "gone", f"trace {trace_id} file is missing from the store")
+    if steps is not None:
+        from stepdoctor_server.trimmed import trimmed_download
+
+        with store.local_copy(trace.storage_key) as path:
+            return trimmed_download(trace, path, steps, request)
     media = "application/gzip" if trace.filename.endswith(".gz") else "application/json"
     # The local store sends the file; S3 streams it through (or redirects to a presigned URL).
     return store.download(
