@@ -22,6 +22,19 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _demo(env: dict[str, str], cwd: Path, port: int) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "stepdoctor_server.demo", "--port", str(port), "--steps", "10", "--no-wait"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+        cwd=cwd,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
 @pytest.mark.slow
 def test_demo_trains_uploads_and_diagnoses_both_runs(tmp_path: Path) -> None:
     pytest.importorskip("torch")
@@ -32,22 +45,27 @@ def test_demo_trains_uploads_and_diagnoses_both_runs(tmp_path: Path) -> None:
         "STEPDOCTOR_SPOOL": str(tmp_path / "spool"),
         "STEPDOCTOR_DATABASE_URL": "",
     }
-    done = subprocess.run(
-        [sys.executable, "-m", "stepdoctor_server.demo", "--port", str(port), "--steps", "10", "--no-wait"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=500,
-        cwd=tmp_path,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    out = done.stdout
+    out = _demo(env, tmp_path, port)
     assert f"Dashboard:    http://127.0.0.1:{port}/" in out
     assert re.search(r"Login token:  sdt_\S+", out)
+    first = set()
     for run in ("workers0", "workers2"):
-        assert re.search(
-            rf"^  {run}: ({KINDS})-bound \(\d+% of step time\), mean step [\d.]+ ms", out, re.M
-        ), out
+        line = re.search(
+            rf"^  ({run}-\d{{8}}-\d{{6}}): ({KINDS})-bound \(\d+% of step time\), mean step [\d.]+ (ms|s)",
+            out,
+            re.M,
+        )
+        assert line, out
+        first.add(line.group(1))
+    # One step time per run: the analysed one (demo_train prints none of its own).
+    assert len(re.findall(r"\d (ms|s)\b", out)) == 2 and "ms/step" not in out, out
+    assert "New runs " in out and "earlier run" not in out
     # The server was stopped: nothing listens on the port any more.
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0
+
+    # A second demo on the same data starts fresh runs, and says it joins the earlier ones.
+    again = _demo(env, tmp_path, port)
+    assert "join 2 earlier run(s) of project 'demo'" in again, again
+    second = set(re.findall(r"^  (workers[02]-\d{8}-\d{6}): ", again, re.M))
+    assert len(second) == 2 and not second & first

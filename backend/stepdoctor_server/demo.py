@@ -5,11 +5,16 @@ Starts ``stepdoctor serve`` (embedded defaults: SQLite and a trace store under
 (DataLoader ``num_workers=0``, then ``2``: a before/after pair), waits for the analyses, prints the
 dashboard URL, the login token and one line per run, then keeps the server in the foreground
 until Ctrl-C. Everything goes through the public interfaces (CLI, HTTP), as a user would.
+
+Each invocation trains fresh runs (names stamped with the start time), so a second demo never
+mixes its traces into the first one's runs; earlier runs stay in the data directory and the demo
+says so. The step time printed per run is the analysed one, formatted as the dashboard shows it.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import os
 import signal
 import subprocess
@@ -23,7 +28,7 @@ import httpx
 
 PROJECT = "demo"
 TEAM = "default"
-RUNS = (("workers0", 0), ("workers2", 2))
+RUNS = (("workers0", 0), ("workers2", 2))  # name prefix, DataLoader num_workers
 READY_TIMEOUT_S = 120.0
 ANALYSIS_TIMEOUT_S = 600.0
 
@@ -50,14 +55,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     data_dir = Path(os.environ.get("STEPDOCTOR_DATA_DIR", "./stepdoctor-data")).expanduser().resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = data_dir / "demo-server.log"
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    runs_of_this_demo = [(f"{prefix}-{stamp}", workers) for prefix, workers in RUNS]
     server = _start_server(args.host, args.port, log_path)
     try:
         _wait_ready(server, url, log_path)
         upload_token = _create_token("upload", "demo agent")
         login_token = _create_token("read", "demo dashboard")
-        for run, workers in RUNS:
+        _say_what_is_added(url, login_token, data_dir, [name for name, _ in runs_of_this_demo])
+        for run, workers in runs_of_this_demo:
             _train(run, workers, url, upload_token, args.steps)
-        runs = _wait_analyses(url, login_token)
+        runs = _wait_analyses(url, login_token, [name for name, _ in runs_of_this_demo])
         _summary(url, login_token, runs, log_path)
         if args.no_wait:
             return 0
@@ -124,6 +132,26 @@ def _create_token(scope: str, name: str) -> str:
     return lines[-1].strip()
 
 
+def _say_what_is_added(url: str, token: str, data_dir: Path, names: list[str]) -> None:
+    """Fresh runs every time; say whether they join earlier demo runs in this data directory."""
+    listed = httpx.get(
+        f"{url}/api/v1/runs",
+        params={"project": PROJECT, "limit": 200},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=10.0,
+    )
+    earlier = len(listed.json().get("items", [])) if listed.status_code == 200 else 0
+    where = f"project {PROJECT!r} in {data_dir}"
+    if earlier:
+        print(
+            f"New runs {', '.join(names)} join {earlier} earlier run(s) of {where} "
+            "(`make clean` or another STEPDOCTOR_DATA_DIR starts empty).",
+            flush=True,
+        )
+    else:
+        print(f"New runs {', '.join(names)} in {where}.", flush=True)
+
+
 def _train(run: str, workers: int, url: str, token: str, steps: int | None) -> None:
     print(f"Training demo run {run!r} (DataLoader num_workers={workers}) ...", flush=True)
     cmd = [sys.executable, "-m", "stepdoctor.demo_train", "--run", run, "--workers", str(workers)]
@@ -135,12 +163,12 @@ def _train(run: str, workers: int, url: str, token: str, steps: int | None) -> N
         raise DemoError(f"demo training {run!r} failed with status {done.returncode}")
 
 
-def _wait_analyses(url: str, token: str) -> dict[str, dict[str, Any]]:
-    """Run details once every trace of both runs is analysed (done or failed)."""
+def _wait_analyses(url: str, token: str, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Run details (in ``names`` order) once every trace of these runs is analysed (done or failed)."""
     headers = {"Authorization": f"Bearer {token}"}
     print("Waiting for the analyses ...", flush=True)
     deadline = time.monotonic() + ANALYSIS_TIMEOUT_S
-    wanted = {run for run, _ in RUNS}
+    wanted = set(names)
     with httpx.Client(base_url=url, headers=headers, timeout=10.0) as client:
         while time.monotonic() < deadline:
             listed = client.get("/api/v1/runs", params={"project": PROJECT, "limit": 200})
@@ -148,7 +176,7 @@ def _wait_analyses(url: str, token: str) -> dict[str, dict[str, Any]]:
             ids = {r["name"]: r["id"] for r in listed.json()["items"] if r["name"] in wanted}
             details = {name: client.get(f"/api/v1/runs/{rid}").json() for name, rid in ids.items()}
             if len(details) == len(wanted) and all(_finished(d) for d in details.values()):
-                return details
+                return {name: details[name] for name in names}
             time.sleep(0.5)
     raise DemoError(f"analyses not finished after {ANALYSIS_TIMEOUT_S:.0f} s")
 
@@ -165,10 +193,12 @@ def diagnosis_line(name: str, run: dict[str, Any]) -> str:
     if not primary:
         failed = (run.get("trace_status") or {}).get("failed", 0)
         return f"{name}: no diagnosis ({failed} trace(s) failed analysis)"
-    step_ms = float(diag.get("step_time_us") or 0.0) / 1000
+    from stepdoctor_dashboard.formatting import duration  # the dashboard's own rendering of the figure
+
     recs = diag.get("recommendations") or []
     advice = f" -> next: {recs[0].get('title')}" if recs else ""
-    return f"{name}: {primary['kind']}-bound ({primary['share']:.0%} of step time), mean step {step_ms:.1f} ms{advice}"
+    step = duration(float(diag.get("step_time_us") or 0.0))
+    return f"{name}: {primary['kind']}-bound ({primary['share']:.0%} of step time), mean step {step}{advice}"
 
 
 def _summary(url: str, token: str, runs: dict[str, dict[str, Any]], log_path: Path) -> None:
@@ -176,11 +206,11 @@ def _summary(url: str, token: str, runs: dict[str, dict[str, Any]], log_path: Pa
     print(f"Dashboard:    {url}/")
     print(f"Login token:  {token}   (read-only; shown once)")
     print(f"API docs:     {url}/docs      server log: {log_path}")
-    print("Diagnosis:")
-    for name, _ in RUNS:
-        print(f"  {diagnosis_line(name, runs[name])}")
-        print(f"    {url}/runs/{runs[name]['id']}")
-    ids = [runs[name]["id"] for name, _ in RUNS]
+    print("Diagnosis (mean of the profiled steps, as on the dashboard):")
+    for name, run in runs.items():
+        print(f"  {diagnosis_line(name, run)}")
+        print(f"    {url}/runs/{run['id']}")
+    ids = [run["id"] for run in runs.values()]
     print(f"Compare:      {url}/compare?base={ids[0]}&other={ids[1]}")
     print("=" * 72, flush=True)
 
