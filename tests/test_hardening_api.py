@@ -289,3 +289,16 @@ def test_last_used_is_written_at_most_once_a_minute(
     with app.state.db.session() as session:
         again = session.scalars(select(Token.last_used_at).where(Token.scope == "read")).one()
     assert first is not None and again == first
+
+
+def test_legacy_names_with_a_newline_still_export(app: FastAPI, client: TestClient) -> None:
+    """Rows stored before full-match validation may end in a newline: the zip header stays valid."""
+    from stepdoctor_server.models import Project, Run
+
+    trace = _uploaded(client)
+    with app.state.db.session() as session:
+        session.execute(update(Project).values(name="abc\n"))
+        session.execute(update(Run).values(name="r1\n"))
+    response = client.get(f"/api/v1/runs/{trace['run_id']}/tensorboard.zip")
+    assert response.status_code == 200
+    assert response.headers["content-disposition"] == 'attachment; filename="abc__r1__tensorboard.zip"'

@@ -7,6 +7,7 @@ processes, read stored reports and stream stored files.
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any
 
@@ -204,12 +205,17 @@ def tensorboard_zip(run_id: int, request: Request, principal: ReadTeam, session:
     if not items:
         raise ApiError(409, "empty", f"run {run.id} has no exportable traces")
     members = tensorboard_export.archive_names(run.name, items)
-    filename = f"{project.name}_{run.name}_tensorboard.zip"
+    # Names are validated on the way in; rows from before full-match validation may hold a
+    # trailing newline, which would make the header invalid (and drop the connection).
+    filename = _HEADER_UNSAFE.sub("_", f"{project.name}_{run.name}_tensorboard.zip")
     return StreamingResponse(
         tensorboard_export.stream_zip(members),
         media_type="application/zip",
         headers={"Content-Disposition": f'attachment; filename="{filename}"'},
     )
+
+
+_HEADER_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 def _host(meta: dict[str, Any] | None) -> str | None:
