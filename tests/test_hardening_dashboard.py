@@ -85,6 +85,7 @@ def test_the_api_token_is_no_longer_a_cookie(app: FastAPI, read_token: str) -> N
         {"Origin": "https://testserver"},  # another scheme
         {"Origin": "null"},
         {"Referer": "http://127.0.0.1:9999/attack.html"},
+        {"Sec-Fetch-Site": "same-site"},  # no Origin nor Referer, but the browser says so
     ],
 )
 def test_cross_origin_posts_are_refused(

@@ -8,8 +8,9 @@ once in ``app.py`` so every route, present and future, gets them.
   (so it could ride on the dashboard cookie, or log a victim in: login CSRF) must come from this
   origin: its ``Origin`` (else ``Referer``) must name the scheme and host the request was sent to
   (``X-Forwarded-Proto``/``X-Forwarded-Host`` when a proxy sets them). Another port is another
-  origin. Requests with neither header come from non-browser clients (browsers always send
-  ``Origin`` on cross-origin POSTs) and pass; bearer-token calls pass (a browser never adds that
+  origin. With neither header, ``Sec-Fetch-Site: cross-site|same-site`` is refused too; requests
+  with none of them come from non-browser clients (browsers always send ``Origin`` on
+  cross-origin POSTs) and pass; bearer-token calls pass (a browser never adds that
   header on its own, so they cannot be forged cross-site).
 - **Headers.** ``Content-Security-Policy`` allows scripts, styles, images and fonts from this
   origin only (inline ``<script>`` blocks of each HTML page are allowed by their sha256, computed
@@ -183,8 +184,14 @@ def cross_origin_reason(scope: Scope) -> str | None:
             return f"cross-origin request refused: Origin {origin[:100]!r} is not {expected}"
         return None
     referer = _header(scope, b"referer")
-    if referer is not None and _origin_of(referer.strip()) != expected:
-        return f"cross-origin request refused: Referer is not from {expected}"
+    if referer is not None:
+        if _origin_of(referer.strip()) != expected:
+            return f"cross-origin request refused: Referer is not from {expected}"
+        return None
+    # Neither header (privacy settings may drop both): the browser's own Fetch Metadata, if sent.
+    # "same-site" is another origin too (e.g. another port on this host).
+    if (_header(scope, b"sec-fetch-site") or "").strip().lower() in ("cross-site", "same-site"):
+        return "cross-origin request refused (Sec-Fetch-Site)"
     return None
 
 
