@@ -11,8 +11,12 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 export STEPDOCTOR_DATA_DIR ?= $(CURDIR)/stepdoctor-data
 PYTEST_ARGS ?=
+# Compose v2 (`docker compose`, Docker's plugin) when it answers, else the `docker-compose` command:
+# Debian 12 packages only v1.29 under that name (what `make system-deps` installs), which reads
+# docker-compose.yml as well. `make up COMPOSE='docker compose'` forces one.
+COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 
-.PHONY: help venv install-server install-dev system-deps demo serve test lint typecheck bench clean
+.PHONY: help venv install-server install-dev system-deps demo serve up print-compose test lint typecheck bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -31,9 +35,10 @@ install-dev: venv ## install torch and stepdoctor with server, HTA and test tool
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev]"
 
-system-deps: ## install Debian chromium (browser tests) and docker-compose (compose-file check); needs root
+system-deps: ## install Debian chromium (browser tests), docker-compose (compose-file check) and openssl (TLS tests); needs root
 	@missing=""; command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	command -v docker-compose >/dev/null 2>&1 || docker compose version >/dev/null 2>&1 || missing="$$missing docker-compose"; \
+	command -v openssl >/dev/null 2>&1 || missing="$$missing openssl"; \
 	if [ -z "$$missing" ]; then echo "system packages present"; \
 	elif [ "$$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
@@ -44,6 +49,12 @@ demo: install-server ## run the server + dashboard on http://$(HOST):$(PORT) wit
 
 serve: install-server ## run the server only
 	$(BIN)/stepdoctor serve --host $(HOST) --port $(PORT)
+
+up: ## start the team deployment of docker-compose.yml with $(COMPOSE) (set POSTGRES_PASSWORD and S3_SECRET_KEY first)
+	$(COMPOSE) up --build
+
+print-compose: ## print the compose command `make up` uses
+	@echo $(COMPOSE)
 
 lint: ## ruff + format check
 	$(BIN)/ruff check .

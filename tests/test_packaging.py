@@ -220,13 +220,18 @@ def test_wheel_ships_every_module(tmp_path: Path) -> None:
 
 
 def _compose_command() -> list[str] | None:
-    if shutil.which("docker"):
-        probe = subprocess.run(["docker", "compose", "version"], capture_output=True)
-        if probe.returncode == 0:
-            return ["docker", "compose"]
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    return None
+    """The compose client the Makefile (and so the README's ``make up``) uses, when installed."""
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    out = subprocess.run(
+        ["make", "-s", "--no-print-directory", "print-compose"], capture_output=True, text=True, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr
+    cmd = out.stdout.split()
+    assert cmd in (["docker", "compose"], ["docker-compose"]), cmd
+    if cmd == ["docker-compose"] and shutil.which("docker-compose") is None:
+        return None  # the Makefile's fallback, and it is not installed either (make system-deps)
+    return cmd
 
 
 def test_docker_compose_file_is_valid() -> None:
@@ -331,3 +336,33 @@ except ImportError as exc:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert f"pip install 'stepdoctor[{extra}]'" in out.stdout
+
+
+def test_the_server_image_runs_as_a_non_root_user() -> None:
+    """The Dockerfile's last USER is a numeric non-root id, set after every RUN, owning the data dir."""
+    instructions = [
+        line.split(maxsplit=1)
+        for line in (REPO / "Dockerfile").read_text().replace("\\\n", " ").splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    keywords = [parts[0].upper() for parts in instructions]
+    assert "USER" in keywords, "the image runs as root"
+    last_user = len(keywords) - 1 - keywords[::-1].index("USER")
+    assert "RUN" not in keywords[last_user:], "a RUN after USER would need root"
+    user = instructions[last_user][1].strip()
+    uid = user.split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, f"USER {user}: use a numeric non-root id"
+    runs = " ".join(parts[1] for parts in instructions if parts[0].upper() == "RUN")
+    assert f"chown {user}" in runs or f"chown {uid}" in runs, "the data directory must belong to the user"
+    env = " ".join(parts[1] for parts in instructions if parts[0].upper() == "ENV")
+    assert "STEPDOCTOR_DATA_DIR=/data" in env and "/data" in runs
+
+
+def test_every_agent_variable_is_documented() -> None:
+    import re
+
+    used = set()
+    for py in (REPO / "agent" / "stepdoctor").rglob("*.py"):
+        used |= set(re.findall(r"\bSTEPDOCTOR_[A-Z_]+\b", py.read_text()))
+    readme = (REPO / "README.md").read_text()
+    assert used and not {v for v in used if f"`{v}`" not in readme}, "add them to the README's table"
