@@ -59,6 +59,7 @@ def test_every_row_generates_its_columns_and_each_column_is_in_the_model() -> No
         model_fields = {f.name for f in dataclasses.fields(MODEL[name])}
         assert set(tab.arg_columns) <= model_fields, f"{name}: an arg column the model lacks"
     assert {a.attr for a in ARGS} == set(_fields(schema.Args)) == set(_fields(schema.LaxArgs))
+    assert {a.absent for a in ARGS if a.absent} <= set(columns.FALLBACKS)
 
 
 def test_a_new_kernel_argument_is_one_row() -> None:

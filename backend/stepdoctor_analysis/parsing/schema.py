@@ -146,12 +146,17 @@ class Table:
         return col
 
 
+def _check_unique(attrs: list[str], event_fields: list[str]) -> None:
+    """Records name their fields by attribute, next to the event's own: a clash would read the wrong value."""
+    if len(set(attrs) | set(event_fields)) != len(attrs) + len(event_fields):
+        raise ValueError("argument attributes must be unique and differ from the event fields")
+
+
 def table(name: str, args: tuple[Arg, ...] = ARGS) -> Table:
     """Generate a table's record and column dtypes from the argument table."""
     mine = tuple(a for a in args if getattr(a, name) is not None)
     events = _EVENT_FIELDS[name]
-    if len({a.attr for a in args} | set(events) | {"pid", "tid"}) != len(args) + len(events) + 2:
-        raise ValueError("argument attributes must be unique and differ from the event fields")
+    _check_unique([a.attr for a in args], [*events, "pid", "tid"])
     record = np.dtype([(f, "f8") for f in events] + [(a.attr, a.record_dtype) for a in mine])
     dtypes = {k: np.dtype(v) for k, v in _OWN_COLUMNS[name].items()}
     for a in mine:
