@@ -142,10 +142,14 @@ def device_caps(device: DeviceInfo | None, *, amd: bool = False) -> DeviceCaps:
         return DeviceCaps(
             "unknown" if not name else "nvidia", "unknown", False, False, False, False, "unknown"
         )
-    major, minor = cc
+    return nvidia_caps(*cc, source=source)
+
+
+def nvidia_caps(major: int, minor: int, *, source: str, floor: bool = False) -> DeviceCaps:
+    """An NVIDIA GPU of compute capability ``major.minor`` (``floor``: at least that, e.g. ``sm_70+``)."""
     return DeviceCaps(
         "nvidia",
-        f"sm_{major}{minor}",
+        f"sm_{major}{minor}" + ("+" if floor else ""),
         fp16=major >= 7,
         bf16=major >= 8,
         tf32=major >= 8,
@@ -166,18 +170,9 @@ def trace_caps(trace: RankTrace) -> DeviceCaps | None:
         if caps.arch == "unknown" and not amd:
             floor = _kernel_arch_floor(trace)
             if floor is not None:
-                major, minor = floor
                 # Kernels built for sm_XY run on sm_XY or newer: a lower bound, so advice that
                 # fits it (fp16 on sm_70, bf16 on sm_80) fits the device too.
-                caps = DeviceCaps(
-                    "nvidia",
-                    f"sm_{major}{minor}+",
-                    fp16=major >= 7,
-                    bf16=major >= 8,
-                    tf32=major >= 8,
-                    fp8=(major, minor) >= (8, 9),
-                    source="kernel names",
-                )
+                caps = nvidia_caps(*floor, source="kernel names", floor=True)
         return caps
 
     return trace.memo("precision.caps", evaluate)
