@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from stepdoctor_server import migrate
+from stepdoctor_server.settings import Settings
 from support.server import ServerProcess, serve_subprocess
 
 pytestmark = pytest.mark.slow
@@ -24,6 +26,7 @@ pytestmark = pytest.mark.slow
 @contextmanager
 def _server(tmp_path: Path, **env: str) -> Iterator[tuple[str, int]]:
     base = {"STEPDOCTOR_DATA_DIR": str(tmp_path / "data"), "STEPDOCTOR_WORKERS": "0"}
+    migrate.upgrade(Settings(data_dir=tmp_path / "data"))  # an API-only serve does not migrate
     with serve_subprocess({**base, **env}) as server:
         yield _address(server)
 
