@@ -179,3 +179,10 @@ def test_foreach_advice_names_the_traced_sgd() -> None:
     d = _report("hta/df_index_resolver/df_index_resolver.json.gz").to_dict()
     rec = next(f for f in d["findings"] if f["id"] == "launch.foreach_optimizer")
     assert rec["change"].startswith("torch.optim.SGD(") and "AdamW" not in rec["change"]
+
+
+def test_directory_verdict_and_first_card_agree() -> None:
+    """``stepdoctor analyze DIR``: the job's limiter heads the report and the first card fits it."""
+    d = analyze_path(TRACES / "hta" / "trace_filter").to_dict()
+    assert d["ranks"]["limiter"] == d["primary"]["kind"]
+    _consistent(d["primary"], d["recommendations"])
