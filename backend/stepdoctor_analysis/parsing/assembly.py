@@ -45,52 +45,21 @@ def assemble(b: Builder) -> RankTrace:
     mem = concat(b.mem, MEMORY.dtypes)
     origin = _origin(host["ts"], gpu["ts"], mem["ts"])
     host_ts, gpu_ts, mem_ts = (to_ns(a, origin) for a in (host["ts"], gpu["ts"], mem["ts"]))
-    host_dur, gpu_dur = (
-        np.maximum(np.rint(a * 1000.0), 0).astype(np.int64) for a in (host["dur"], gpu["dur"])
-    )
-    strings = list(b.ids)
     if b.flows:
         repair_correlation(b.flows, host, host_ts, gpu, gpu_ts, origin)
-    ho = np.argsort(host_ts, kind="stable")
-    go = np.argsort(gpu_ts, kind="stable")
-    mo = np.argsort(mem_ts, kind="stable")
-    copy_table, mem_table = _copy_tables(strings)
-    gname = gpu["name"][go]
-    gkind = gpu["kind"][go]
-    is_copy = gkind == _MEMCPY
-    host_events = HostEvents(
-        name=host["name"][ho],
-        kind=host["kind"][ho],
-        ts=host_ts[ho],
-        dur=host_dur[ho],
-        pid=host["pid"][ho],
-        tid=host["tid"][ho],
-        **_in_order(host, HOST.arg_columns, ho),
-    )
-    gpu_events = GpuEvents(
-        name=gname,
-        kind=gkind,
-        ts=gpu_ts[go],
-        dur=gpu_dur[go],
-        copy_kind=np.where(is_copy, copy_table[gname], np.int8(CopyKind.NONE)),
-        host_mem=np.where(is_copy, mem_table[gname], np.int8(HostMem.NONE)),
-        **_in_order(gpu, GPU.arg_columns, go),
-    )
-    memory = MemoryEvents(ts=mem_ts[mo], **_in_order(mem, MEMORY.arg_columns, mo))
+    strings = list(b.ids)
     top = b.top
     dist = top.get("distributedInfo")
     dist = dist if isinstance(dist, dict) else {}
-    rank = to_int(dist.get("rank"))
-    world = to_int(dist.get("world_size"))
     return RankTrace(
         source=b.source,
         strings=strings,
-        host=host_events,
-        gpu=gpu_events,
-        memory=memory,
+        host=_host_events(host, host_ts),
+        gpu=_gpu_events(gpu, gpu_ts, strings),
+        memory=_memory_events(mem, mem_ts),
         devices=_devices(top.get("deviceProperties")),
-        rank=rank if rank != NONE else None,
-        world_size=world if world != NONE else None,
+        rank=_int_or_none(dist.get("rank")),
+        world_size=_int_or_none(dist.get("world_size")),
         out_of_memory=b.oom,
         format="legacy-2021" if any(c in b.codes for c in LEGACY_CATEGORIES) else "kineto",
         metadata={
@@ -98,6 +67,50 @@ def assemble(b: Builder) -> RankTrace:
         },
         distributed=dist,
     )
+
+
+def _host_events(cols: dict[str, np.ndarray], ts: np.ndarray) -> HostEvents:
+    order = np.argsort(ts, kind="stable")
+    return HostEvents(
+        name=cols["name"][order],
+        kind=cols["kind"][order],
+        ts=ts[order],
+        dur=_dur_ns(cols["dur"])[order],
+        pid=cols["pid"][order],
+        tid=cols["tid"][order],
+        **_in_order(cols, HOST.arg_columns, order),
+    )
+
+
+def _gpu_events(cols: dict[str, np.ndarray], ts: np.ndarray, strings: list[str]) -> GpuEvents:
+    order = np.argsort(ts, kind="stable")
+    copy_table, mem_table = _copy_tables(strings)
+    name = cols["name"][order]
+    kind = cols["kind"][order]
+    is_copy = kind == _MEMCPY
+    return GpuEvents(
+        name=name,
+        kind=kind,
+        ts=ts[order],
+        dur=_dur_ns(cols["dur"])[order],
+        copy_kind=np.where(is_copy, copy_table[name], np.int8(CopyKind.NONE)),
+        host_mem=np.where(is_copy, mem_table[name], np.int8(HostMem.NONE)),
+        **_in_order(cols, GPU.arg_columns, order),
+    )
+
+
+def _memory_events(cols: dict[str, np.ndarray], ts: np.ndarray) -> MemoryEvents:
+    order = np.argsort(ts, kind="stable")
+    return MemoryEvents(ts=ts[order], **_in_order(cols, MEMORY.arg_columns, order))
+
+
+def _dur_ns(dur_us: np.ndarray) -> np.ndarray:
+    return np.maximum(np.rint(dur_us * 1000.0), 0).astype(np.int64)
+
+
+def _int_or_none(v: Any) -> int | None:
+    n = to_int(v)
+    return n if n != NONE else None
 
 
 def _in_order(cols: dict[str, np.ndarray], names: tuple[str, ...], order: np.ndarray) -> dict[str, Any]:

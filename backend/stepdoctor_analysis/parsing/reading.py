@@ -9,7 +9,8 @@ from __future__ import annotations
 import io
 import os
 import zlib
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any, BinaryIO
@@ -36,43 +37,38 @@ _SMALL_OUT_BLOCK = 8 << 20
 
 def decompressed_blocks(p: Path | BinaryIO, cap: int, name: str) -> Generator[bytes, None, None]:
     """Yield the file's decompressed bytes in blocks; gzip is detected by its magic number."""
-    produced = 0
     with p.open("rb") if isinstance(p, Path) else io.BufferedReader(_RawStream(p)) as fh:
-        head = fh.peek(2)[:2]
-        small = _size(fh, p) <= _SMALL_FILE
-        out_block = _SMALL_OUT_BLOCK if small else _OUT_BLOCK
-        if head != b"\x1f\x8b":
-            while block := fh.read(out_block):
-                produced += len(block)
-                if produced > cap:
-                    raise _too_large(name, cap)
-                yield block
-            return
-        d = _inflate_lib.decompressobj(zlib.MAX_WBITS | 16)
-        at_boundary = True  # no gzip member is half-read
-        while data := fh.read(_READ_BLOCK):
-            while data:
-                at_boundary = False
-                out = _inflate(d, data, name, out_block)
-                produced += len(out)
-                if produced > cap:
-                    raise _too_large(name, cap)
-                if out:
-                    yield out
-                if d.eof:
-                    # Concatenated gzip members are legal; trailing zero padding is not a member.
-                    data = d.unused_data if d.unused_data.strip(b"\x00") else b""
-                    d = _inflate_lib.decompressobj(zlib.MAX_WBITS | 16)
-                    at_boundary = True
-                else:
-                    data = d.unconsumed_tail
-        while not at_boundary and not d.eof and (out := _inflate(d, b"", name, out_block)):
-            produced += len(out)
+        gzipped = fh.peek(2)[:2] == b"\x1f\x8b"
+        out_block = _SMALL_OUT_BLOCK if _size(fh, p) <= _SMALL_FILE else _OUT_BLOCK
+        blocks = _gunzip(fh, name, out_block) if gzipped else iter(partial(fh.read, out_block), b"")
+        produced = 0
+        for block in blocks:
+            produced += len(block)
             if produced > cap:
                 raise _too_large(name, cap)
-            yield out
-        if not at_boundary and not d.eof:
-            raise TraceError(f"{name}: truncated gzip data (the file ends mid-stream)")
+            yield block
+
+
+def _gunzip(fh: BinaryIO, name: str, out_block: int) -> Iterator[bytes]:
+    """Inflate gzip members one after another, ``out_block`` bytes at most per block."""
+    d = _inflate_lib.decompressobj(zlib.MAX_WBITS | 16)
+    at_boundary = True  # no gzip member is half-read
+    while data := fh.read(_READ_BLOCK):
+        while data:
+            at_boundary = False
+            if out := _inflate(d, data, name, out_block):
+                yield out
+            if d.eof:
+                # Concatenated gzip members are legal; trailing zero padding is not a member.
+                data = d.unused_data if d.unused_data.strip(b"\x00") else b""
+                d = _inflate_lib.decompressobj(zlib.MAX_WBITS | 16)
+                at_boundary = True
+            else:
+                data = d.unconsumed_tail
+    while not at_boundary and not d.eof and (out := _inflate(d, b"", name, out_block)):
+        yield out
+    if not at_boundary and not d.eof:
+        raise TraceError(f"{name}: truncated gzip data (the file ends mid-stream)")
 
 
 class _RawStream(io.RawIOBase):
