@@ -27,20 +27,10 @@ import msgspec
 
 from . import parse
 from .errors import TraceError
+from .parsing.reading import decompressed_blocks
+from .parsing.splitting import StreamParser
 from .steps import find_steps, step_marker_mask
 
-
-def _parser_parts() -> tuple[Any, Any]:
-    """The parser's own reader and chunk splitter, reused so the cut accepts every file the parser
-    does: from the ``parsing`` package, or from the single ``parse`` module it was split from."""
-    try:
-        from .parsing import reading, splitting
-    except ImportError:  # pragma: no cover - the single-module parser
-        return getattr(parse, "_decompressed_blocks"), getattr(parse, "_StreamParser")  # noqa: B009
-    return reading.decompressed_blocks, splitting.StreamParser
-
-
-_blocks, _Splitter = _parser_parts()
 _STEPS_RE = re.compile(r"^\s*(\d{1,9})\s*(?:[-–:]\s*(\d{1,9})\s*)?$")
 _RAW_EVENTS = msgspec.json.Decoder(list[msgspec.Raw])
 
@@ -106,7 +96,7 @@ def trim_trace(
     with sink as fh:
         keep.out = fh
         cap = parse.DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
-        blocks = _blocks(Path(src), cap, Path(src).name)
+        blocks = decompressed_blocks(Path(src), cap, Path(src).name)
         try:
             _RawSplitter(keep, Path(src).name).run(blocks)
         finally:
@@ -175,11 +165,11 @@ class _Keep:
         fh.write(b"}\n")
 
 
-class _RawSplitter(_Splitter):  # type: ignore[misc,valid-type]
+class _RawSplitter(StreamParser):
     """The parser's chunk splitter, decoding each chunk into raw events for ``_Keep``."""
 
     def __init__(self, keep: _Keep, name: str) -> None:
-        super().__init__(keep, name)  # _Keep stands in for the parser's builder
+        super().__init__(keep, name)  # type: ignore[arg-type]  # _Keep stands in for the builder
         self.keep = keep
 
     def _decode_events(self, data: bytes | memoryview) -> list[Any] | None:
