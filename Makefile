@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # docker-compose.yml as well. `make up COMPOSE='docker compose'` forces one.
 COMPOSE ?= $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 
-.PHONY: help venv install-server install-dev system-deps demo serve up print-compose test lint typecheck bench clean
+.PHONY: help venv install-server install-dev system-deps demo serve up print-compose test lint typecheck docs bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -66,6 +66,9 @@ typecheck: ## mypy on the packages
 test: install-dev system-deps ## install what the tests need, lint, type-check and run the whole suite
 	$(MAKE) --no-print-directory lint typecheck
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+docs: ## regenerate docs/rules.md and docs/report.schema.json from the code
+	$(BIN)/python tools/gen_docs.py
 
 bench: install-dev ## run the benchmarks under bench/
 	for f in bench/*.py; do $(BIN)/python $$f || exit 1; done

@@ -26,7 +26,16 @@ def test_speedup_is_total_over_remaining() -> None:
 
 def test_rule_fires_only_above_its_threshold() -> None:
     def query(metric: float) -> Rule:
-        return Rule("t.x", "sync", "t", "metric > 0.1", 0.1, lambda _ctx: Hit(metric, 5.0, {}), "c", "w")
+        return Rule(
+            id="t.x",
+            kind="sync",
+            title="t",
+            trigger="metric > 0.1",
+            threshold=0.1,
+            query=lambda _ctx, _lim: Hit(metric, 5.0, {}),
+            change="c",
+            why="w",
+        )
 
     assert query(0.05).evaluate(None) is None  # type: ignore[arg-type]
     hit = query(0.3).evaluate(None)  # type: ignore[arg-type]

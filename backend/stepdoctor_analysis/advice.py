@@ -1,7 +1,7 @@
 """Advice beyond single-node DDP training: by collective type, for the allocator, for inference.
 
 Rules here are data like those in ``rules.py`` (which appends them to ``RULES``): keyword specs of
-``rules.Rule`` whose queries read ``Context``. Two tables scope the existing rules:
+``rules.Rule`` whose queries read ``Context`` and the rule's own ``thresholds``. Two tables scope the existing rules:
 - ``TRAINING_ONLY``: advice that only means something with a backward pass and an optimizer, never
   given to an inference trace (``workload``);
 - ``COLLECTIVE_SCOPE``: the communication advice that fits each collective type. DDP's bucket size
@@ -12,11 +12,11 @@ Rules here are data like those in ``rules.py`` (which appends them to ``RULES``)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .rules import Context, Hit, Rule
+    from .rules import Context, Hit, Query, Rule
 
 TRAINING = ("training",)
 INFERENCE = ("inference",)
@@ -52,21 +52,17 @@ def scoped(rule: Rule) -> Rule:
     return rule
 
 
-def _when_dominant(
-    types: tuple[str | None, ...], query: Callable[[Context], Hit | None]
-) -> Callable[[Context], Hit | None]:
-    def scoped_query(ctx: Context) -> Hit | None:
+def _when_dominant(types: tuple[str | None, ...], query: Query) -> Query:
+    def scoped_query(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
         dom = ctx.comm.dominant
-        return query(ctx) if (dom.type if dom else None) in types else None
+        return query(ctx, lim) if (dom.type if dom else None) in types else None
 
     return scoped_query
 
 
-def _when_allocator(
-    states: tuple[str | None, ...], query: Callable[[Context], Hit | None]
-) -> Callable[[Context], Hit | None]:
-    def scoped_query(ctx: Context) -> Hit | None:
-        return query(ctx) if ctx.memory.allocator in states else None
+def _when_allocator(states: tuple[str | None, ...], query: Query) -> Query:
+    def scoped_query(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
+        return query(ctx, lim) if ctx.memory.allocator in states else None
 
     return scoped_query
 
@@ -89,10 +85,10 @@ def _time(ns: float) -> str:
 # --- communication by collective type ----------------------------------------------------------
 
 
-def _collective(types: tuple[str, ...], *, workload: str | None = None) -> Callable[[Context], Hit | None]:
+def _collective(types: tuple[str, ...], *, workload: str | None = None) -> Query:
     """Fires when the step waits mostly for one of ``types``; removable: that type's exposed time."""
 
-    def query(ctx: Context) -> Hit | None:
+    def query(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
         dom = ctx.comm.dominant
         if dom is None or dom.type not in types or dom.exposed_ns_per_step <= 0:
             return None
@@ -128,7 +124,7 @@ def _collective(types: tuple[str, ...], *, workload: str | None = None) -> Calla
 # --- allocator ---------------------------------------------------------------------------------
 
 
-def _allocator_disabled(ctx: Context) -> Hit | None:
+def _allocator_disabled(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     m = ctx.memory
     if m.allocator != "disabled":
         return None
@@ -143,7 +139,7 @@ def _allocator_disabled(ctx: Context) -> Hit | None:
 # --- inference ---------------------------------------------------------------------------------
 
 
-def _inference_mode(ctx: Context) -> Hit | None:
+def _inference_mode(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     w = ctx.workload
     if w is None or not w.inference or w.grad_disabled or w.server:
         return None
@@ -151,10 +147,11 @@ def _inference_mode(ctx: Context) -> Hit | None:
     # Autograd bookkeeping is a part of each op's dispatch cost: a modest share of the overhead.
     overhead = ctx.ns("launch")
     conf = 0.75 if w.with_stack else 0.55  # without Python frames the trace cannot show grad mode
-    return _hit(1.0, 0.15 * overhead, evidence, {}, conf, (0.05 * overhead, 0.3 * overhead))
+    gain = (lim["overhead_gain_low"], lim["overhead_gain"], lim["overhead_gain_high"])
+    return _hit(1.0, gain[1] * overhead, evidence, {}, conf, (gain[0] * overhead, gain[2] * overhead))
 
 
-def _inference_graphs(ctx: Context) -> Hit | None:
+def _inference_graphs(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     w = ctx.workload
     if not ctx.has_gpu or w is None or not w.inference:
         return None
@@ -186,7 +183,7 @@ def _inference_graphs(ctx: Context) -> Hit | None:
     return _hit(ctx.share("launch"), ctx.ns("launch"), evidence, params)
 
 
-def _inference_cpu_overhead(ctx: Context) -> Hit | None:
+def _inference_cpu_overhead(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     w = ctx.workload
     if ctx.has_gpu or w is None or not w.inference:
         return None
@@ -196,12 +193,16 @@ def _inference_cpu_overhead(ctx: Context) -> Hit | None:
         "ops_per_step": round(o.ops_per_step, 1),
         "median_op_us": _us(o.median_op_ns),
     }
-    conf = 0.85 if o.median_op_ns < 50_000 and o.ops_per_step >= 100 else 0.5
+    conf = (
+        0.85
+        if o.median_op_ns < lim["small_median_op_ns"] and o.ops_per_step >= lim["many_ops_per_step"]
+        else 0.5
+    )
     params = {"ops": o.ops_per_step, "median_us": o.median_op_ns / 1e3}
     return _hit(ctx.share("launch"), ctx.ns("launch"), evidence, params, conf)
 
 
-def _inference_sync(ctx: Context) -> Hit | None:
+def _inference_sync(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     w, s = ctx.workload, ctx.sync
     if w is None or not w.inference or s.calls_per_step <= 0:
         return None
@@ -215,7 +216,7 @@ def _inference_sync(ctx: Context) -> Hit | None:
     return _hit(ctx.share("sync"), ctx.ns("sync"), evidence, {"trigger": top, "calls": s.calls_per_step})
 
 
-def _inference_compute(ctx: Context) -> Hit | None:
+def _inference_compute(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     w = ctx.workload
     compute = ctx.ns("compute")
     if w is None or not w.inference or compute <= 0:
@@ -224,19 +225,19 @@ def _inference_compute(ctx: Context) -> Hit | None:
     conv = any("conv" in n.lower() for n in names)
     if ctx.has_gpu:
         fp32 = sum(ctx.ops.matmul_ns_by_precision.get(p, 0.0) for p in ("fp32", "tf32"))
-        if fp32 < 0.05 * ctx.step_ns:  # matmuls already in 16 bits or less: no precision win left
+        if fp32 < lim["min_fp32_share"] * ctx.step_ns:  # matmuls already in 16 bits or less: no win left
             return None
         change = (
             "model = model.to(torch.bfloat16)  # bf16 weights and activations (torch.float16 before "
             "compute capability 8.0); or weight-only int8/fp8 quantization (torchao.quantization.quantize_)"
         )
-        frac = 0.35
+        frac = lim["gpu_gain"]
     else:
         change = (
             "model = torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)  "
             "# int8 weights for Linear/LSTM layers on CPU"
         )
-        frac = 0.3
+        frac = lim["cpu_gain"]
     if conv:
         change += (
             "; model = model.to(memory_format=torch.channels_last) and inputs "
@@ -245,7 +246,12 @@ def _inference_compute(ctx: Context) -> Hit | None:
     evidence = {"compute_us_per_step": _us(compute), "top": names[:3], "convolutions": conv}
     removable = compute * frac
     return _hit(
-        ctx.share("compute"), removable, evidence, {"change": change}, None, (compute * 0.15, compute * 0.5)
+        ctx.share("compute"),
+        removable,
+        evidence,
+        {"change": change},
+        None,
+        (compute * lim["gain_low"], compute * lim["gain_high"]),
     )
 
 
@@ -342,6 +348,7 @@ RULE_SPECS: list[dict[str, Any]] = [
         "trigger": "inference without a no_grad/inference_mode context in the trace",
         "threshold": 1.0,
         "query": _inference_mode,
+        "thresholds": {"overhead_gain_low": 0.05, "overhead_gain": 0.15, "overhead_gain_high": 0.3},
         "change": "with torch.inference_mode(): output = model(batch)  # model.eval() alone still records "
         "autograd state for every op",
         "why": "The trace runs a forward pass with no backward or optimizer, and no grad-disabling context: "
@@ -377,6 +384,7 @@ RULE_SPECS: list[dict[str, Any]] = [
         "trigger": "inference on CPU: framework overhead > 20% of the step",
         "threshold": 0.20,
         "query": _inference_cpu_overhead,
+        "thresholds": {"small_median_op_ns": 50_000, "many_ops_per_step": 100},
         "change": "with torch.inference_mode(): out = model(torch.stack(requests))  # batch requests per "
         "forward; and model = torch.compile(model) to fuse the small ops",
         "why": "{kind_pct:.0f}% of each forward is dispatch overhead: {ops:.0f} ops with a median of "
@@ -408,6 +416,13 @@ RULE_SPECS: list[dict[str, Any]] = [
         "trigger": "inference: compute > 30% of the step",
         "threshold": 0.30,
         "query": _inference_compute,
+        "thresholds": {
+            "min_fp32_share": 0.05,
+            "gain_low": 0.15,
+            "gpu_gain": 0.35,
+            "cpu_gain": 0.3,
+            "gain_high": 0.5,
+        },
         "change": "{change}",
         "why": "The forward is busy with arithmetic {kind_pct:.0f}% of the step; inference tolerates lower "
         "precision weights without a loss scale.",

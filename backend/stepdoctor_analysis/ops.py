@@ -10,6 +10,7 @@ in a loop (→ vectorize), many small host→device copies (→ batch or create 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,6 +57,23 @@ class AntiPattern:
     removable_ns_per_step: float
     evidence: dict[str, object]
 
+    @property
+    def metric(self) -> float:
+        """What the rule compares with its threshold: a count from the evidence, or 1.0 (present).
+
+        Detectors measure any occurrence; the rule in ``rules.RULES`` holds how many are too many.
+        """
+        key = _METRIC_KEYS.get(self.id)
+        return float(self.evidence[key]) if key else 1.0  # type: ignore[arg-type]
+
+
+# Anti-pattern id -> the evidence entry its rule's threshold applies to.
+_METRIC_KEYS = {
+    "single_tensor_optimizer": "elementwise_ops_per_step",
+    "select_loop": "select_calls_per_step",
+    "small_htod_copies": "small_htod_per_step",
+}
+
 
 @dataclass(frozen=True)
 class OpStats:
@@ -71,7 +89,12 @@ class OpStats:
     kernel_ns_per_step: float = 0.0  # all kernels, summed (not a union)
 
 
-def analyze_ops(trace: RankTrace, steps: list[Step]) -> OpStats:
+def analyze_ops(trace: RankTrace, steps: list[Step], minimums: Mapping[str, float]) -> OpStats:
+    """Op and kernel statistics, and the anti-patterns whose metric reaches ``minimums[pattern id]``.
+
+    The minimums are the thresholds of the rules that read the patterns (``rules.pattern_minimums``):
+    a pattern is listed in the report exactly when its rule can fire.
+    """
     if not steps:
         return OpStats()
     n = len(steps)
@@ -102,7 +125,7 @@ def analyze_ops(trace: RankTrace, steps: list[Step]) -> OpStats:
             _select_loop(trace, ops, n),
             _small_htod(trace, steps),
         )
-        if p is not None
+        if p is not None and p.metric >= minimums.get(p.id, 0.0)
     ]
     return OpStats(**stats, patterns=patterns)  # type: ignore[arg-type]
 
@@ -168,7 +191,7 @@ def _single_tensor_optimizer(trace: RankTrace, in_steps: np.ndarray, n: int) -> 
     foreach = _inside(trace, steps_mask, tl.host_name_mask(trace, _FOREACH_RE, "foreach", HostKind.CPU_OP))
     calls = int(np.count_nonzero(steps_mask))
     per_call = int(np.count_nonzero(single)) / calls
-    if foreach.any() or per_call < 20:
+    if foreach.any() or per_call <= 0:
         return None
     # Fused optimizers (apex/DeepSpeed FusedAdam, multi_tensor_apply kernels) already update all
     # tensors at once; their remaining per-tensor ops are bookkeeping, not the update.
@@ -243,7 +266,7 @@ def _select_loop(trace: RankTrace, ops: np.ndarray, n: int) -> AntiPattern | Non
     h = trace.host
     sel = ops & tl.host_name_mask(trace, _SELECT_RE, "select", HostKind.CPU_OP)
     per = int(np.count_nonzero(sel)) / n
-    if per < 1000:
+    if per <= 0:
         return None
     return AntiPattern("select_loop", int(h.dur[sel].sum()) / n, {"select_calls_per_step": per})
 
@@ -253,7 +276,7 @@ def _small_htod(trace: RankTrace, steps: list[Step]) -> AntiPattern | None:
         return None
     m = small_htod_copies(trace, steps)
     per = int(np.count_nonzero(m)) / len(steps)
-    if per < 50:
+    if per <= 0:
         return None
     launcher = launching_call(trace)
     li = launcher[m & (launcher >= 0)]

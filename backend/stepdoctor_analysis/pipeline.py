@@ -25,7 +25,7 @@ from .model import RankTrace
 from .ops import analyze_ops
 from .precision import DeviceCaps, trace_caps
 from .report import Report, StepRow, field_dict, plain
-from .rules import KINDS, Context
+from .rules import KINDS, Context, pattern_minimums
 from .sync import analyze_sync
 from .transfers import analyze_transfers
 from .workload import detect_workload
@@ -88,7 +88,7 @@ def analyze_trace(
         memory=memory,
         comm=comm,
         inputs=inputs,
-        ops=analyze_ops(trace, step_list),
+        ops=analyze_ops(trace, step_list, pattern_minimums()),
         loader=loader_settings(metadata),
         launch=hta.kernel_launch_stats(trace) if trace.has_gpu else None,
         caps=trace_caps(trace),

@@ -10,7 +10,8 @@ launch overhead, allocator churn.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +19,7 @@ from . import BOTTLENECK_KINDS, advice
 from .comm import CommStats
 from .hta_metrics import LaunchStats
 from .inputs import InputStats, LoaderSettings, suggested_workers
-from .memory import PRESSURE, MemoryStats
+from .memory import MemoryStats
 from .model import DeviceInfo
 from .ops import AntiPattern, OpStats
 from .precision import LOW_PRECISION, DeviceCaps
@@ -78,14 +79,24 @@ class Hit:
     removable_range_ns: tuple[float, float] | None = None
 
 
-@dataclass(frozen=True)
+Query = Callable[[Context, Mapping[str, float]], "Hit | None"]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Rule:
+    """One self-describing rule: what it detects, when it fires, what to change and why.
+
+    ``threshold`` is compared with the metric the query returns; ``thresholds`` holds every other
+    limit the query applies (gain fractions, confidence cut-offs, minimum shares), passed to it on
+    each call, so the rule's numbers live in the rule and the docs table shows them all.
+    """
+
     id: str
     kind: str
     title: str
     trigger: str  # the threshold in words, for docs and the report
     threshold: float
-    query: Callable[[Context], Hit | None]
+    query: Query
     change: str  # code change template ("" for a finding without a direct change)
     why: str  # evidence template
     caveats: tuple[str, ...] = ()  # templates, formatted like ``change`` and ``why``
@@ -93,24 +104,18 @@ class Rule:
     # copy or collective, launch gap); "estimate": a modelled speedup of work that still has to run.
     basis: str = "measured"
     workloads: tuple[str, ...] = ("training", "inference")  # where the advice applies (``advice``)
+    thresholds: Mapping[str, float] = field(default_factory=dict)  # the query's other limits, by name
 
     def evaluate(self, ctx: Context) -> Hit | None:
         workload = getattr(ctx, "workload", None)  # unit tests evaluate queries without a context
         if workload is not None and workload.kind not in self.workloads:
             return None
-        hit = self.query(ctx)
+        hit = self.query(ctx, self.thresholds)
         if hit is None or hit.metric < self.threshold:
             return None
         if hit.confidence is None:
             excess = (hit.metric - self.threshold) / self.threshold if self.threshold > 0 else 1.0
-            hit = Hit(
-                hit.metric,
-                hit.removable_ns,
-                hit.evidence,
-                hit.params,
-                round(0.5 + 0.45 * min(1.0, excess), 2),
-                hit.removable_range_ns,
-            )
+            hit = dataclasses.replace(hit, confidence=round(0.5 + 0.45 * min(1.0, excess), 2))
         return hit
 
 
@@ -128,7 +133,7 @@ def _us(ns: float) -> float:
 # --- queries -----------------------------------------------------------------------------------
 
 
-def _input(ctx: Context) -> Hit | None:
+def _input(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     st, ld = ctx.inputs, ctx.loader
     if st.loader_ns_per_step <= 0:
         return None
@@ -156,7 +161,7 @@ def _input(ctx: Context) -> Hit | None:
     return Hit(ctx.share("input"), ctx.ns("input"), evidence, {"change": change, "cause": cause})
 
 
-def _pageable(ctx: Context) -> Hit | None:
+def _pageable(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     t = ctx.transfers
     if t.pageable_count_per_step <= 0 or t.copy_ns_per_step <= 0:
         return None
@@ -174,7 +179,7 @@ def _pageable(ctx: Context) -> Hit | None:
     )
 
 
-def _exposed_copies(ctx: Context) -> Hit | None:
+def _exposed_copies(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     t = ctx.transfers
     if t.copy_ns_per_step <= 0 or t.pageable_count_per_step > 0:
         return None
@@ -185,7 +190,7 @@ def _exposed_copies(ctx: Context) -> Hit | None:
     return Hit(ctx.share("transfer"), ctx.ns("transfer"), evidence)
 
 
-def _sync_copies(ctx: Context) -> Hit | None:
+def _sync_copies(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     t = ctx.transfers
     if t.sync_copy_calls_per_step <= 0:
         return None
@@ -200,7 +205,7 @@ def _sync_copies(ctx: Context) -> Hit | None:
     )
 
 
-def _host_sync(ctx: Context) -> Hit | None:
+def _host_sync(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     s = ctx.sync
     if s.calls_per_step <= 0:
         return None
@@ -218,7 +223,7 @@ def _host_sync(ctx: Context) -> Hit | None:
     )
 
 
-def _gpu_launch(ctx: Context) -> Hit | None:
+def _gpu_launch(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     if not ctx.has_gpu:
         return None
     o = ctx.ops
@@ -237,7 +242,7 @@ def _gpu_launch(ctx: Context) -> Hit | None:
     return Hit(ctx.share("launch"), ctx.ns("launch"), evidence, params)
 
 
-def _cpu_overhead(ctx: Context) -> Hit | None:
+def _cpu_overhead(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     if ctx.has_gpu:
         return None
     o = ctx.ops
@@ -247,12 +252,16 @@ def _cpu_overhead(ctx: Context) -> Hit | None:
         "median_op_us": _us(o.median_op_ns),
     }
     # Overhead from many tiny ops, not a few big non-matmul ops: require a small median op.
-    conf = 0.85 if o.median_op_ns < 50_000 and o.ops_per_step >= 100 else 0.45
+    conf = (
+        0.85
+        if o.median_op_ns < lim["small_median_op_ns"] and o.ops_per_step >= lim["many_ops_per_step"]
+        else 0.45
+    )
     params = {"ops": o.ops_per_step, "median_us": o.median_op_ns / 1e3}
     return Hit(ctx.share("launch"), ctx.ns("launch"), evidence, params, conf)
 
 
-def _cpu_memory(ctx: Context) -> Hit | None:
+def _cpu_memory(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     if ctx.has_gpu:
         return None
     cpu = next((d for d in ctx.memory.devices if d.device == "cpu"), None)
@@ -263,12 +272,12 @@ def _cpu_memory(ctx: Context) -> Hit | None:
             "allocs_per_step": round(cpu.allocs_per_step, 1),
             "peak_mb": round(cpu.peak_allocated / 2**20, 2),
         }
-    conf = 0.8 if cpu and cpu.alloc_bytes_per_step >= 64 * 2**20 else 0.5
+    conf = 0.8 if cpu and cpu.alloc_bytes_per_step >= lim["large_alloc_mb_per_step"] * 2**20 else 0.5
     mb = cpu.alloc_bytes_per_step / 2**20 if cpu else 0.0
     return Hit(ctx.share("memory"), ctx.ns("memory"), evidence, {"mb": mb}, conf)
 
 
-def _allocator(ctx: Context) -> Hit | None:
+def _allocator(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     m = ctx.memory
     if m.steady_alloc_calls_per_step <= 0:
         return None
@@ -280,7 +289,7 @@ def _allocator(ctx: Context) -> Hit | None:
     return Hit(m.steady_alloc_calls_per_step, max(ctx.ns("memory"), 0.0), evidence)
 
 
-def _pressure(ctx: Context) -> Hit | None:
+def _pressure(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     worst = ctx.memory.worst()
     if worst is None and ctx.memory.out_of_memory == 0:
         return None
@@ -296,7 +305,7 @@ def _pressure(ctx: Context) -> Hit | None:
     return Hit(metric, 0.0, evidence, {"pct": 100 * frac}, 0.9)
 
 
-def _comm(ctx: Context) -> Hit | None:
+def _comm(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     c = ctx.comm
     if c.kernel_ns_per_step <= 0 and c.host_collective_ns_per_step <= 0:
         return None
@@ -310,26 +319,21 @@ def _comm(ctx: Context) -> Hit | None:
     }
     # Overlap can hide communication only behind compute that exists: at most the step's compute
     # time, and nothing worth a change when compute is under a tenth of the exposed collectives.
-    hideable = min(exposed, compute) if compute >= NO_COMPUTE_RATIO * exposed else 0.0
+    hideable = min(exposed, compute) if compute >= lim["no_compute_ratio"] * exposed else 0.0
     return Hit(ctx.share("communication"), hideable, evidence)
 
 
-NO_COMPUTE_RATIO = 0.1  # compute below this fraction of exposed communication: "compute ≈ 0"
-
-
-# Fraction of FP32 (SIMT) and TF32 matmul time that lower precision removes: low, point, high.
-_PRECISION_GAIN = {"fp32": (0.4, 0.6, 0.8), "tf32": (0.2, 0.35, 0.5)}
-MIN_FP32_WORK = 0.05  # FP32 matmul time below this share of the step leaves no precision win worth a change
+_FP32_CLASS = ("fp32", "tf32")  # matmul precisions that reduced precision speeds up
 
 
 def _fp32_matmul_work(ctx: Context) -> dict[str, float]:
     """FP32/TF32 matmul-class time per step, scaled to the exposed compute (kernels may overlap)."""
     o = ctx.ops
     scale = min(1.0, ctx.ns("compute") / o.kernel_ns_per_step) if o.kernel_ns_per_step > 0 else 0.0
-    return {p: o.matmul_ns_by_precision.get(p, 0.0) * scale for p in _PRECISION_GAIN}
+    return {p: o.matmul_ns_by_precision.get(p, 0.0) * scale for p in _FP32_CLASS}
 
 
-def _compute(ctx: Context) -> Hit | None:
+def _compute(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     compute = ctx.ns("compute")
     if compute <= 0:
         return None
@@ -341,19 +345,19 @@ def _compute(ctx: Context) -> Hit | None:
         hardware = "On CPUs without bf16 units (AVX512-BF16/AMX) bf16 can be slower."
         return Hit(
             ctx.share("compute"),
-            0.3 * compute,
+            lim["cpu_gain"] * compute,
             evidence,
             {"change": change, "hardware": hardware, "work": "arithmetic", "dtype": "bfloat16"},
-            removable_range_ns=(0.1 * compute, 0.3 * compute),
+            removable_range_ns=(lim["cpu_gain_low"] * compute, lim["cpu_gain"] * compute),
         )
     caps = ctx.caps
     dtype = caps.autocast_dtype if caps else None
     work = _fp32_matmul_work(ctx)
-    if dtype is None or sum(work.values()) < MIN_FP32_WORK * ctx.step_ns:
+    if dtype is None or sum(work.values()) < lim["min_fp32_share"] * ctx.step_ns:
         return None  # already low precision, no matmul work, or no faster dtype on this device
-    lo = sum(work[p] * _PRECISION_GAIN[p][0] for p in work)
-    mid = sum(work[p] * _PRECISION_GAIN[p][1] for p in work)
-    hi = sum(work[p] * _PRECISION_GAIN[p][2] for p in work)
+    lo = sum(work[p] * lim[f"{p}_gain_low"] for p in work)
+    mid = sum(work[p] * lim[f"{p}_gain"] for p in work)
+    hi = sum(work[p] * lim[f"{p}_gain_high"] for p in work)
     evidence |= {
         "fp32_matmul_us_per_step": _us(work["fp32"]),
         "tf32_matmul_us_per_step": _us(work["tf32"]),
@@ -388,16 +392,18 @@ def _compute(ctx: Context) -> Hit | None:
     return Hit(ctx.share("compute"), mid, evidence, params, removable_range_ns=(lo, hi))
 
 
-def _no_cheap_compute_win(ctx: Context) -> Hit | None:
+def _no_cheap_compute_win(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     """Matmuls already in reduced precision (or FP32 work too small): say so instead of advising it again."""
     if not ctx.has_gpu or ctx.ns("compute") <= 0:
         return None
     by = ctx.ops.matmul_ns_by_precision
     matmul = sum(by.values())
     low = sum(v for k, v in by.items() if k in LOW_PRECISION)
-    if matmul <= 0 or sum(_fp32_matmul_work(ctx).values()) >= MIN_FP32_WORK * ctx.step_ns:
+    if matmul <= 0 or sum(_fp32_matmul_work(ctx).values()) >= lim["min_fp32_share"] * ctx.step_ns:
         return None
-    dtypes = ", ".join(k for k, v in sorted(by.items(), key=lambda kv: -kv[1]) if v >= 0.05 * matmul)
+    dtypes = ", ".join(
+        k for k, v in sorted(by.items(), key=lambda kv: -kv[1]) if v >= lim["named_dtype_share"] * matmul
+    )
     evidence = {
         "matmul_us_by_precision": {k: _us(v) for k, v in by.items()},
         "low_precision_fraction": round(low / matmul, 3),
@@ -421,7 +427,7 @@ _TORCH_OPTIMIZERS = {
 _FUSED_OPTIMIZERS = {"Adam", "AdamW", "SGD"}  # fused=True on CUDA (torch >= 2.4 for SGD)
 
 
-def _foreach(ctx: Context) -> Hit | None:
+def _foreach(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     """Name the optimizer the trace shows (``Optimizer.step#SGD.step``), not a default one."""
     p = ctx.pattern("single_tensor_optimizer")
     if p is None:
@@ -435,7 +441,7 @@ def _foreach(ctx: Context) -> Hit | None:
         change = f"Update all parameters at once in {opt or 'the optimizer'}.step with torch._foreach_* ops"
     removable = min(p.removable_ns_per_step, ctx.step_ns)
     return Hit(
-        1.0,
+        p.metric,
         removable,
         dict(p.evidence),
         {"change": change, "optimizer": opt or "the optimizer"},
@@ -444,14 +450,18 @@ def _foreach(ctx: Context) -> Hit | None:
     )
 
 
-def _pattern(pid: str) -> Callable[[Context], Hit | None]:
-    def query(ctx: Context) -> Hit | None:
+def _pattern(pid: str) -> Query:
+    def query(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
         p = ctx.pattern(pid)
         if p is None:
             return None
         removable = min(p.removable_ns_per_step, ctx.step_ns)
         return Hit(
-            1.0, removable, dict(p.evidence), confidence=0.8, removable_range_ns=(0.5 * removable, removable)
+            p.metric,
+            removable,
+            dict(p.evidence),
+            confidence=0.8,
+            removable_range_ns=(0.5 * removable, removable),
         )
 
     return query
@@ -459,233 +469,248 @@ def _pattern(pid: str) -> Callable[[Context], Hit | None]:
 
 RULES: list[Rule] = [
     Rule(
-        "input.dataloader_workers",
-        "input",
-        "Feed the step faster: more DataLoader workers",
-        "DataLoader wait > 5% of the step (TensorBoard's threshold)",
-        0.05,
-        _input,
-        "{change}",
-        "The training loop waits {kind_pct:.0f}% of each step in DataLoader.__next__: {cause}.",
-        (
+        id="input.dataloader_workers",
+        kind="input",
+        title="Feed the step faster: more DataLoader workers",
+        trigger="DataLoader wait > 5% of the step (TensorBoard's threshold)",
+        threshold=0.05,
+        query=_input,
+        change="{change}",
+        why="The training loop waits {kind_pct:.0f}% of each step in DataLoader.__next__: {cause}.",
+        caveats=(
             "Each worker holds a copy of the dataset object; watch host RAM.",
             "Workers compete with the main process for CPU cores.",
         ),
     ),
     Rule(
-        "transfer.pinned_memory",
-        "transfer",
-        "Copy from pinned memory, asynchronously",
-        "any pageable host↔device copy while copies are exposed ≥ 1% of the step",
-        0.01,
-        _pageable,
-        "DataLoader(..., pin_memory=True) and batch = batch.to(device, non_blocking=True)",
-        "Copies from pageable host memory are staged through a bounce buffer, block the host and run at "
+        id="transfer.pinned_memory",
+        kind="transfer",
+        title="Copy from pinned memory, asynchronously",
+        trigger="any pageable host↔device copy while copies are exposed ≥ 1% of the step",
+        threshold=0.01,
+        query=_pageable,
+        change="DataLoader(..., pin_memory=True) and batch = batch.to(device, non_blocking=True)",
+        why="Copies from pageable host memory are staged through a bounce buffer, block the host and run at "
         "{gbps:.1f} GB/s; exposed copies take {kind_pct:.0f}% of the step.",
-        ("Pinned memory is page-locked host RAM; pinning very large buffers can starve the OS.",),
+        caveats=("Pinned memory is page-locked host RAM; pinning very large buffers can starve the OS.",),
     ),
     Rule(
-        "transfer.overlap_copies",
-        "transfer",
-        "Overlap copies with compute",
-        "copies not overlapped by kernels > 10% of the step",
-        0.10,
-        _exposed_copies,
-        "Prefetch the next batch to the GPU on a side stream (torch.cuda.Stream) with non_blocking=True copies",
-        "Copies run while no kernel runs for {kind_pct:.0f}% of the step.",
-        ("Overlap needs pinned memory and enough memory for two batches on the device.",),
+        id="transfer.overlap_copies",
+        kind="transfer",
+        title="Overlap copies with compute",
+        trigger="copies not overlapped by kernels > 10% of the step",
+        threshold=0.10,
+        query=_exposed_copies,
+        change="Prefetch the next batch to the GPU on a side stream (torch.cuda.Stream) with non_blocking=True copies",
+        why="Copies run while no kernel runs for {kind_pct:.0f}% of the step.",
+        caveats=("Overlap needs pinned memory and enough memory for two batches on the device.",),
     ),
     Rule(
-        "transfer.sync_memcpy",
-        "transfer",
-        "Replace synchronous cudaMemcpy",
-        "any synchronous cudaMemcpy in the step (Nsight's rule)",
-        1.0,
-        _sync_copies,
-        "Use tensor.to(device, non_blocking=True) from pinned memory instead of blocking copies",
-        "Synchronous memcpy blocks the host on every call.",
-        ("Small HtoD copies (<= 64 KB) of scalars are cheap; look at the largest first.",),
+        id="transfer.sync_memcpy",
+        kind="transfer",
+        title="Replace synchronous cudaMemcpy",
+        trigger="any synchronous cudaMemcpy in the step (Nsight's rule)",
+        threshold=1.0,
+        query=_sync_copies,
+        change="Use tensor.to(device, non_blocking=True) from pinned memory instead of blocking copies",
+        why="Synchronous memcpy blocks the host on every call.",
+        caveats=("Small HtoD copies (<= 64 KB) of scalars are cheap; look at the largest first.",),
     ),
     Rule(
-        "sync.host_sync",
-        "sync",
-        "Stop synchronizing with the GPU inside the step",
-        "GPU idle after host syncs > 5% of the step",
-        0.05,
-        _host_sync,
-        "Remove per-step {trigger} calls (.item(), .cpu(), print(loss)): accumulate on the device, e.g. "
+        id="sync.host_sync",
+        kind="sync",
+        title="Stop synchronizing with the GPU inside the step",
+        trigger="GPU idle after host syncs > 5% of the step",
+        threshold=0.05,
+        query=_host_sync,
+        change="Remove per-step {trigger} calls (.item(), .cpu(), print(loss)): accumulate on the device, e.g. "
         "running_loss += loss.detach(), and read it every N steps",
-        "{calls:.0f} blocking syncs per step (mostly {trigger}) drain the GPU queue; the GPU then idles {kind_pct:.0f}% "
+        why="{calls:.0f} blocking syncs per step (mostly {trigger}) drain the GPU queue; the GPU then idles {kind_pct:.0f}% "
         "of the step while the host relaunches work.",
-        (
+        caveats=(
             "Data-dependent control flow (early stopping, NaN checks) needs some syncs; do them every N steps.",
         ),
     ),
     Rule(
-        "launch.cuda_graphs",
-        "launch",
-        "Cut kernel-launch overhead with CUDA graphs",
-        "GPU waiting for the host to launch work > 10% of the step",
-        0.10,
-        _gpu_launch,
-        'model = torch.compile(model, mode="reduce-overhead")  # captures CUDA graphs; or a larger batch per step',
-        "The GPU waits for the host to issue work {kind_pct:.0f}% of the step ({kernels:.0f} kernels per step, "
+        id="launch.cuda_graphs",
+        kind="launch",
+        title="Cut kernel-launch overhead with CUDA graphs",
+        trigger="GPU waiting for the host to launch work > 10% of the step",
+        threshold=0.10,
+        query=_gpu_launch,
+        change='model = torch.compile(model, mode="reduce-overhead")  # captures CUDA graphs; or a larger batch per step',
+        why="The GPU waits for the host to issue work {kind_pct:.0f}% of the step ({kernels:.0f} kernels per step, "
         "median {median_us:.1f} µs each): launching them costs more than running them.",
-        (
+        caveats=(
             "CUDA graphs need static shapes and no host syncs inside the captured region.",
             "Compilation takes time on the first steps.",
         ),
     ),
     Rule(
-        "launch.cpu_overhead",
-        "launch",
-        "Run fewer, bigger ops",
-        "framework overhead (small ops and the glue between them) > 20% of the step",
-        0.20,
-        _cpu_overhead,
-        "model = torch.compile(model)  # fuses small ops; also vectorize Python loops over tensors and use larger batches",
-        "{kind_pct:.0f}% of the step is dispatch overhead: {ops:.0f} ops per step with a median of {median_us:.1f} µs "
+        id="launch.cpu_overhead",
+        kind="launch",
+        title="Run fewer, bigger ops",
+        trigger="framework overhead (small ops and the glue between them) > 20% of the step",
+        threshold=0.20,
+        query=_cpu_overhead,
+        thresholds={"small_median_op_ns": 50_000, "many_ops_per_step": 100},
+        change="model = torch.compile(model)  # fuses small ops; also vectorize Python loops over tensors and use larger batches",
+        why="{kind_pct:.0f}% of the step is dispatch overhead: {ops:.0f} ops per step with a median of {median_us:.1f} µs "
         "each, rather than arithmetic.",
-        ("torch.compile needs a C++ compiler on CPU and adds compile time to the first steps.",),
+        caveats=("torch.compile needs a C++ compiler on CPU and adds compile time to the first steps.",),
     ),
     Rule(
-        "memory.cpu_temporaries",
-        "memory",
-        "Stop re-allocating large temporaries every step",
-        "allocating/filling/copying ops > 15% of the step (CPU)",
-        0.15,
-        _cpu_memory,
-        "Allocate buffers once outside the loop and reuse them (out=..., in-place ops such as buf.zero_()); "
+        id="memory.cpu_temporaries",
+        kind="memory",
+        title="Stop re-allocating large temporaries every step",
+        trigger="allocating/filling/copying ops > 15% of the step (CPU)",
+        threshold=0.15,
+        query=_cpu_memory,
+        thresholds={"large_alloc_mb_per_step": 64},
+        change="Allocate buffers once outside the loop and reuse them (out=..., in-place ops such as buf.zero_()); "
         "avoid per-step torch.zeros/clone/cat of large tensors",
-        "{kind_pct:.0f}% of the step is spent allocating, filling or copying memory ({mb:.0f} MB allocated per "
+        why="{kind_pct:.0f}% of the step is spent allocating, filling or copying memory ({mb:.0f} MB allocated per "
         "step) rather than computing.",
-        ("Reused buffers must not be captured by autograd across steps.",),
+        caveats=("Reused buffers must not be captured by autograd across steps.",),
     ),
     Rule(
-        "memory.allocator_steady_state",
-        "memory",
-        "Stop cudaMalloc/cudaFree in steady state",
-        "any cudaMalloc/cudaFree after the first step",
-        0.01,
-        _allocator,
-        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before the first CUDA allocation)",
-        "The caching allocator keeps calling cudaMalloc/cudaFree after warm-up (fragmentation or varying shapes).",
-        ("Varying input shapes cause this too: pad or bucket them.",),
+        id="memory.allocator_steady_state",
+        kind="memory",
+        title="Stop cudaMalloc/cudaFree in steady state",
+        trigger="any cudaMalloc/cudaFree after the first step",
+        threshold=0.01,
+        query=_allocator,
+        change="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before the first CUDA allocation)",
+        why="The caching allocator keeps calling cudaMalloc/cudaFree after warm-up (fragmentation or varying shapes).",
+        caveats=("Varying input shapes cause this too: pad or bucket them.",),
     ),
     Rule(
-        "memory.pressure",
-        "memory",
-        "Memory is nearly full",
-        f"peak > {PRESSURE:.0%} of device memory, or any out-of-memory event",
-        PRESSURE,
-        _pressure,
-        "Wrap large blocks in torch.utils.checkpoint.checkpoint(...) (activation checkpointing) or halve the "
+        id="memory.pressure",
+        kind="memory",
+        title="Memory is nearly full",
+        trigger="peak > 90% of device memory, or any out-of-memory event",
+        threshold=0.90,
+        query=_pressure,
+        change="Wrap large blocks in torch.utils.checkpoint.checkpoint(...) (activation checkpointing) or halve the "
         "micro-batch and accumulate gradients",
-        "Peak memory reaches {pct:.0f}% of capacity: one larger batch or fragmentation away from OOM.",
-        ("Activation checkpointing trades about a third more compute for memory.",),
+        why="Peak memory reaches {pct:.0f}% of capacity: one larger batch or fragmentation away from OOM.",
+        caveats=("Activation checkpointing trades about a third more compute for memory.",),
     ),
     Rule(
-        "communication.overlap",
-        "communication",
-        "Hide gradient communication behind compute",
-        "exposed collectives > 10% of the step (TensorBoard's threshold)",
-        0.10,
-        _comm,
-        "DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=True, static_graph=True); "
+        id="communication.overlap",
+        kind="communication",
+        title="Hide gradient communication behind compute",
+        trigger="exposed collectives > 10% of the step (TensorBoard's threshold)",
+        threshold=0.10,
+        query=_comm,
+        thresholds={"no_compute_ratio": 0.1},
+        change="DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=True, static_graph=True); "
         "with model.no_sync() for gradient-accumulation micro-steps; "
         "or ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)",
-        "Collectives run with no compute to hide them for {kind_pct:.0f}% of the step; overlap can hide at most "
+        why="Collectives run with no compute to hide them for {kind_pct:.0f}% of the step; overlap can hide at most "
         "the step's compute time.",
-        (
+        caveats=(
             "If one rank is a straggler, the others' exposed time is waiting, not bandwidth: fix the straggler.",
         ),
     ),
     Rule(
-        "compute.mixed_precision",
-        "compute",
-        "Make the compute itself cheaper: mixed precision",
-        "FP32 matmul/conv/attention kernels >= 5% of the step, on a device with faster reduced-precision units",
-        0.30,
-        _compute,
-        "{change}",
-        "The device is busy with arithmetic {kind_pct:.0f}% of the step; its {work} work can run in {dtype}.",
-        (
+        id="compute.mixed_precision",
+        kind="compute",
+        title="Make the compute itself cheaper: mixed precision",
+        trigger="FP32 matmul/conv/attention kernels >= 5% of the step, on a device with faster reduced-precision units",
+        threshold=0.30,
+        query=_compute,
+        thresholds={
+            "min_fp32_share": 0.05,
+            "fp32_gain_low": 0.4,
+            "fp32_gain": 0.6,
+            "fp32_gain_high": 0.8,
+            "tf32_gain_low": 0.2,
+            "tf32_gain": 0.35,
+            "tf32_gain_high": 0.5,
+            "cpu_gain_low": 0.1,
+            "cpu_gain": 0.3,
+        },
+        change="{change}",
+        why="The device is busy with arithmetic {kind_pct:.0f}% of the step; its {work} work can run in {dtype}.",
+        caveats=(
             "Check the loss curve after switching precision.",
             "{hardware}",
         ),
         basis="estimate",
     ),
     Rule(
-        "compute.no_cheap_win",
-        "compute",
-        "No cheap compute win: the matmuls already run in reduced precision",
-        "compute > 30% of the step with < 5% of it in FP32 matmuls",
-        0.30,
-        _no_cheap_compute_win,
-        "",
-        "GEMM/conv/attention kernels already run in {dtypes} ({low_pct:.0f}% of their time in reduced precision): "
+        id="compute.no_cheap_win",
+        kind="compute",
+        title="No cheap compute win: the matmuls already run in reduced precision",
+        trigger="compute > 30% of the step with < 5% of it in FP32 matmuls",
+        threshold=0.30,
+        query=_no_cheap_compute_win,
+        thresholds={"min_fp32_share": 0.05, "named_dtype_share": 0.05},
+        change="",
+        why="GEMM/conv/attention kernels already run in {dtypes} ({low_pct:.0f}% of their time in reduced precision): "
         "lower precision has nothing cheap left. Gains must come from doing less work (fused kernels such as "
         "scaled_dot_product_attention, torch.compile) or from the waits around the compute.",
         basis="estimate",
     ),
     Rule(
-        "launch.foreach_optimizer",
-        "launch",
-        "Use the multi-tensor optimizer",
-        "optimizer step runs >= 20 single-tensor update ops and no _foreach_ ops",
-        1.0,
-        _foreach,
-        "{change}",
-        "{optimizer}.step updates each parameter tensor with separate ops.",
-        (),
+        id="launch.foreach_optimizer",
+        kind="launch",
+        title="Use the multi-tensor optimizer",
+        trigger="optimizer step runs >= 20 single-tensor update ops and no _foreach_ ops",
+        threshold=20,
+        query=_foreach,
+        change="{change}",
+        why="{optimizer}.step updates each parameter tensor with separate ops.",
+        caveats=(),
         basis="estimate",
     ),
     Rule(
-        "memory.zero_grad_set_to_none",
-        "memory",
-        "Drop gradients instead of zeroing them",
-        "zero_grad runs aten::zero_",
-        1.0,
-        _pattern("zero_grad_fill"),
-        "optimizer.zero_grad(set_to_none=True)",
-        "zero_grad writes zeros into every gradient tensor each step.",
-        ("Code that reads .grad before backward must handle None.",),
+        id="memory.zero_grad_set_to_none",
+        kind="memory",
+        title="Drop gradients instead of zeroing them",
+        trigger="zero_grad runs aten::zero_",
+        threshold=1.0,
+        query=_pattern("zero_grad_fill"),
+        change="optimizer.zero_grad(set_to_none=True)",
+        why="zero_grad writes zeros into every gradient tensor each step.",
+        caveats=("Code that reads .grad before backward must handle None.",),
         basis="estimate",
     ),
     Rule(
-        "compute.tf32",
-        "compute",
-        "Use tensor cores for FP32 matmuls",
-        "FP32 SIMT GEMM kernels on an sm_80+ GPU",
-        1.0,
-        _pattern("fp32_matmul"),
-        'torch.set_float32_matmul_precision("high")  # TF32 tensor cores; or autocast to bf16',
-        "FP32 GEMMs run on CUDA cores although the GPU has tensor cores.",
-        ("TF32 keeps FP32 range with a 10-bit mantissa.",),
+        id="compute.tf32",
+        kind="compute",
+        title="Use tensor cores for FP32 matmuls",
+        trigger="FP32 SIMT GEMM kernels on an sm_80+ GPU",
+        threshold=1.0,
+        query=_pattern("fp32_matmul"),
+        change='torch.set_float32_matmul_precision("high")  # TF32 tensor cores; or autocast to bf16',
+        why="FP32 GEMMs run on CUDA cores although the GPU has tensor cores.",
+        caveats=("TF32 keeps FP32 range with a 10-bit mantissa.",),
         basis="estimate",
     ),
     Rule(
-        "launch.select_loop",
-        "launch",
-        "Vectorize indexing loops",
-        ">= 1000 aten::select/index/slice per step",
-        1.0,
-        _pattern("select_loop"),
-        "Replace Python loops over tensor elements with one vectorized op (index_select, gather, masks)",
-        "Thousands of select/index ops per step indicate a Python loop over tensor elements.",
-        (),
+        id="launch.select_loop",
+        kind="launch",
+        title="Vectorize indexing loops",
+        trigger=">= 1000 aten::select/index/slice per step",
+        threshold=1000,
+        query=_pattern("select_loop"),
+        change="Replace Python loops over tensor elements with one vectorized op (index_select, gather, masks)",
+        why="Thousands of select/index ops per step indicate a Python loop over tensor elements.",
+        caveats=(),
         basis="estimate",
     ),
     Rule(
-        "transfer.small_copies",
-        "transfer",
-        "Batch small host-to-device copies",
-        ">= 50 HtoD copies <= 64 KB per step",
-        1.0,
-        _pattern("small_htod_copies"),
-        "Create tensors directly on the device (torch.zeros(..., device=device)) or stack them and copy once",
-        "Many tiny HtoD copies each pay the launch and synchronization cost.",
-        (),
+        id="transfer.small_copies",
+        kind="transfer",
+        title="Batch small host-to-device copies",
+        trigger=">= 50 HtoD copies <= 64 KB per step",
+        threshold=50,
+        query=_pattern("small_htod_copies"),
+        change="Create tensors directly on the device (torch.zeros(..., device=device)) or stack them and copy once",
+        why="Many tiny HtoD copies each pay the launch and synchronization cost.",
+        caveats=(),
         basis="estimate",
     ),
 ]
@@ -693,3 +718,53 @@ RULES: list[Rule] = [
 # Advice beyond single-node DDP training (``advice``): existing rules scoped to the workloads and
 # collective types they fit, then the rules for collectives by type, the allocator and inference.
 RULES[:] = [advice.scoped(rule) for rule in RULES] + [Rule(**spec) for spec in advice.RULE_SPECS]
+
+
+def rule(rule_id: str) -> Rule:
+    """The rule with this id (``KeyError`` if none)."""
+    found = next((r for r in RULES if r.id == rule_id), None)
+    if found is None:
+        raise KeyError(rule_id)
+    return found
+
+
+def pattern_minimums() -> dict[str, float]:
+    """Anti-pattern id (``ops``) -> the threshold of the rule that reads it, for ``ops.analyze_ops``."""
+    return {
+        "single_tensor_optimizer": rule("launch.foreach_optimizer").threshold,
+        "zero_grad_fill": rule("memory.zero_grad_set_to_none").threshold,
+        "fp32_matmul": rule("compute.tf32").threshold,
+        "select_loop": rule("launch.select_loop").threshold,
+        "small_htod_copies": rule("transfer.small_copies").threshold,
+    }
+
+
+# The verdict text (``diagnose``) says "almost no compute to hide communication behind" with the
+# same limit the overlap rule applies.
+NO_COMPUTE_RATIO = rule("communication.overlap").thresholds["no_compute_ratio"]
+
+
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _number(value: float) -> str:
+    return f"{value:g}"
+
+
+def rules_markdown() -> str:
+    """docs/rules.md: the table of every rule, rendered from ``RULES`` (``make docs`` writes it)."""
+    lines = [
+        "# Rules",
+        "",
+        "Generated from `stepdoctor_analysis.rules.RULES` by `make docs`; do not edit by hand.",
+        "A rule fires when its query's metric reaches **threshold**; its other limits are listed by name.",
+        "",
+        "| id | kind | title | fires when | threshold | other limits | workloads | basis |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in RULES:
+        limits = ", ".join(f"`{k}`={_number(v)}" for k, v in r.thresholds.items())
+        row = (r.id, r.kind, r.title, r.trigger, _number(r.threshold), limits, ", ".join(r.workloads), r.basis)
+        lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
+    return "\n".join(lines) + "\n"

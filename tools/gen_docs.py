@@ -1,0 +1,36 @@
+"""Write the generated docs: docs/rules.md from the rules, docs/report.schema.json from the report types.
+
+Run by ``make docs``; tests/test_contract_docs.py fails when a committed file differs from what
+this writes, so a rule or report change and its docs land in the same commit.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def generated() -> dict[Path, str]:
+    """Path -> the text it must hold."""
+    from stepdoctor_analysis.rules import rules_markdown
+
+    out = {ROOT / "docs" / "rules.md": rules_markdown()}
+    try:
+        from stepdoctor_analysis.contract import schema_text
+    except ImportError:  # the typed report is not defined yet
+        return out
+    out[ROOT / "docs" / "report.schema.json"] = schema_text()
+    return out
+
+
+def main() -> int:
+    for path, text in generated().items():
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
