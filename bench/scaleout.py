@@ -40,7 +40,7 @@ from sqlalchemy import select, text  # noqa: E402
 
 from stepdoctor_server import auth, migrate  # noqa: E402
 from stepdoctor_server.db import Database  # noqa: E402
-from stepdoctor_server.models import Trace  # noqa: E402
+from stepdoctor_server.models import Analysis, Trace  # noqa: E402
 from stepdoctor_server.queue import reset_to_pending  # noqa: E402
 from stepdoctor_server.settings import Settings  # noqa: E402
 from support.fixtures import GPU_FIXTURES, HTA_TRACES  # noqa: E402
@@ -173,10 +173,20 @@ def embedded_latency(tmp: Path, n: int) -> list[float]:
 
 def upload_to_stored(
     env: dict[str, str], tmp: Path, token: str, repeat: int, *, shared_dir: bool
-) -> list[float]:
-    """POST the big trace -> its analysis stored; the worker shares the API's data dir only if told."""
+) -> dict[str, list[float]]:
+    """POST the big trace -> its analysis stored; the worker shares the API's data dir only if told.
+
+    Split into: the upload (POST -> 201: staging, validation, the store's commit), the wait for a
+    worker (201 -> job started, procrastinate's event), the job (started -> stored, of which
+    ``engine`` is the analysis itself: reading the trace from the store, parsing, diagnosing).
+    """
     body = BIG.read_bytes()
-    times = []
+    parts: dict[str, list[float]] = {"total": [], "upload": [], "to start": [], "job": [], "engine": []}
+    events = text(
+        "SELECT max(e.at) FILTER (WHERE e.type = 'started'), max(e.at) FILTER (WHERE e.type = 'deferred') "
+        "FROM procrastinate_events e "
+        "JOIN procrastinate_jobs j ON j.id = e.job_id WHERE j.lock = :lock"
+    )
     with ExitStack() as stack:
         stack.enter_context(workers(1, env, tmp, own_data_dir=not shared_dir))
         api = stack.enter_context(serve_subprocess(env))
@@ -188,9 +198,57 @@ def upload_to_stored(
             for i in range(repeat + 1):  # the first one warms the worker's forkserver
                 start = time.perf_counter()
                 ids = [int(upload(client, body, run=f"big{i}-{time.monotonic_ns()}").json()["id"])]
+                uploaded = time.perf_counter()
                 wait_for(functools.partial(all_done, db, ids))
-                times.append(time.perf_counter() - start)
-    return times[1:]
+                done = time.perf_counter()
+                if i == 0:
+                    continue
+                with db.session() as s:
+                    started, deferred = s.execute(events, {"lock": f"trace:{ids[0]}"}).one()
+                    engine_ms = s.scalar(select(Analysis.duration_ms).where(Analysis.trace_id == ids[0]))
+                    stored = s.scalar(select(Trace.updated_at).where(Trace.id == ids[0]))
+                parts["total"].append(done - start)
+                parts["upload"].append(uploaded - start)
+                parts["to start"].append((started - deferred).total_seconds())
+                parts["job"].append((stored - started).total_seconds())
+                parts["engine"].append((engine_ms or 0) / 1000)
+    return parts
+
+
+def measure_queue(
+    args: argparse.Namespace, db: Database, s3_env: dict[str, str], tmp: Path, token: str
+) -> None:
+    """Parts 1 and 2: the batch is uploaded once through an API (workers 0), then re-queued."""
+    # Upload the batch once through an API (workers 0), then measure analysis only.
+    ids: list[int] = []
+    with (
+        serve_subprocess(
+            {**s3_env, "STEPDOCTOR_DATA_DIR": str(tmp / "api"), "STEPDOCTOR_WORKERS": "0"}
+        ) as api,
+        httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as client,
+    ):
+        for c in range(args.copies):
+            for rank, name in enumerate(GPU_FIXTURES):
+                resp = upload(client, (HTA_TRACES / name).read_bytes(), run=f"batch{c}", rank=rank)
+                ids.append(resp.json()["id"])
+    with db.session() as s:  # the uploads queued jobs; drop them, each measurement re-queues
+        s.execute(text("DELETE FROM procrastinate_jobs"))
+    print(f"1. throughput: {len(ids)} fixture traces from S3, procrastinate on PostgreSQL")
+    walls = {}
+    for count in (1, 2) if "1" in args.parts else ():
+        walls[count] = throughput(db, s3_env, tmp, ids, count)
+        print(
+            f"   {count} worker process(es): {walls[count]:6.2f} s  ({len(ids) / walls[count]:.2f} traces/s)"
+        )
+    if walls:
+        print(f"   speed-up 2 vs 1: {walls[1] / walls[2]:.2f}x on {os.cpu_count()} CPU(s)")
+
+    if "2" not in args.parts:
+        return
+    print("2. enqueue -> start latency (idle worker)")
+    lat = procrastinate_latency(db, s3_env, tmp, ids[-1], 10)
+    print(f"   procrastinate LISTEN/NOTIFY: {fmt(lat)}")
+    print(f"   embedded pool (SQLite, polls every 0.2 s): {fmt(embedded_latency(tmp, 10))}")
 
 
 def fmt(values: list[float]) -> str:
@@ -201,6 +259,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--copies", type=int, default=1, help="copies of the GPU fixture batch")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--parts", default="123", help="which measurements to run, e.g. 3")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp_name, ExitStack() as stack:
         tmp = Path(tmp_name)
@@ -219,36 +278,11 @@ def main() -> int:
             token = auth.create_token(s, team, scope="admin", name="bench")[1]
         s3_env = {**server.env, "STEPDOCTOR_DATABASE_URL": url, "STEPDOCTOR_STORAGE_URL": server.fresh_url()}
 
-        # Upload the batch once through an API (workers 0), then measure analysis only.
-        ids: list[int] = []
-        with (
-            serve_subprocess(
-                {**s3_env, "STEPDOCTOR_DATA_DIR": str(tmp / "api"), "STEPDOCTOR_WORKERS": "0"}
-            ) as api,
-            httpx.Client(
-                base_url=api.url, headers={"Authorization": f"Bearer {token}"}, timeout=120
-            ) as client,
-        ):
-            for c in range(args.copies):
-                for rank, name in enumerate(GPU_FIXTURES):
-                    resp = upload(client, (HTA_TRACES / name).read_bytes(), run=f"batch{c}", rank=rank)
-                    ids.append(resp.json()["id"])
-        with db.session() as s:  # the uploads queued jobs; drop them, each measurement re-queues
-            s.execute(text("DELETE FROM procrastinate_jobs"))
-        print(f"1. throughput: {len(ids)} fixture traces from S3, procrastinate on PostgreSQL")
-        walls = {}
-        for count in (1, 2):
-            walls[count] = throughput(db, s3_env, tmp, ids, count)
-            print(
-                f"   {count} worker process(es): {walls[count]:6.2f} s  ({len(ids) / walls[count]:.2f} traces/s)"
-            )
-        print(f"   speed-up 2 vs 1: {walls[1] / walls[2]:.2f}x on {os.cpu_count()} CPU(s)")
+        if "1" in args.parts or "2" in args.parts:
+            measure_queue(args, db, s3_env, tmp, token)
 
-        print("2. enqueue -> start latency (idle worker)")
-        lat = procrastinate_latency(db, s3_env, tmp, ids[-1], 10)
-        print(f"   procrastinate LISTEN/NOTIFY: {fmt(lat)}")
-        print(f"   embedded pool (SQLite, polls every 0.2 s): {fmt(embedded_latency(tmp, 10))}")
-
+        if "3" not in args.parts:
+            return 0
         print("3. upload -> analysis stored, 34.8 MB trace (1.7 MB gzip) through the HTTP API, 1 worker")
         local_env = {
             "STEPDOCTOR_DATABASE_URL": url,
@@ -258,9 +292,10 @@ def main() -> int:
         local = upload_to_stored(local_env, tmp, token, args.repeat, shared_dir=True)
         s3_api = {**s3_env, "STEPDOCTOR_DATA_DIR": str(tmp / "api2"), "STEPDOCTOR_WORKERS": "0"}
         s3 = upload_to_stored(s3_api, tmp, token, args.repeat, shared_dir=False)
-        print(f"   local directory: {fmt(local)}")
-        print(f"   S3 (SeaweedFS):  {fmt(s3)}")
-        print(f"   S3 / local: {statistics.median(s3) / statistics.median(local):.2f}x")
+        print(f"   {'median ms':<10}{'local dir':>12}{'S3':>12}{'S3/local':>10}")
+        for part in local:
+            a, b = statistics.median(local[part]), statistics.median(s3[part])
+            print(f"   {part:<10}{a * 1000:>12.0f}{b * 1000:>12.0f}{b / a if a else float('nan'):>10.2f}")
     return 0
 
 

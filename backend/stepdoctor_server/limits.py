@@ -72,7 +72,7 @@ def run_limited(
             outcome = receiver.recv()
         except EOFError:  # the child died without a word: killed (OOM killer) or crashed
             child.join(5)
-            raise JobFailed(_death_reason(child.exitcode, memory_bytes), internal=True) from None
+            raise JobFailed(_death_reason(child.exitcode), internal=True) from None
     finally:
         if child.is_alive():
             child.kill()
@@ -84,7 +84,20 @@ def run_limited(
     raise JobFailed(payload, internal=kind == "internal", details=details)
 
 
-def _death_reason(exitcode: int | None, memory_bytes: int) -> str:
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this host (ours counts as alive)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _death_reason(exitcode: int | None) -> str:
     if exitcode is not None and exitcode < 0:
         name = signal.Signals(-exitcode).name if -exitcode in signal.valid_signals() else str(-exitcode)
         hint = " (out of memory?)" if -exitcode == signal.SIGKILL else ""

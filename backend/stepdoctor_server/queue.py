@@ -2,10 +2,12 @@
 
 ``SqlDeepQueue`` runs the optional HTA analyses (``deep_analyses``) with the same claim code.
 
-A job is a trace row: ``pending -> running -> done | failed``. Keeping the queue in the table the
-upload already writes means an accepted upload *is* an enqueued job (one commit, nothing to lose
-between two systems) and a restart resumes from the database alone. ``JobQueue`` is the seam for
-a broker (e.g. Redis) later: only claim/ack move; reports still land in the database.
+A job's state is its trace row: ``pending -> running -> done | failed``. The embedded engine
+(SQLite, one host) claims pending rows directly, so an accepted upload *is* an enqueued job. With
+procrastinate (PostgreSQL, ``jobs``) delivery moves to procrastinate's tables, but the job rows are
+written by the same transaction (``enqueue_analyses``, ``schedule_aggregation``), and a delivery
+claims its trace here (``claim_trace``): completion is guarded by ``claimed_by``, so a job taken
+over from a worker presumed dead never stores a second analysis.
 
 Claiming is atomic on both databases:
 - PostgreSQL: ``UPDATE ... WHERE id = (SELECT ... FOR UPDATE SKIP LOCKED)``, so concurrent workers
@@ -30,6 +32,7 @@ from sqlalchemy.orm import Session
 
 from stepdoctor_server.aggregate import TraceReport, aggregate_run
 from stepdoctor_server.db import Database
+from stepdoctor_server.limits import process_alive
 from stepdoctor_server.models import Analysis, DeepAnalysis, Run, Trace
 
 # A job claimed more often than this (its worker died each time) is failed, not retried forever.
@@ -375,15 +378,7 @@ def _is_dead_local(owner: str | None, host: str) -> bool:
         pid = int(parts[1])
     except ValueError:
         return True
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # exists, owned by someone else
-        return False
-    return False
+    return not process_alive(pid)
 
 
 def _requeue_or_give_up(session: Session, table: JobTable, ids: Sequence[int]) -> int:
