@@ -94,10 +94,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "path",
+        nargs="?",
         help="trace file (.json or .json.gz), a directory of per-rank traces, or a TensorBoard log "
         "directory (one folder per run: lists the runs)",
     )
     p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument(
+        "--schema",
+        action="store_true",
+        help="print the JSON Schema of --format json's report (docs/report.schema.json) and exit",
+    )
     p.add_argument("--rank", type=int, default=None, help="analyze only this rank of a directory")
     p.add_argument(
         "--max-bytes",
@@ -203,7 +209,15 @@ def _list_runs(args: argparse.Namespace, found: list[tuple[str, Path]]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    parser = _parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.schema:
+        from .contract import schema_text
+
+        sys.stdout.write(schema_text())
+        return 0
+    if args.path is None:
+        parser.error("the following arguments are required: path")
     from .pipeline import analyze_path
 
     folder = Path(args.path)

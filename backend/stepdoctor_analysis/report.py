@@ -1,5 +1,8 @@
 """The diagnosis report: one dataclass, its versioned JSON form, and a terminal rendering.
 
+The JSON form is typed in ``contract.ReportDoc`` (``Report.typed``; JSON Schema in
+docs/report.schema.json, ``stepdoctor analyze --schema``). In words:
+
 JSON schema (``SCHEMA_VERSION`` 1; what ``stepdoctor analyze --format json`` prints and the server
 stores). Times are microseconds; shares are fractions of the summed step wall time.
 
@@ -59,6 +62,8 @@ import msgspec
 import numpy as np
 
 from . import BREAKDOWN_CATEGORIES, ENGINE_VERSION, SCHEMA_VERSION
+from .contract import ReportDoc
+from .contract import decode as decode_report
 from .diagnose import Bottleneck, Recommendation
 
 BREAKDOWN_KEYS = BREAKDOWN_CATEGORIES
@@ -140,6 +145,10 @@ class Report:
             d["timeline"] = self.timeline
         out: dict[str, Any] = plain(d)
         return out
+
+    def typed(self) -> ReportDoc:
+        """The report as the typed contract (``contract.ReportDoc``); raises if the two drifted apart."""
+        return decode_report(self.to_dict())
 
     def render_text(self) -> str:
         return render_text(self)

@@ -25,7 +25,7 @@ from stepdoctor_server.db import SessionDep
 from stepdoctor_server.errors import ApiError
 from stepdoctor_server.models import Analysis, DeepAnalysis, Run, Trace
 from stepdoctor_server.queue import is_outdated, request_deep_analysis, requeue_if_stale, reset_to_pending
-from stepdoctor_server.schemas import ErrorResponse
+from stepdoctor_server.schemas import ErrorResponse, ReportJSON
 from stepdoctor_server.storage import TraceStore
 
 router = APIRouter(prefix="/api/v1", tags=["analysis"])
@@ -45,7 +45,7 @@ class ReportOut(BaseModel):
     status: str
     status_reason: str | None
     stale: bool = Field(description="true when the report comes from an older engine and is being redone")
-    report: dict[str, Any] | None
+    report: ReportJSON | None
 
 
 class CompareOut(BaseModel):

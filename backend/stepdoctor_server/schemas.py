@@ -5,7 +5,9 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Annotated, Any, Generic, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
+
+from stepdoctor_analysis.contract import inline_schema
 
 T = TypeVar("T")
 
@@ -16,6 +18,12 @@ def as_utc(value: datetime) -> datetime:
 
 
 UTCDateTime = Annotated[datetime, AfterValidator(as_utc)]
+
+# A stored report, passed through as the worker wrote it (reports from older engines included: no
+# decode on the request path), documented in OpenAPI by the engine's typed contract
+# (``stepdoctor_analysis.contract.ReportDoc``). Inlined, because the contract's ``$defs`` would not
+# resolve inside an OpenAPI document and registering components would need the app's openapi().
+ReportJSON = Annotated[dict[str, Any], WithJsonSchema(inline_schema())]
 
 
 class ErrorDetail(BaseModel):
@@ -47,7 +55,7 @@ class AnalysisOut(BaseModel):
     primary_share: float | None
     duration_ms: int | None
     created_at: UTCDateTime
-    report: dict[str, Any]
+    report: ReportJSON
 
 
 class TraceSummary(BaseModel):

@@ -1,0 +1,217 @@
+"""The report contract: the JSON a report is, defined once as msgspec types.
+
+``Report.to_dict`` (what ``stepdoctor analyze --format json`` prints and the server stores) decodes
+into ``ReportDoc`` strictly (``decode``), and ``schema()`` is the JSON Schema published at
+docs/report.schema.json, shown by ``stepdoctor analyze --schema`` and inlined into the server's
+OpenAPI. Readers (the run aggregate, the dashboard) can ``decode`` a stored report and read
+attributes instead of guarding every ``.get``.
+
+Sections whose inner layout belongs to one analyzer and is still growing (``metrics.*``,
+``evidence``, ``tables``, ``timeline``, ``ranks``) are typed as objects with named keys at their top
+level and free-form inside; the verdict, recommendations, breakdown, steps, limiter, iterations,
+workload and device are typed field by field. ``schema_version`` (``SCHEMA_VERSION``) rises when a
+typed field is removed, renamed or changes type; adding a field is not a breaking change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from . import SCHEMA_VERSION
+
+Kind = Literal["input", "transfer", "launch", "memory", "sync", "communication", "compute"]
+Basis = Literal["measured", "estimate", "single-pass"]
+
+
+class _Doc(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Unknown fields are refused, so the contract test fails when the report grows a field the
+    contract does not declare yet."""
+
+
+class Device(_Doc):
+    type: str
+    name: str | None
+    memory_gb: float | None
+    compute_capability: str | None
+    vendor: str
+    arch: str
+    precisions: list[str]
+
+
+class Bottleneck(_Doc):
+    """The limiter (``primary``) or a runner-up (``secondary``)."""
+
+    kind: Kind
+    share: float  # fraction of the step
+    us_per_step: float
+    confidence: float
+    evidence: dict[str, Any]
+    gain: float  # speedup if its removable time went
+    basis: Basis
+    note: str  # one sentence when the first recommendation is about another kind
+
+
+class Recommendation(_Doc):
+    """A code change with its expected gain (``recommendations``) or a finding (``findings``)."""
+
+    id: str  # a rule id (docs/rules.md)
+    title: str
+    kind: Kind
+    change: str
+    why: str
+    expected_speedup: float
+    removable_us_per_step: float
+    confidence: float
+    caveats: list[str]
+    evidence: dict[str, Any]
+    basis: Basis
+    expected_speedup_range: tuple[float, float] | None  # estimates only
+
+
+class Breakdown(_Doc):
+    """TensorBoard's categories, µs per step, summing to the step."""
+
+    kernel: float
+    memcpy: float
+    memset: float
+    communication: float
+    runtime: float
+    dataloader: float
+    cpu_exec: float
+    other: float
+
+
+class StepRow(_Doc):
+    number: int
+    start_us: float
+    duration_us: float
+    kinds: dict[str, float]  # kind (or "other") -> µs
+
+
+class LimiterEntry(_Doc):
+    share: float
+    removable_share: float
+    basis: Basis
+    score: float
+
+
+class Warmup(_Doc):
+    count: int
+    us: float
+    ratio_to_median: float | None
+
+
+class Iterations(_Doc):
+    source: str  # markers|dataloader|optimizer|module|kernel-sequence|none
+    anchor: str
+    count: int
+    warmup: Warmup
+
+
+class Workload(_Doc):
+    kind: Literal["training", "inference"]
+    phase: str | None
+    source: str
+    evidence: list[str]
+    grad_disabled: bool
+    with_stack: bool
+    cuda_graphs: bool
+    server: bool
+    kernels_per_step: float
+    median_kernel_us: float
+
+
+class Metrics(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Measurements by section; each section's layout belongs to its analyzer."""
+
+    kinds_us: dict[str, float]
+    shares: dict[str, float]
+    step_time_us: dict[str, Any]
+    transfers: dict[str, Any]
+    sync: dict[str, Any]
+    memory: dict[str, Any]
+    communication: dict[str, Any]
+    input: dict[str, Any]
+    ops: dict[str, Any]
+    gpu: dict[str, Any] | None = None
+    hta: dict[str, Any] | None = None
+
+
+class ReportDoc(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """One diagnosis report (times in µs, shares as fractions of the step)."""
+
+    schema_version: int
+    engine_version: str
+    source: str
+    rank: int | None
+    world_size: int | None
+    format: str
+    device: Device | None
+    step_time_us: float
+    primary: Bottleneck
+    secondary: list[Bottleneck]
+    breakdown: Breakdown
+    recommendations: list[Recommendation]  # best first; [0] is the next optimization
+    findings: list[Recommendation]
+    steps: list[StepRow]
+    metrics: Metrics
+    warnings: list[str]
+    workload: Workload | None
+    iterations: Iterations | None = None
+    limiter: dict[str, LimiterEntry] | None = None
+    ranks: dict[str, Any] | None = None  # a directory's per-rank verdict (``ranks.RankVerdict``)
+    tables: dict[str, Any] | None = None  # operator/kernel tables (``tables.build_tables``)
+    timeline: dict[str, Any] | None = None  # drawn representative steps (``step_timeline``)
+    deep: dict[str, Any] | None = None  # ``stepdoctor analyze --deep/--diff`` only: HTA's result
+
+
+def decode(report: dict[str, Any] | bytes | str) -> ReportDoc:
+    """A report (its dict or JSON text) as ``ReportDoc``; ``msgspec.ValidationError`` if it is not one."""
+    if isinstance(report, dict):
+        return msgspec.convert(report, ReportDoc)
+    return msgspec.json.decode(report, type=ReportDoc)
+
+
+def to_dict(doc: ReportDoc) -> dict[str, Any]:
+    """The JSON form again (the same keys and values ``Report.to_dict`` gives)."""
+    out: dict[str, Any] = msgspec.to_builtins(doc)
+    return out
+
+
+def schema() -> dict[str, Any]:
+    """JSON Schema (2020-12) of a report, with ``schema_version`` pinned to this engine's."""
+    out: dict[str, Any] = msgspec.json.schema(ReportDoc)
+    out["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    out["title"] = "stepdoctor report"
+    out["$defs"]["ReportDoc"]["properties"]["schema_version"]["const"] = SCHEMA_VERSION
+    return out
+
+
+def schema_text() -> str:
+    """docs/report.schema.json: ``schema()`` as stable, diff-friendly JSON."""
+    import json
+
+    return json.dumps(schema(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def inline_schema() -> dict[str, Any]:
+    """``schema()`` with every ``$ref`` replaced by its definition: a self-contained schema an
+    OpenAPI document can embed at any path (its ``$defs`` would not resolve there)."""
+    full = schema()
+    defs = full.pop("$defs")
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return resolve(defs[ref.removeprefix("#/$defs/")])
+            return {k: resolve(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [resolve(v) for v in node]
+        return node
+
+    inlined: dict[str, Any] = resolve(full)
+    inlined.pop("$schema", None)
+    return inlined

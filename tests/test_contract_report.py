@@ -1,0 +1,84 @@
+"""The typed report contract: every fixture's report is a ``ReportDoc``, the published JSON Schema
+is current, the CLI prints it and OpenAPI documents the report's fields."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from fastapi.testclient import TestClient
+
+from stepdoctor_analysis import SCHEMA_VERSION, contract
+from stepdoctor_analysis.cli import main as analyze_main
+from stepdoctor_analysis.pipeline import analyze_path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "fixtures" / "traces"
+TRACES = sorted(p for p in FIXTURES.rglob("*.json*") if p.is_file())
+
+
+@pytest.mark.parametrize("trace", TRACES, ids=lambda p: str(p.relative_to(FIXTURES)))
+def test_every_fixture_report_is_the_contract_and_round_trips(trace: Path) -> None:
+    report = analyze_path(trace)
+    d = report.to_dict()
+    doc = report.typed()
+    assert isinstance(doc.primary, contract.Bottleneck) and doc.schema_version == SCHEMA_VERSION
+    # Nothing dropped or changed: the typed form carries every key and value of the JSON form.
+    assert json.dumps(contract.to_dict(doc), sort_keys=True) == json.dumps(d, sort_keys=True)
+    assert contract.decode(json.dumps(d).encode()) == doc
+    for rec in doc.recommendations:
+        assert rec.expected_speedup >= 1.0 and rec.kind in contract.Kind.__args__  # type: ignore[attr-defined]
+
+
+def test_contract_refuses_what_it_does_not_declare() -> None:
+    d = analyze_path(TRACES[0]).to_dict()
+    with pytest.raises(msgspec.ValidationError, match="unknown field"):
+        contract.decode(d | {"surprise": 1})
+    broken: dict[str, Any] = json.loads(json.dumps(d))
+    broken["primary"]["kind"] = "vibes"
+    with pytest.raises(msgspec.ValidationError, match=r"primary\.kind"):
+        contract.decode(broken)
+
+
+def test_published_schema_is_current_and_printed_by_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    committed = (ROOT / "docs" / "report.schema.json").read_text(encoding="utf-8")
+    assert committed == contract.schema_text(), "docs/report.schema.json is stale: run `make docs`"
+    assert analyze_main(["--schema"]) == 0
+    assert capsys.readouterr().out == committed
+    schema = json.loads(committed)
+    doc = schema["$defs"]["ReportDoc"]
+    assert doc["properties"]["schema_version"]["const"] == SCHEMA_VERSION
+    assert {"primary", "recommendations", "breakdown", "steps", "metrics", "limiter"} <= set(
+        doc["properties"]
+    )
+    assert "expected_speedup" in schema["$defs"]["Recommendation"]["properties"]
+
+
+def test_cli_without_a_path_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        analyze_main([])
+    assert exc.value.code == 2 and "path" in capsys.readouterr().err
+
+
+def test_openapi_shows_the_report_fields(tmp_path: Path) -> None:
+    from stepdoctor_server.app import create_app
+    from stepdoctor_server.settings import Settings
+
+    spec = TestClient(create_app(Settings(data_dir=tmp_path, workers=0))).get("/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+
+    def report_schema(model: str) -> dict[str, Any]:
+        prop = schemas[model]["properties"]["report"]
+        return next((s for s in prop.get("anyOf", [prop]) if s.get("type") == "object"), prop)
+
+    for model in ("AnalysisOut", "ReportOut"):
+        report = report_schema(model)
+        props = report["properties"]
+        assert {"primary", "recommendations", "breakdown", "steps", "metrics"} <= set(props), model
+        rec = props["recommendations"]["items"]["properties"]
+        assert rec["expected_speedup"]["type"] == "number"
+        assert "kind" in props["primary"]["properties"]
+    assert "#/$defs/" not in json.dumps(spec)  # every reference resolves inside the OpenAPI document
