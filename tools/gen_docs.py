@@ -14,15 +14,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def generated() -> dict[Path, str]:
     """Path -> the text it must hold."""
+    from stepdoctor_analysis.contract import schema_text
     from stepdoctor_analysis.rules import rules_markdown
 
-    out = {ROOT / "docs" / "rules.md": rules_markdown()}
-    try:
-        from stepdoctor_analysis.contract import schema_text
-    except ImportError:  # the typed report is not defined yet
-        return out
-    out[ROOT / "docs" / "report.schema.json"] = schema_text()
-    return out
+    return {ROOT / "docs" / "rules.md": rules_markdown(), ROOT / "docs" / "report.schema.json": schema_text()}
 
 
 def main() -> int:
