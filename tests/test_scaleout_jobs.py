@@ -166,8 +166,10 @@ def test_sqlite_page_read_answers_while_another_connection_writes(
         with TestClient(reader_app, headers={"Authorization": f"Bearer {admin_token}"}) as client:
             started = time.monotonic()
             resp = client.get("/api/v1/projects")
+            ready = client.get("/readyz")
             waited = time.monotonic() - started
         assert resp.status_code == 200, resp.text
+        assert ready.status_code == 200, ready.text
         assert waited < 1.0  # it did not sit out the busy timeout behind the writer
     finally:
         writer.execute("ROLLBACK")

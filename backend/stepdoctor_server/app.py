@@ -123,7 +123,7 @@ class _QueueCollector(Collector):
     def collect(self) -> Iterable[GaugeMetricFamily]:
         family = GaugeMetricFamily("stepdoctor_traces", "Traces by analysis status", labels=["status"])
         try:
-            with self.db.session() as session:
+            with self.db.session(read_only=True) as session:
                 query = select(Trace.status, func.count(Trace.id)).group_by(Trace.status)
                 counts = {status: n for status, n in session.execute(query)}
         except Exception:

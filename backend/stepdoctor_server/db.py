@@ -100,7 +100,7 @@ class Database:
 
     def ping(self) -> None:
         """Raise if the database cannot answer a trivial query."""
-        with self.engine.connect() as conn:
+        with self.engine.connect().execution_options(**{READ_ONLY: True}) as conn:
             conn.exec_driver_sql("SELECT 1")
             conn.rollback()
 

@@ -579,7 +579,7 @@ class _QueueDepth:
         )
         try:
             self.db = self.db or Database(self.settings)
-            with self.db.session() as session:
+            with self.db.session(read_only=True) as session:
                 if self.settings.uses_procrastinate:
                     from stepdoctor_server import jobs
 
