@@ -16,7 +16,11 @@ from collections.abc import Sequence
 # subcommand -> (module with ``main(argv) -> int``, extra that provides its dependencies, summary)
 COMMANDS: dict[str, tuple[str, str | None, str]] = {
     "analyze": ("stepdoctor_analysis.cli", "analyze", "diagnose trace files offline (no server)"),
-    "trim": ("stepdoctor_analysis.trim_cli", "analyze", "cut steps out of a big trace (trim IN OUT --steps 5-6)"),
+    "trim": (
+        "stepdoctor_analysis.trim_cli",
+        "analyze",
+        "cut steps out of a big trace (trim IN OUT --steps 5-6)",
+    ),
     "sync": ("stepdoctor.sync", None, "upload traces left in the local spool"),
     "serve": ("stepdoctor_server.cli", "server", "run the API server and dashboard"),
     "worker": ("stepdoctor_server.cli", "server", "run analysis workers only"),
