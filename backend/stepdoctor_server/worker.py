@@ -305,33 +305,41 @@ def run_deep(kind: str, params: dict[str, Any], path: Path, rank: int | None) ->
 
 
 def process_one_deep(db: Database, queue: SqlDeepQueue, store: TraceStore, worker_id: str) -> bool:
-    """Claim and handle one deep-analysis job; False when there was none. Never raises past the claim.
+    """Claim and handle one deep-analysis job; False when there was none.
+
+    A failing analysis fails its job; the database going away is waited out (``retry_db``), never
+    recorded as the job's failure.
 
     HTA reads files by path, so a trace in object storage is copied to a temporary file first.
     """
     job_id = queue.claim(worker_id)
     if job_id is None:
         return False
-    path: Path | None = None
-    filename = ""
-    try:
+    what = f"deep job {job_id}"
+
+    def load() -> tuple[str, dict[str, Any], int | None, str, str]:
         with db.session() as session:
             job, trace = session.execute(
                 select(DeepAnalysis, Trace)
                 .join(Trace, Trace.id == DeepAnalysis.trace_id)
                 .where(DeepAnalysis.id == job_id)
             ).one()
-            kind, params, rank = job.kind, dict(job.params or {}), trace.rank
-            key, filename = trace.storage_key, trace.filename
-        start = time.perf_counter()
+            return job.kind, dict(job.params or {}), trace.rank, trace.storage_key, trace.filename
+
+    kind, params, rank, key, filename = retry_db(load, what=what)
+    path: Path | None = None
+    start = time.perf_counter()
+    try:
         with store.local_copy(key) as path:
             result = run_deep(kind, params, path, rank)
             if result.get("source") == path.name:
                 result["source"] = filename
-        queue.complete(job_id, result)
-        log.info("deep %s %s: done in %.1f s", kind, job_id, time.perf_counter() - start)
     except Exception as exc:  # one bad job fails itself, never the worker
-        queue.fail(job_id, _logged_reason(exc, path, filename, f"deep job {job_id}"))
+        reason = _logged_reason(exc, path, filename, what)
+        retry_db(lambda: queue.fail(job_id, reason), what=what)
+        return True
+    retry_db(lambda: queue.complete(job_id, result), what=what)
+    log.info("deep %s %s: done in %.1f s", kind, job_id, time.perf_counter() - start)
     return True
 
 
