@@ -15,14 +15,24 @@ typed field is removed, renamed or changes type; adding a field is not a breakin
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
-from . import SCHEMA_VERSION
+from . import BOTTLENECK_KINDS, SCHEMA_VERSION
 
-Kind = Literal["input", "transfer", "launch", "memory", "sync", "communication", "compute"]
-Basis = Literal["measured", "estimate", "single-pass"]
+BASES = ("measured", "estimate", "single-pass")
+# Plain ``str`` for the engine (rule kinds are strings), an enum in the schema, checked on decode
+# and on construction (``_check``).
+Kind = Annotated[str, msgspec.Meta(extra_json_schema={"enum": list(BOTTLENECK_KINDS)})]
+Basis = Annotated[str, msgspec.Meta(extra_json_schema={"enum": list(BASES)})]
+
+
+def _check(kind: str, basis: str) -> None:
+    if kind not in BOTTLENECK_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(BOTTLENECK_KINDS)}, not {kind!r}")
+    if basis not in BASES:
+        raise ValueError(f"basis must be one of {', '.join(BASES)}, not {basis!r}")
 
 
 class _Doc(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -41,20 +51,26 @@ class Device(_Doc):
 
 
 class Bottleneck(_Doc):
-    """The limiter (``primary``) or a runner-up (``secondary``)."""
+    """The limiter (``primary``) or a runner-up (``secondary``); ``diagnose`` builds these."""
 
     kind: Kind
-    share: float  # fraction of the step
+    share: float  # fraction of step wall time charged to this kind
     us_per_step: float
     confidence: float
-    evidence: dict[str, Any]
-    gain: float  # speedup if its removable time went
-    basis: Basis
-    note: str  # one sentence when the first recommendation is about another kind
+    evidence: dict[str, Any] = msgspec.field(default_factory=dict)
+    # Speedup if this kind's removable time went away, and whether that time is a measured wait or
+    # an estimate (compute); ``note`` says in one sentence why the next optimization is not about it.
+    gain: float = 1.0
+    basis: Basis = "measured"
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        _check(self.kind, self.basis)
 
 
 class Recommendation(_Doc):
-    """A code change with its expected gain (``recommendations``) or a finding (``findings``)."""
+    """A code change with its expected gain (``recommendations``) or a finding (``findings``);
+    ``diagnose`` renders these from a rule's hit."""
 
     id: str  # a rule id (docs/rules.md)
     title: str
@@ -66,8 +82,11 @@ class Recommendation(_Doc):
     confidence: float
     caveats: list[str]
     evidence: dict[str, Any]
-    basis: Basis
-    expected_speedup_range: tuple[float, float] | None  # estimates only
+    basis: Basis = "measured"  # a "measured" wait, an "estimate", "single-pass" (no per-step gain)
+    expected_speedup_range: tuple[float, float] | None = None  # [low, high] for estimates
+
+    def __post_init__(self) -> None:
+        _check(self.kind, self.basis)
 
 
 class Breakdown(_Doc):
@@ -84,6 +103,8 @@ class Breakdown(_Doc):
 
 
 class StepRow(_Doc):
+    """One profiled step (``pipeline`` builds these)."""
+
     number: int
     start_us: float
     duration_us: float

@@ -40,6 +40,7 @@ import numpy as np
 from . import intervals as iv
 from . import timeline as tl
 from .breakdown import collective_op_mask, computation_kernel_union
+from .contract import Bottleneck, Recommendation
 from .inputs import InputStats
 from .memory import MemoryStats
 from .model import INT64_MIN, HostKind, RankTrace, Step
@@ -241,36 +242,6 @@ WAIT_KINDS = tuple(k for k in KINDS if k != "compute")
 
 
 @dataclass(frozen=True)
-class Bottleneck:
-    kind: str
-    share: float  # fraction of step wall time charged to this kind
-    us_per_step: float
-    confidence: float
-    evidence: dict[str, object] = field(default_factory=dict)
-    # Speedup if this kind's removable time went away, and whether that time is a measured wait or
-    # an estimate (compute); ``note`` says in one sentence why the next optimization is not about it.
-    gain: float = 1.0
-    basis: str = "measured"
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class Recommendation:
-    id: str
-    title: str
-    kind: str
-    change: str
-    why: str
-    expected_speedup: float
-    removable_us_per_step: float
-    confidence: float
-    caveats: list[str]
-    evidence: dict[str, object]
-    basis: str = "measured"  # "measured" wait, "estimate", or "single-pass" (no iteration: no per-step gain)
-    expected_speedup_range: list[float] | None = None  # [low, high] for estimates
-
-
-@dataclass(frozen=True)
 class Diagnosis:
     primary: Bottleneck
     secondary: list[Bottleneck]
@@ -451,7 +422,7 @@ def _render(rule: Rule, hit: Hit, ctx: Context) -> Recommendation:
     span = None
     if basis == "estimate":
         lo, hi = hit.removable_range_ns or (0.5 * hit.removable_ns, hit.removable_ns)
-        span = [round(speedup(ctx.step_ns, lo), 3), round(speedup(ctx.step_ns, hi), 3)]
+        span = (round(speedup(ctx.step_ns, lo), 3), round(speedup(ctx.step_ns, hi), 3))
     elif basis == "single-pass":
         gain = 1.0  # a one-pass trace cannot tell a one-time cost from a per-step one
     return Recommendation(

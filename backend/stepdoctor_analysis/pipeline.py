@@ -6,12 +6,13 @@ stay pure functions of the trace.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from . import breakdown as bd
 from . import diagnose, gpu_metrics, job, parse, ranks, step_timeline, steps, tables
@@ -290,7 +291,7 @@ def _job_report(path: Path, traces: list[RankTrace], reports: list[Report]) -> R
     top = reports[max(pool, key=lambda i: reports[i].step_time_us)]
     if limiter.kind is not None and top.primary.kind != limiter.kind:
         removable, basis = limiter.removable.get(limiter.kind, (0.0, "measured"))
-        top.primary = dataclasses.replace(
+        top.primary = msgspec.structs.replace(
             top.primary,
             kind=limiter.kind,
             share=round(limiter.shares.get(limiter.kind, 0.0), 4),

@@ -62,9 +62,8 @@ import msgspec
 import numpy as np
 
 from . import BREAKDOWN_CATEGORIES, ENGINE_VERSION, SCHEMA_VERSION
-from .contract import ReportDoc
+from .contract import Bottleneck, Recommendation, ReportDoc, StepRow
 from .contract import decode as decode_report
-from .diagnose import Bottleneck, Recommendation
 
 BREAKDOWN_KEYS = BREAKDOWN_CATEGORIES
 
@@ -77,14 +76,6 @@ KIND_WORDS = {
     "communication": "collective communication runs with no compute to hide it",
     "compute": "the device is busy with arithmetic: the step is compute-bound, so make the math cheaper",
 }
-
-
-@dataclass
-class StepRow:
-    number: int
-    start_us: float
-    duration_us: float
-    kinds: dict[str, float]
 
 
 @dataclass
