@@ -247,3 +247,35 @@ def test_worker_without_database_logs_the_outage_once(tmp_path: Path) -> None:
     assert proc.returncode == 0, out
     assert out.count("database unreachable") == 1, out
     assert "Traceback" not in out and "psycopg.pool" not in out, out
+
+
+def test_sweep_requeues_pending_and_orphaned_traces(client: TestClient, app: FastAPI, db_url: str) -> None:
+    """The outbox safety net (procrastinate): a pending trace without a job gets one; a running
+    trace whose job is gone for good goes back to pending with a job."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("procrastinate runs on PostgreSQL only")
+    from datetime import datetime, timedelta, timezone
+    from types import SimpleNamespace
+
+    from sqlalchemy import text, update
+
+    from stepdoctor_server import jobs
+
+    pending = upload(client, SMALL.read_bytes(), run="sweep", rank=0).json()["id"]
+    orphan = upload(client, SMALL.read_bytes(), run="sweep", rank=1).json()["id"]
+    long_ago = datetime.now(timezone.utc) - timedelta(minutes=5)
+    with app.state.db.session() as session:
+        session.execute(text("DELETE FROM procrastinate_jobs"))  # lost: e.g. written by an older version
+        session.execute(update(Trace).where(Trace.id == pending).values(updated_at=long_ago))
+        session.execute(
+            update(Trace)
+            .where(Trace.id == orphan)
+            .values(status="running", claimed_by="gone:1:0", claimed_at=long_ago, attempts=1)
+        )
+    runtime = jobs.Runtime(settings=app.state.settings, db=app.state.db, worker_id="test:1:0")
+    task = jobs._blueprint().tasks["stepdoctor.sweep_pending"]
+    task.func(SimpleNamespace(additional_context={"runtime": runtime}), 0)
+    with app.state.db.session() as session:
+        locks = session.scalars(text("SELECT lock FROM procrastinate_jobs WHERE status = 'todo'")).all()
+        assert sorted(locks) == sorted([f"trace:{pending}", f"trace:{orphan}"])
+        assert session.get(Trace, orphan).status == "pending"  # type: ignore[union-attr]

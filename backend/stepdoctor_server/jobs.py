@@ -16,7 +16,8 @@ holds each trace's user-facing state (pending/running/done/failed); procrastinat
   busy job slots never delay it) for jobs of workers whose heartbeat is older than
   ``STEPDOCTOR_WORKER_STALLED_AFTER_S`` (killed, hung, host gone) and puts them back.
 - ``stepdoctor.sweep_pending`` (every 30 s): the outbox safety net; a pending trace without a
-  waiting job (written by an older version, or reset by hand) gets one.
+  waiting job (written by an older version, or reset by hand) gets one, and a running trace whose
+  job is gone for good (retries exhausted) is requeued, or failed after ``MAX_ATTEMPTS``.
 - ``stepdoctor.deep_analyses`` (every 5 s): drains the optional HTA jobs of ``deep_analyses``.
 
 The analysis itself runs in a child process under the job's time and memory limits (``limits``).
@@ -184,15 +185,32 @@ def _blueprint() -> Any:
     @bp.periodic(cron="* * * * * */30", periodic_id="pending")
     @bp.task(name="stepdoctor.sweep_pending", queue=QUEUE_AGGREGATION, pass_context=True)
     def sweep_pending(context: Any, timestamp: int) -> None:
+        from stepdoctor_server.models import Trace
+        from stepdoctor_server.queue import requeue_or_give_up
+
         runtime: Runtime = context.additional_context["runtime"]
+        no_live_job = (
+            "NOT EXISTS (SELECT 1 FROM procrastinate_jobs j WHERE j.lock = 'trace:' || t.id "
+            "AND j.status IN ('todo', 'doing'))"
+        )
         with runtime.db.session() as session:
+            # Running with no delivery left (its job failed for good, e.g. retries exhausted
+            # during a long outage): back to pending, or failed after MAX_ATTEMPTS.
+            orphans = session.scalars(
+                text(
+                    "SELECT t.id FROM traces t WHERE t.status = 'running' "
+                    f"AND t.claimed_at < now() - interval '60 seconds' AND {no_live_job}"
+                )
+            ).all()
+            if orphans:
+                log.warning("%d running trace(s) had no live job; requeued", len(orphans))
+                requeue_or_give_up(session, Trace, orphans)
             ids = session.scalars(
                 text(
                     "SELECT t.id FROM traces t WHERE t.status = 'pending' "
-                    "AND t.updated_at < now() - interval '10 seconds' AND NOT EXISTS ("
-                    "SELECT 1 FROM procrastinate_jobs j WHERE j.lock = 'trace:' || t.id "
-                    "AND j.status IN ('todo', 'doing'))"
-                )
+                    f"AND (t.updated_at < now() - interval '10 seconds' OR t.id = ANY(:orphans)) AND {no_live_job}"
+                ),
+                {"orphans": list(orphans)},
             ).all()
             if ids:
                 log.info("queueing %d pending trace(s) that had no job", len(ids))

@@ -272,7 +272,7 @@ class SqlJobQueue:
                 rows = session.execute(
                     select(table.id, table.claimed_by).where(table.status == "running")
                 ).all()
-                total += _requeue_or_give_up(
+                total += requeue_or_give_up(
                     session, table, [jid for jid, owner in rows if _is_dead_local(owner, host)]
                 )
         return total
@@ -285,7 +285,7 @@ class SqlJobQueue:
         """Requeue (or give up on) the running jobs of every job table that match ``which``."""
         with self.db.session() as session:
             return sum(
-                _requeue_or_give_up(
+                requeue_or_give_up(
                     session,
                     table,
                     session.scalars(select(table.id).where(table.status == "running", which(table))).all(),
@@ -381,7 +381,7 @@ def _is_dead_local(owner: str | None, host: str) -> bool:
     return not process_alive(pid)
 
 
-def _requeue_or_give_up(session: Session, table: JobTable, ids: Sequence[int]) -> int:
+def requeue_or_give_up(session: Session, table: JobTable, ids: Sequence[int]) -> int:
     """Back to pending, unless the job already killed MAX_ATTEMPTS workers: then it fails."""
     if not ids:
         return 0

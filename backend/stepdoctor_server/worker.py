@@ -206,9 +206,11 @@ def handle_trace(
     started = time.perf_counter()
     try:
         result = analyze_limited(settings, job.storage_key, job.filename, job.meta)
-    except JobFailed as exc:
-        reason = str(exc)
-        if exc.internal:
+    except Exception as exc:  # JobFailed, or the child could not even start (fork failed, ...)
+        reason = str(exc) if isinstance(exc, JobFailed) else describe_error(exc)[0]
+        if not isinstance(exc, JobFailed):
+            log.exception("trace %s: %s", trace_id, reason)
+        elif exc.internal:
             log.error("trace %s: %s\n%s", trace_id, reason, exc.details)
         else:
             log.info("trace %s: %s", trace_id, reason)
