@@ -13,6 +13,8 @@ from fastapi.testclient import TestClient
 
 from stepdoctor_analysis import BOTTLENECK_KINDS, SCHEMA_VERSION, contract
 from stepdoctor_analysis.cli import main as analyze_main
+from stepdoctor_analysis.comm import CommStats
+from stepdoctor_analysis.ops import OpStats
 from stepdoctor_analysis.pipeline import analyze_path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +31,9 @@ def test_every_fixture_report_is_the_contract_and_round_trips(trace: Path) -> No
     # Nothing dropped or changed: the typed form carries every key and value of the JSON form.
     assert json.dumps(contract.to_dict(doc), sort_keys=True) == json.dumps(d, sort_keys=True)
     assert contract.decode(json.dumps(d).encode()) == doc
+    # Sections typed by their analyzers' own dataclasses read as attributes, no guards.
+    assert isinstance(doc.metrics.communication, CommStats) and isinstance(doc.metrics.ops, OpStats)
+    assert (doc.metrics.gpu is not None) == ("gpu" in d["metrics"])
     for rec in doc.recommendations:
         assert rec.expected_speedup >= 1.0 and rec.kind in BOTTLENECK_KINDS
 
@@ -104,4 +109,7 @@ def test_openapi_shows_the_report_fields(tmp_path: Path) -> None:
         rec = props["recommendations"]["items"]["properties"]
         assert rec["expected_speedup"]["type"] == "number"
         assert "kind" in props["primary"]["properties"]
+        metrics = props["metrics"]["properties"]
+        assert "exposed_ns_per_step" in metrics["communication"]["properties"]
+        assert "utilization" in metrics["gpu"]["anyOf"][0]["properties"]
     assert "#/$defs/" not in json.dumps(spec)  # every reference resolves inside the OpenAPI document

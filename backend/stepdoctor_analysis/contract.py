@@ -20,6 +20,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from . import BOTTLENECK_KINDS, SCHEMA_VERSION
+from .comm import CommStats
+from .ops import OpStats
 
 BASES = ("measured", "estimate", "single-pass")
 # Plain ``str`` for the engine (rule kinds are strings), an enum in the schema, checked on decode
@@ -144,19 +146,30 @@ class Workload(_Doc):
     median_kernel_us: float
 
 
-class Metrics(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Measurements by section; each section's layout belongs to its analyzer."""
+class GpuSection(_Doc):
+    """TensorBoard's GPU metrics over the steps (``gpu_metrics``); GPU traces only."""
 
-    kinds_us: dict[str, float]
-    shares: dict[str, float]
+    utilization: float | None  # fraction of the window with a kernel running, 0..1
+    sm_efficiency: float | None  # 0..1; None when no kernel reports blocks per SM
+    occupancy: float | None  # percent 0..100; None when no kernel reports occupancy
+    devices: list[dict[str, Any]]
+
+
+class Metrics(_Doc, omit_defaults=True):
+    """Measurements by section. ``communication`` and ``ops`` are their analyzers' own dataclasses
+    (``comm.CommStats``, ``ops.OpStats``); the sections ``pipeline`` assembles from several
+    analyzers (transfers, sync, memory, input, hta) are objects with free-form values for now."""
+
+    kinds_us: dict[str, float]  # kind -> µs per step
+    shares: dict[str, float]  # kind (and "other") -> fraction of the step
     step_time_us: dict[str, Any]
     transfers: dict[str, Any]
     sync: dict[str, Any]
     memory: dict[str, Any]
-    communication: dict[str, Any]
+    communication: CommStats
     input: dict[str, Any]
-    ops: dict[str, Any]
-    gpu: dict[str, Any] | None = None
+    ops: OpStats
+    gpu: GpuSection | None = None
     hta: dict[str, Any] | None = None
 
 
@@ -201,9 +214,16 @@ def to_dict(doc: ReportDoc) -> dict[str, Any]:
     return out
 
 
+def _any_value(tp: Any) -> dict[str, Any]:
+    """Analyzer dataclasses annotate free-form evidence values as ``object``: any JSON value."""
+    if tp is object:
+        return {"description": "any JSON value"}
+    raise NotImplementedError(tp)
+
+
 def schema() -> dict[str, Any]:
     """JSON Schema (2020-12) of a report, with ``schema_version`` pinned to this engine's."""
-    out: dict[str, Any] = msgspec.json.schema(ReportDoc)
+    out: dict[str, Any] = msgspec.json.schema(ReportDoc, schema_hook=_any_value)
     out["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     out["title"] = "stepdoctor report"
     out["$defs"]["ReportDoc"]["properties"]["schema_version"]["const"] = SCHEMA_VERSION
