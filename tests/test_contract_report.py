@@ -29,6 +29,7 @@ def test_every_fixture_report_is_the_contract_and_round_trips(trace: Path) -> No
     doc = report.typed()
     assert isinstance(doc.primary, contract.Bottleneck) and doc.schema_version == SCHEMA_VERSION
     # Nothing dropped or changed: the typed form carries every key and value of the JSON form.
+    assert contract.to_dict(doc) == d
     assert json.dumps(contract.to_dict(doc), sort_keys=True) == json.dumps(d, sort_keys=True)
     assert contract.decode(json.dumps(d).encode()) == doc
     # Sections typed by their analyzers' own dataclasses read as attributes, no guards.

@@ -22,6 +22,8 @@ import msgspec
 from . import BOTTLENECK_KINDS, SCHEMA_VERSION
 from .comm import CommStats
 from .ops import OpStats
+from .sync import Trigger
+from .transfers import TransferStats
 
 BASES = ("measured", "estimate", "single-pass")
 # Plain ``str`` for the engine (rule kinds are strings), an enum in the schema, checked on decode
@@ -155,22 +157,69 @@ class GpuSection(_Doc):
     devices: list[dict[str, Any]]
 
 
-class Metrics(_Doc, omit_defaults=True):
-    """Measurements by section. ``communication`` and ``ops`` are their analyzers' own dataclasses
-    (``comm.CommStats``, ``ops.OpStats``); the sections ``pipeline`` assembles from several
-    analyzers (transfers, sync, memory, input, hta) are objects with free-form values for now."""
+class StepTimes(_Doc):
+    """Step wall time over the analysed steps, µs."""
 
+    mean: float
+    p50: float
+    max: float
+    min: float
+
+
+class SyncSection(_Doc):
+    """Host↔device synchronisations per step (``sync.SyncStats``; its triggers as they are)."""
+
+    calls_per_step: float
+    blocked_us_per_step: float
+    by_api: dict[str, Any]
+    triggers: list[Trigger]
+
+
+class InputSection(_Doc):
+    """DataLoader waits (``inputs.InputStats`` without its intervals)."""
+
+    loader_ns_per_step: float
+    loader_per_step: list[int]
+    calls_per_step: float
+    single_process: bool
+    multi_process: bool
+    iterators: list[str]
+    max_wait_ns: int
+
+
+class Metrics(_Doc, omit_defaults=True):
+    """Measurements by section. ``transfers``, ``communication`` and ``ops`` are their analyzers'
+    own dataclasses (``transfers.TransferStats``, ``comm.CommStats``, ``ops.OpStats``); ``memory``
+    and ``hta`` (per-device curves, HTA's tables) are objects with free-form values for now."""
+
+    step_time_us: StepTimes
     kinds_us: dict[str, float]  # kind -> µs per step
     shares: dict[str, float]  # kind (and "other") -> fraction of the step
-    step_time_us: dict[str, Any]
-    transfers: dict[str, Any]
-    sync: dict[str, Any]
+    transfers: TransferStats
+    sync: SyncSection
     memory: dict[str, Any]
     communication: CommStats
-    input: dict[str, Any]
+    input: InputSection
     ops: OpStats
     gpu: GpuSection | None = None
     hta: dict[str, Any] | None = None
+
+
+class TableRow(_Doc, omit_defaults=True):
+    """One operator or kernel of the top tables (``tables.build_tables``)."""
+
+    name: str
+    calls: int
+    total_us: float
+    mean_us: float
+    share: float  # of the steps' op (or kernel) time
+    tensor_core: bool | None = None  # kernels only
+
+
+class Tables(_Doc):
+    ops: list[TableRow]
+    kernels: list[TableRow]
+    tensor_core_share: float | None
 
 
 class ReportDoc(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -196,7 +245,7 @@ class ReportDoc(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown
     iterations: Iterations | None = None
     limiter: dict[str, LimiterEntry] | None = None
     ranks: dict[str, Any] | None = None  # a directory's per-rank verdict (``ranks.RankVerdict``)
-    tables: dict[str, Any] | None = None  # operator/kernel tables (``tables.build_tables``)
+    tables: Tables | None = None  # operator/kernel tables
     timeline: dict[str, Any] | None = None  # drawn representative steps (``step_timeline``)
     deep: dict[str, Any] | None = None  # ``stepdoctor analyze --deep/--diff`` only: HTA's result
 
@@ -210,7 +259,7 @@ def decode(report: dict[str, Any] | bytes | str) -> ReportDoc:
 
 def to_dict(doc: ReportDoc) -> dict[str, Any]:
     """The JSON form again (the same keys and values ``Report.to_dict`` gives)."""
-    out: dict[str, Any] = msgspec.to_builtins(doc)
+    out: dict[str, Any] = msgspec.json.decode(msgspec.json.encode(doc))  # tuples as lists, like JSON
     return out
 
 
