@@ -3,6 +3,7 @@ is current, the CLI prints it and OpenAPI documents the report's fields."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,17 @@ FIXTURES = ROOT / "tests" / "fixtures" / "traces"
 TRACES = sorted(p for p in FIXTURES.rglob("*.json*") if p.is_file())
 
 
+@functools.cache
+def _published_validator() -> Any:
+    """A JSON Schema validator for docs/report.schema.json: checks the published file itself, not msgspec."""
+    jsonschema = pytest.importorskip(
+        "jsonschema", reason="jsonschema comes with the dev extra's schemathesis"
+    )
+    schema = json.loads((ROOT / "docs" / "report.schema.json").read_text(encoding="utf-8"))
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
 @pytest.mark.parametrize("trace", TRACES, ids=lambda p: str(p.relative_to(FIXTURES)))
 def test_every_fixture_report_is_the_contract_and_round_trips(trace: Path) -> None:
     report = analyze_path(trace)
@@ -30,6 +42,7 @@ def test_every_fixture_report_is_the_contract_and_round_trips(trace: Path) -> No
     assert isinstance(doc.primary, contract.Bottleneck) and doc.schema_version == SCHEMA_VERSION
     # Nothing dropped or changed: the typed form carries every key and value of the JSON form.
     assert contract.to_dict(doc) == d
+    _published_validator().validate(d)  # any JSON Schema client accepts the report as it is
     assert json.dumps(contract.to_dict(doc), sort_keys=True) == json.dumps(d, sort_keys=True)
     assert contract.decode(json.dumps(d).encode()) == doc
     # Sections typed by their analyzers' own dataclasses read as attributes, no guards.
@@ -45,6 +58,7 @@ def test_a_job_directory_report_is_the_contract_too() -> None:
     d = analyze_path(directory).to_dict()
     doc = contract.decode(d)
     assert doc.ranks is not None and doc.ranks["count"] >= 2
+    _published_validator().validate(d)
     assert json.dumps(contract.to_dict(doc), sort_keys=True) == json.dumps(d, sort_keys=True)
 
 
@@ -70,6 +84,8 @@ def test_contract_refuses_what_it_does_not_declare() -> None:
     broken["primary"]["kind"] = "vibes"
     with pytest.raises(msgspec.ValidationError, match=r"kind must be one of.*primary"):
         contract.decode(broken)
+    errors = list(_published_validator().iter_errors(broken))
+    assert [list(e.absolute_path) for e in errors] == [["primary", "kind"]]
 
 
 def test_published_schema_is_current_and_printed_by_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
