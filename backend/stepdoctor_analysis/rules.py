@@ -1,6 +1,8 @@
 """Rules as data: each one names a bottleneck kind, a trigger threshold, the code change to make,
 why (from evidence), caveats, and a query that measures the trigger metric and the step time the
-change could remove. Adding a rule is appending one ``Rule`` to ``RULES``.
+change could remove. Every number a query applies sits in its rule (``threshold`` and the named
+``thresholds`` the query receives), so a rule is one self-describing record. Adding a rule is
+appending one keyword ``Rule(...)`` to ``RULES`` and running ``make docs`` (docs/rules.md).
 
 Ranking uses the upper-bound speedup total / (total − removable) (Nsight/RATELProf, anchors §4).
 Thresholds follow the peers where they had one (TensorBoard: DataLoader > 5% of the step,
