@@ -35,6 +35,13 @@ def test_every_row_generates_both_decoders(arg: Arg) -> None:
     strict, lax = _fields(schema.Args)[arg.attr], _fields(schema.LaxArgs)[arg.attr]
     assert strict.encode_name == lax.encode_name == arg.key
     assert lax.type is Any and lax.default is None
+    if arg.text:  # a string arg (interned) or a list of dtype strings (its first floating one kept)
+        value: Any = "7" if arg.text == "value" else ["int", "c10::BFloat16"]
+        typed = msgspec.json.decode(msgspec.json.encode({arg.key: value}), type=schema.Args)
+        assert getattr(typed, arg.attr) == (value if arg.text == "value" else tuple(value))
+        assert strict.default is None and arg.coerce(value) == getattr(typed, arg.attr)
+        assert arg.coerce(7) is None
+        return
     if arg.absent:
         assert strict.type is Any and strict.default == schema.ABSENT
     elif arg.is_float:
@@ -50,8 +57,12 @@ def test_every_row_generates_both_decoders(arg: Arg) -> None:
 
 def test_every_row_generates_its_columns_and_each_column_is_in_the_model() -> None:
     for name, tab in TABLES.items():
-        mine = [a for a in ARGS if getattr(a, name) is not None]
-        assert tab.args == tuple(mine)
+        every = [a for a in ARGS if getattr(a, name) is not None]
+        mine = [a for a in every if not a.sparse]
+        assert tab.args == tuple(mine) and tab.sparse == tuple(a for a in every if a.sparse)
+        for a in tab.sparse:  # read apart, on the events that carry them: a column, not a record field
+            assert a.attr not in (tab.record.names or ()) and tab.column(a) in tab.arg_columns
+            assert tab.dtypes[tab.column(a)] == np.dtype(a.dtype)
         for a in mine:
             assert f"args.{a.attr}" in tab.fields
             assert tab.record.fields is not None and tab.record.fields[a.attr][0] == a.record_dtype

@@ -3,7 +3,8 @@
 Every analyzer reads these arrays and nothing else, so parsing cost is paid once and analyses stay
 vectorised. All times are int64 nanoseconds on one clock per trace (the trace's own origin), so
 sums and interval unions are exact; reports convert to microseconds at the edge.
-Names are interned: each table's ``name`` column indexes ``RankTrace.strings``.
+Names are interned: each table's ``name`` column indexes ``RankTrace.strings``; so do the string
+args kept (``HostEvents.collective``, ``msg_dtype``, ...), whose values follow the names there.
 """
 
 from __future__ import annotations
@@ -84,6 +85,12 @@ class HostEvents:
     tid: I64
     correlation: I64  # runtime/driver calls: id joining to GpuEvents.correlation; else NONE
     external_id: I64  # cpu_op "External id" (links ops to the runtime calls they issue); else NONE
+    # record_param_comms args (collectives by what the profiler recorded); NONE where absent.
+    in_nelems: I64  # "In msg nelems"
+    out_nelems: I64  # "Out msg nelems"
+    collective: I32  # "Collective name" ("allreduce", "_allgather_base", ...): index into strings
+    msg_dtype: I32  # "dtype" of the message ("Float", "BFloat16", ...): index into strings
+    input_dtype: I32  # record_shapes: the op's first floating "Input type" ("c10::BFloat16"): strings index
 
     def __len__(self) -> int:
         return int(self.ts.shape[0])

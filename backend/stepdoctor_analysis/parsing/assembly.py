@@ -48,6 +48,7 @@ def assemble(b: Builder) -> RankTrace:
     if b.flows:
         repair_correlation(b.flows, host, host_ts, gpu, gpu_ts, origin)
     strings = list(b.ids)
+    _intern_values(b, host, strings)
     top = b.top
     dist = top.get("distributedInfo")
     dist = dist if isinstance(dist, dict) else {}
@@ -67,6 +68,24 @@ def assemble(b: Builder) -> RankTrace:
         },
         distributed=dist,
     )
+
+
+def _intern_values(b: Builder, host: dict[str, np.ndarray], strings: list[str]) -> None:
+    """String arg values join the trace's strings after the names (name ids unchanged), renumbered."""
+    values = [v for v in b.values if v is not None]
+    if not values:
+        return
+    renumber = np.empty(len(values), np.int32)
+    for i, v in enumerate(values):
+        got = b.ids.get(v)
+        if got is None:
+            got = len(strings)
+            strings.append(v)
+        renumber[i] = got
+    for a in (a for a in HOST.sparse if a.text):
+        col = host[HOST.column(a)]
+        present = col != NONE
+        host[HOST.column(a)] = np.where(present, renumber[np.maximum(col, 0)], NONE).astype(np.int32)
 
 
 def _host_events(cols: dict[str, np.ndarray], ts: np.ndarray) -> HostEvents:

@@ -7,7 +7,9 @@ from the argument table. ``Builder`` keeps the per-chunk columns; ``assembly`` j
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
+from itertools import islice
 from operator import attrgetter, itemgetter
 from pathlib import Path
 from typing import Any
@@ -30,8 +32,10 @@ from .schema import (
     MEMORY,
     SKIPPED_CODE,
     TYPE_CODES,
+    Arg,
     Event,
     Table,
+    first_floating,
     to_float,
     to_int,
 )
@@ -83,6 +87,7 @@ class _Interner(dict[str, int]):
     """Name -> dense id; ``__getitem__`` stays in C for names already seen."""
 
     chars = 0
+    reserved = 0  # entries that hold no id (``_Values`` keeps None)
 
     def __missing__(self, key: str) -> int:
         if key is not None and len(key) > MAX_NAME_CHARS:
@@ -92,7 +97,37 @@ class _Interner(dict[str, int]):
             raise TraceError(
                 f"event names total more than {MAX_NAMES_CHARS >> 20} Mi characters; refusing the trace"
             )
-        v = self[key] = len(self)
+        v = self[key] = len(self) - self.reserved
+        return v
+
+
+# An op arg that this many of its carriers lacked, with none having it, is not looked for again:
+# the profiler writes such args for a whole session (``record_shapes`` puts ``Input type`` on every
+# cpu_op), so a trace without them in its first ops has none, and reading it per op cost ~5% of a parse.
+ABSENT_AFTER = 4096
+
+
+class _Values(_Interner):
+    """String arg values -> dense ids of their own; an absent value (None) is ``NONE``.
+
+    Kept apart from the names so the name ids stay what they were; ``assembly`` appends the values
+    to the trace's strings and renumbers them.
+    """
+
+    reserved = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self[None] = NONE  # type: ignore[index]
+
+
+class _FirstFloat(dict[Any, Any]):
+    """An op's ``Input type`` tuple -> its first floating dtype, worked out once per distinct tuple."""
+
+    def __missing__(self, types: tuple[str, ...] | None) -> str | None:
+        v = first_floating(types)
+        if len(self) < 4096:  # ops repeat a few signatures; odd ones are not kept (bounded memory)
+            self[types] = v
         return v
 
 
@@ -124,6 +159,10 @@ class Builder:
     def __init__(self, source: str) -> None:
         self.source = source
         self.ids: dict[str, int] = _Interner()
+        self.values: dict[str, int] = _Values()  # string arg values (assembly renumbers them)
+        self._first_float: dict[Any, Any] = _FirstFloat()
+        self._name_hits: dict[str, np.ndarray] = {}  # pattern -> by name id: does the name match
+        self._absent: dict[str, int] = {}  # op arg -> carriers seen without it so far (-1: found once)
         self.codes: dict[str, int] = _Codes()
         self.host: list[dict[str, np.ndarray]] = []
         self.gpu: list[dict[str, np.ndarray]] = []
@@ -295,7 +334,7 @@ class Builder:
     def _columns(self, evs: Sequence[Event], kinds: np.ndarray, table: Table) -> dict[str, np.ndarray]:
         """A host or GPU table's columns for these complete events."""
         rec, pid, tid = self._records(evs, table)
-        return {
+        cols = {
             "name": self._names(evs),
             "kind": kinds.astype(np.int8),
             "ts": rec["ts"],
@@ -304,6 +343,64 @@ class Builder:
             "tid": tid,
             **arg_columns(rec, table, pid, tid),
         }
+        if table.sparse:
+            cols.update(self._sparse_columns(evs, cols, table))
+        return cols
+
+    def _sparse_columns(
+        self, evs: Sequence[Event], cols: dict[str, np.ndarray], table: Table
+    ) -> dict[str, np.ndarray]:
+        """Op args, read on the few events that can carry them (NONE elsewhere); strings as value ids."""
+        n = len(evs)
+        nothing = {dt: np.full(n, NONE, dt) for dt in {table.dtypes[table.column(a)] for a in table.sparse}}
+        out: dict[str, np.ndarray] = {}
+        carriers: dict[Any, np.ndarray] = {}
+        for arg in table.sparse:
+            dtype = table.dtypes[table.column(arg)]
+            out[table.column(arg)] = nothing[dtype]  # shared until filled: concat copies the columns
+            if self._absent.get(arg.attr, 0) >= ABSENT_AFTER:
+                continue
+            key = arg.on_names or arg.on_kind
+            idx = carriers.get(key)
+            if idx is None:
+                idx = carriers[key] = self._carriers(cols, arg)
+            if idx.size:
+                col = out[table.column(arg)] = np.full(n, NONE, dtype)
+                got = col[idx] = self._sparse_values(pick(evs, idx), arg, dtype)
+                missing = self._absent.get(arg.attr, 0)
+                if missing >= 0:  # still unseen in this trace: count the events that lacked it
+                    self._absent[arg.attr] = -1 if (got != NONE).any() else missing + idx.size
+        return out
+
+    def _carriers(self, cols: dict[str, np.ndarray], arg: Arg) -> np.ndarray:
+        """Positions of the events that may carry ``arg``: by name pattern (once per name), else kind."""
+        if arg.on_names is None:
+            return np.flatnonzero(cols["kind"] == arg.on_kind)
+        hits = self._name_hits.get(arg.on_names)
+        if hits is None or hits.size < len(self.ids):  # names arrived: test the new ones
+            pattern = re.compile(arg.on_names)
+            known = 0 if hits is None else hits.size
+            new = [pattern.match(s or "") is not None for s in islice(self.ids, known, None)]
+            hits = self._name_hits[arg.on_names] = np.concatenate(
+                [hits if hits is not None else np.zeros(0, np.bool_), np.array(new, np.bool_)]
+            )
+        return np.flatnonzero(hits[cols["name"]]) if hits.any() else np.empty(0, np.intp)
+
+    def _sparse_values(self, evs: Sequence[Event], arg: Arg, dtype: np.dtype[Any]) -> np.ndarray:
+        """The arg's values on these events (string ones as value ids), in the column's dtype."""
+
+        def values(coerce: bool) -> Any:
+            got = map(attrgetter(f"args.{arg.attr}"), evs)
+            if coerce:
+                got = map(arg.coerce, got)
+            if arg.text == "first_float":
+                got = map(self._first_float.__getitem__, got)
+            return map(self.values.__getitem__, got) if arg.text else got
+
+        try:
+            return np.fromiter(values(False), dtype, len(evs))
+        except (TypeError, ValueError, OverflowError):  # an odd value: coerce one by one (rare)
+            return np.fromiter(values(True), dtype, len(evs))
 
     def _mem_columns(self, evs: Sequence[Event]) -> dict[str, np.ndarray]:
         rec = np.fromiter(map(_MEM_FIELDS, evs), MEMORY.record, len(evs))

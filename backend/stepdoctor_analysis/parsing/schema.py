@@ -70,6 +70,16 @@ class Arg:
     gpu: str | None = None
     memory: str | None = None
     absent: str | None = None  # loose: "pid" or "tid", the event field a missing value falls back to
+    text: str | None = None  # a string arg, interned: "value" (the string) or "first_float" (see below)
+    # Read only on some events (op args): those whose name matches ``on_names`` (tested once per
+    # distinct name), else those of host kind ``on_kind``. Everywhere else the column is NONE.
+    on_names: str | None = None
+    on_kind: int | None = None
+
+    @property
+    def sparse(self) -> bool:
+        """Read apart from the per-event record, on the events that can carry it only."""
+        return self.text is not None or self.on_names is not None or self.on_kind is not None
 
     @property
     def is_float(self) -> bool:
@@ -86,10 +96,17 @@ class Arg:
 
     def coerce(self, v: Any) -> Any:
         """An untyped value (lax path) in the form the typed decoder would have produced."""
+        if self.text == "value":
+            return v if isinstance(v, str) else None
+        if self.text == "first_float":
+            return tuple(x for x in v if isinstance(x, str)) if isinstance(v, list) else None
         if self.absent and v is None:
             return ABSENT
         return to_float(v) if self.is_float else to_int(v)
 
+
+# Host ops that carry a collective's args (``record_param_comms``; c10d and backend ranges in some builds).
+COMM_OPS = r"^(?:record_param_comms|c10d::|_?c10d_functional::|(?:nccl|rccl|gloo|xccl):)"
 
 ARGS: tuple[Arg, ...] = (
     #   attribute             JSON key                       dtype  column(s) it fills
@@ -107,7 +124,28 @@ ARGS: tuple[Arg, ...] = (
     Arg("mem_bytes",          "Bytes",                       "i8",  memory="bytes"),
     Arg("total_allocated",    "Total Allocated",             "i8",  memory="total_allocated"),
     Arg("total_reserved",     "Total Reserved",              "i8",  memory="total_reserved"),
+    # record_param_comms (#11): what the collective is, whatever its kernels are called. Every field
+    # here costs every event's decoding a little (msgspec matches each args key against them), so
+    # only what the analysis reads: not "Group size" or "Process Group Name".
+    Arg("in_nelems",          "In msg nelems",               "i8",  host="in_nelems", on_names=COMM_OPS),
+    Arg("out_nelems",         "Out msg nelems",              "i8",  host="out_nelems", on_names=COMM_OPS),
+    Arg("collective",         "Collective name",             "i4",  host="collective", text="value", on_names=COMM_OPS),
+    Arg("msg_dtype",          "dtype",                       "i4",  host="msg_dtype", text="value", on_names=COMM_OPS),
+    # record_shapes (#9): the dtype of an op's first floating input; the list itself is not kept.
+    Arg("input_types",        "Input type",                  "i4",  host="input_dtype", text="first_float", on_kind=HostKind.CPU_OP),
 )  # fmt: skip
+
+# Floating dtypes as ``Input type`` spells them ("float", "c10::BFloat16", "c10::Half", "float8_e4m3fn").
+_FLOATING = ("float", "half", "double", "bfloat16")
+
+
+def first_floating(types: tuple[str, ...] | None) -> str | None:
+    """The first floating dtype among an op's input types (None when none is floating)."""
+    for t in types or ():
+        low = t.lower()
+        if "complex" not in low and any(f in low for f in _FLOATING):
+            return t
+    return None
 
 
 def args_struct(args: tuple[Arg, ...], *, lax: bool = False) -> type[msgspec.Struct]:
@@ -115,8 +153,11 @@ def args_struct(args: tuple[Arg, ...], *, lax: bool = False) -> type[msgspec.Str
     fields = []
     for a in args:
         kind: Any = Any if lax or a.absent else float if a.is_float else int
+        default = None if lax or a.text else a.default
+        if a.text and not lax:
+            kind = str | None if a.text == "value" else tuple[str, ...] | None
         name = a.key if a.key != a.attr else None
-        fields.append((a.attr, kind, msgspec.field(default=None if lax else a.default, name=name)))
+        fields.append((a.attr, kind, msgspec.field(default=default, name=name)))
     return msgspec.defstruct("LaxArgs" if lax else "Args", fields, gc=False, module=__name__)
 
 
@@ -134,7 +175,8 @@ class Table:
     """How one model table is read: the args that fill it, one numeric record per event, its columns."""
 
     name: str
-    args: tuple[Arg, ...]  # in ARGS order
+    args: tuple[Arg, ...]  # its numeric args, in ARGS order
+    sparse: tuple[Arg, ...]  # args read apart, on the events that carry them (``Arg.sparse``)
     fields: tuple[str, ...]  # attribute paths read per event ("ts", "args.correlation", ...)
     record: np.dtype[Any]  # one typed row per event, named "ts", "dur" and each arg's attr
     record_ids: np.dtype[Any]  # the same, then pid and tid
@@ -154,21 +196,23 @@ def _check_unique(attrs: list[str], event_fields: list[str]) -> None:
 
 def table(name: str, args: tuple[Arg, ...] = ARGS) -> Table:
     """Generate a table's record and column dtypes from the argument table."""
-    mine = tuple(a for a in args if getattr(a, name) is not None)
+    every = tuple(a for a in args if getattr(a, name) is not None)
+    mine = tuple(a for a in every if not a.sparse)
     events = _EVENT_FIELDS[name]
     _check_unique([a.attr for a in args], [*events, "pid", "tid"])
     record = np.dtype([(f, "f8") for f in events] + [(a.attr, a.record_dtype) for a in mine])
     dtypes = {k: np.dtype(v) for k, v in _OWN_COLUMNS[name].items()}
-    for a in mine:
+    for a in every:
         dtypes.setdefault(getattr(a, name), np.dtype(a.dtype))
     return Table(
         name=name,
         args=mine,
+        sparse=tuple(a for a in every if a.sparse),
         fields=events + tuple(f"args.{a.attr}" for a in mine),
         record=record,
         record_ids=np.dtype([*record.descr, ("pid", "i8"), ("tid", "i8")]),
         dtypes=dtypes,
-        arg_columns=tuple(dict.fromkeys(getattr(a, name) for a in mine)),
+        arg_columns=tuple(dict.fromkeys(getattr(a, name) for a in every)),
     )
 
 
