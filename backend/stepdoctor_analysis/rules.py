@@ -767,6 +767,15 @@ def rules_markdown() -> str:
     ]
     for r in RULES:
         limits = ", ".join(f"`{k}`={_number(v)}" for k, v in r.thresholds.items())
-        row = (r.id, r.kind, r.title, r.trigger, _number(r.threshold), limits, ", ".join(r.workloads), r.basis)
+        row = (
+            r.id,
+            r.kind,
+            r.title,
+            r.trigger,
+            _number(r.threshold),
+            limits,
+            ", ".join(r.workloads),
+            r.basis,
+        )
         lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
     return "\n".join(lines) + "\n"
