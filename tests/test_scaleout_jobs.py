@@ -11,7 +11,9 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi import FastAPI
@@ -37,10 +39,10 @@ BIG = FIXTURE_TRACES / "hta" / "trace_diff" / "control" / "control.json.gz"  # 3
 SMALL = FIXTURE_TRACES / "hta" / "trace_filter" / "sampled_rank-0.json.gz"
 
 
-def _limited(fn: object, *args: object, timeout_s: float = 30.0, memory_bytes: int = 0) -> object:
+def _limited(fn: Callable[..., Any], *args: Any, timeout_s: float = 30.0, memory_bytes: int = 0) -> Any:
     return run_limited(
         fn, args, timeout_s=timeout_s, memory_bytes=memory_bytes, describe_error=describe_error
-    )  # type: ignore[arg-type]
+    )
 
 
 def test_child_past_the_time_limit_is_killed_with_its_reason() -> None:
@@ -69,18 +71,22 @@ def sqlite_only(db_url: str) -> None:
         pytest.skip("in-process engine behaviour, same code on both databases")
 
 
+def _child_data_bytes() -> int:
+    """Data segment (heap + anonymous mappings) a fresh job child starts with: the limit's base."""
+    status = _limited(Path("/proc/self/status").read_text)
+    kib = next(line.split()[1] for line in str(status).splitlines() if line.startswith("VmData:"))
+    return int(kib) * 1024
+
+
 @pytest.mark.usefixtures("sqlite_only")
-@pytest.mark.parametrize(
-    ("limits", "reason"),
-    [
-        ({"job_timeout_s": 0.02}, "analysis exceeded the time limit of 0.02 s"),  # the engine needs ~0.3 s
-        ({"job_memory_limit_bytes": 200 << 20}, "analysis exceeded the memory limit of 200 MiB"),
-    ],
-)
-def test_trace_over_a_limit_fails_with_the_limit_stored(
-    client: TestClient, app: FastAPI, limits: dict[str, float], reason: str
-) -> None:
-    app.state.settings = app.state.settings.model_copy(update=limits)
+@pytest.mark.parametrize("limit", ["time", "memory"])
+def test_trace_over_a_limit_fails_with_the_limit_stored(client: TestClient, app: FastAPI, limit: str) -> None:
+    if limit == "time":  # the engine needs ~0.3 s for this trace
+        update, reason = {"job_timeout_s": 0.02}, "analysis exceeded the time limit of 0.02 s"
+    else:  # 4 MiB above what the child starts with; this trace needs ~25 MiB more
+        memory = _child_data_bytes() + (4 << 20)
+        update, reason = {"job_memory_limit_bytes": memory}, "analysis exceeded the memory limit of"
+    app.state.settings = app.state.settings.model_copy(update=update)
     trace_id = upload(client, BIG.read_bytes(), run="limits").json()["id"]
     assert drain(app) == 1
     body = client.get(f"/api/v1/traces/{trace_id}").json()
@@ -136,7 +142,7 @@ def test_a_second_delivery_never_stores_a_second_analysis(client: TestClient, ap
     queue = SqlJobQueue(app.state.db)
     with app.state.db.session() as session:
         trace = session.get(Trace, trace_id)
-        key, name = trace.storage_key, trace.filename  # type: ignore[union-attr]
+        key, name = trace.storage_key, trace.filename
     result = analyze_limited(app.state.settings, key, name, {})
     assert queue.claim_trace(trace_id, "host-a:1:0")
     assert queue.claim_trace(trace_id, "host-b:2:0")  # the engine re-delivered it to B
@@ -278,4 +284,4 @@ def test_sweep_requeues_pending_and_orphaned_traces(client: TestClient, app: Fas
     with app.state.db.session() as session:
         locks = session.scalars(text("SELECT lock FROM procrastinate_jobs WHERE status = 'todo'")).all()
         assert sorted(locks) == sorted([f"trace:{pending}", f"trace:{orphan}"])
-        assert session.get(Trace, orphan).status == "pending"  # type: ignore[union-attr]
+        assert session.get(Trace, orphan).status == "pending"

@@ -1,10 +1,14 @@
-"""Run one analysis in a child process under a time limit and an address-space limit.
+"""Run one analysis in a child process under a time limit and a memory limit.
 
 A trace can make the engine run for an hour or allocate more than the machine has; neither may
 take its worker down nor hang it. The child is forked from a forkserver that imported the engine
-once (so a job pays milliseconds, not an import), sets ``RLIMIT_AS`` on itself, and sends back
+once (so a job pays milliseconds, not an import), sets ``RLIMIT_DATA`` on itself, and sends back
 either the result or a one-line reason. The parent kills it at the deadline. Every way a child
 can end maps to a reason users read, e.g. "analysis exceeded the time limit of 600 s".
+
+``RLIMIT_DATA`` (heap and private anonymous mappings, Linux >= 4.7) rather than ``RLIMIT_AS``:
+address space counts what malloc arenas and thread stacks merely reserve, so the same limit
+failed or passed a trace depending on the process's history; data is what the job really uses.
 """
 
 from __future__ import annotations
@@ -121,9 +125,9 @@ def _child_main(
 ) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the worker decides when a job stops
     if memory_bytes > 0:
-        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
         limit = memory_bytes if hard == resource.RLIM_INFINITY else min(memory_bytes, hard)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
     try:
         outcome: tuple[str, Any, str] = ("ok", fn(*args), "")
     except MemoryError:
