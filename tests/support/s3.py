@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -162,7 +163,7 @@ def running_weed(data: Path, *, timeout_s: float = 30.0) -> Iterator[S3Server | 
         else:
             yield S3Server(endpoint=endpoint, bucket=BUCKET)
     finally:
-        process.terminate()
+        process.send_signal(signal.SIGINT)  # weed stops on Ctrl-C; it ignores SIGTERM for a while
         try:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
