@@ -154,8 +154,9 @@ def test_tensorboard_export_makes_a_rank_less_runs_windows_spans_of_one_worker(t
     for name in names:
         m = consts.WORKER_PATTERN.match(name.split("/", 1)[1])
         assert m is not None, name
+        assert consts.NODE_PROCESS_PATTERN.match(m.group(1)) is not None  # the plugin reads a process
         workers.add(m.group(1))
-    assert workers == {"gpu-box-local"}  # one worker, three spans
+    assert workers == {"gpu-box-local_0"}  # one worker, three spans
     assert len(set(names)) == 3
 
 

@@ -161,6 +161,9 @@ def test_tensorboard_names_match_the_plugin_patterns(tmp_path: Path) -> None:
     assert parsed[2][:3] == ("node-a_1", ".000000", "1")
     assert parsed[3][3] is False and all(p[3] for p in parsed[:3])
     assert worker_name("h", 7, 1) == "h_7"
+    assert (
+        worker_name(None, None, 1) == worker_name(None, None, 2) == "node_0"
+    )  # one process: spans of one worker
 
 
 def test_stream_zip_round_trips_large_members(tmp_path: Path) -> None:

@@ -47,16 +47,17 @@ class ExportItem:
 
 
 def worker_name(host: str | None, rank: int | None, trace_id: int) -> str:
-    """``{host}_{rank}``; without a rank, ``{host}``: a rank-less run is one process, so its capture
+    """``{host}_{rank}``; without a rank, ``{host}_0``: a rank-less run is one process, so its capture
     windows (and repeated uploads) become spans of that one worker, as the plugin shows one process
-    profiled several times. ``trace_id`` is unused now and kept for callers.
+    profiled several times. The ``_N`` suffix is what the plugin's ``NODE_PROCESS_PATTERN`` reads as
+    the process. ``trace_id`` is unused now and kept for callers.
 
     Other characters than ``[A-Za-z0-9_-]`` in host names become ``-``: a dot would be read as the
     span separator.
     """
     node = _UNSAFE.sub("-", host).strip("-") if host else ""
     node = node or "node"
-    return f"{node}_{rank}" if rank is not None else node
+    return f"{node}_{rank if rank is not None else 0}"
 
 
 def archive_names(run_name: str, items: Iterable[ExportItem]) -> list[tuple[str, Path | Openable]]:
