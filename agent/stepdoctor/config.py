@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
+_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 _BAD_CHARS = re.compile(r"[^A-Za-z0-9._-]+")
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -24,7 +24,7 @@ def env_flag(name: str) -> bool:
 
 def valid_name(name: str) -> bool:
     """Project/run names the server accepts: 1-128 chars of ``[A-Za-z0-9._-]``, not starting with '.'."""
-    return bool(_NAME_RE.match(name))
+    return bool(_NAME_RE.fullmatch(name))  # fullmatch: "$" would let a trailing newline through
 
 
 def sanitize_name(name: str, fallback: str) -> str:
