@@ -11,9 +11,13 @@ The profiler records communication in several ways, and a job may use any mix of
   (vLLM/SGLang ``cross_device_reduce``, ``multimem`` all-reduce, symmetric-memory one/two-shot,
   FlashInfer's all-reduce fusion, AMD quick-reduce).
 
-Names alone give the type: a kernel's own name when it says it (``AllReduce``, ``dispatch``), else
-the typed host op it was launched under (an NCCL ``SendRecv`` kernel under ``nccl:all_to_all`` is
-an all-to-all, under ``nccl:send`` a pipeline send). ``COLLECTIVE_TYPES`` is the vocabulary.
+The type comes first from what the profiler recorded: ``record_param_comms`` carries the collective's
+``Collective name`` (``allreduce``, ``_allgather_base``, ``all_to_allv``, ``send``), its element
+counts and ``dtype`` (``recorded_type``, ``dtype_bytes``); a kernel launched under such an op is of
+that type whatever it is called. Without it, names give the type: a kernel's own name when it says
+it (``AllReduce``, ``dispatch``), else the typed host op it was launched under (an NCCL ``SendRecv``
+kernel under ``nccl:all_to_all`` is an all-to-all, under ``nccl:send`` a pipeline send).
+``COLLECTIVE_TYPES`` is the vocabulary.
 """
 
 from __future__ import annotations
@@ -84,6 +88,33 @@ def collective_type(name: str) -> str | None:
         if word in squashed:
             return kind
     return None
+
+
+# ``Collective name`` values that are bookkeeping, not a transfer (``wait`` on a work handle, setup).
+_BOOKKEEPING = re.compile(r"^(?:wait|init|abort|destroy|shutdown|comm_split|work)", re.IGNORECASE)
+
+
+def recorded_type(value: str) -> str | None:
+    """The type of a ``Collective name`` arg; None for bookkeeping (``wait``) that moves no data."""
+    if not value or _BOOKKEEPING.match(value):
+        return None
+    return collective_type(value) or "other"  # gather, scatter, ...: a collective of no listed type
+
+
+# Bytes per element of the ``dtype`` record_param_comms writes (c10 ScalarType names).
+_DTYPE_BYTES = {
+    "byte": 1, "char": 1, "bool": 1, "uint8": 1, "int8": 1, "short": 2, "int16": 2, "uint16": 2,
+    "half": 2, "bfloat16": 2, "complexhalf": 4, "int": 4, "int32": 4, "uint32": 4, "float": 4,
+    "long": 8, "int64": 8, "uint64": 8, "double": 8, "complexfloat": 8, "complexdouble": 16,
+}  # fmt: skip
+
+
+def dtype_bytes(dtype: str) -> int | None:
+    """Bytes per element of a ScalarType name (``Float``, ``BFloat16``, ``Float8_e4m3fn``); None if unknown."""
+    low = dtype.lower().removeprefix("c10::")
+    if low.startswith("float8"):
+        return 1
+    return _DTYPE_BYTES.get(low)
 
 
 def library(name: str) -> str:

@@ -4,8 +4,11 @@ Exposed communication is collective time that no compute kernel overlaps (HTA's 
 overlap, anchors §3); only that part lengthens the step. It is reported per collective type
 (``collectives.COLLECTIVE_TYPES``), because the fix depends on the type: an exposed all-to-all
 (MoE, embedding tables) is not fixed by DDP's bucket size, an FSDP all-gather not by a compression
-hook. Each collective kernel takes the type of the typed host op it was launched under
-(``nccl:all_to_all``, ``c10d::send``), else the one its own name states, else ``other``.
+hook. Each collective kernel takes the type recorded by the ``record_param_comms`` op it was
+launched under (its ``Collective name``), else that of the typed host op around it
+(``nccl:all_to_all``, ``c10d::send``), else the one its own name states, else ``other``. Where the
+ops recorded their messages, each type also gets its bytes per step and algorithmic bandwidth
+(bytes / collective time, nccl-tests' ``algbw``).
 
 ``arrival_ns_per_step`` is when, from the step's start, the rank reaches its first collective:
 with synchronised collectives a rank that arrives late makes the others wait (``ranks``).
@@ -13,6 +16,7 @@ with synchronised collectives a rank that arrives late makes the others wait (``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,8 +29,8 @@ from .breakdown import (
     communication_kernel_mask,
     computation_kernel_union,
 )
-from .collectives import collective_type, library
-from .model import I64, Mask, RankTrace, Step
+from .collectives import COLLECTIVE_TYPES, collective_type, dtype_bytes, library, recorded_type
+from .model import I8, I64, NONE, Mask, RankTrace, Step
 from .steps import launching_call
 
 
@@ -41,6 +45,11 @@ class CollectiveStat:
     overlapped_ns_per_step: float
     libraries: list[str] = field(default_factory=list)  # nccl, deepep, custom_all_reduce, gloo, ...
     top: list[str] = field(default_factory=list)  # its longest kernel/op names
+    # From record_param_comms args (None without them): what its calls moved, and how fast.
+    recorded_calls_per_step: float | None = None  # calls whose op recorded "Collective name"
+    bytes_per_step: float | None = None  # message bytes: max(In, Out msg nelems) × dtype size
+    mean_message_bytes: float | None = None
+    algbw_gbps: float | None = None  # bytes_per_step / time_ns_per_step (GB/s)
 
     @property
     def overlap_fraction(self) -> float:
@@ -120,7 +129,11 @@ def analyze_comm(trace: RankTrace, steps: list[Step]) -> CommStats:
 
 
 def kernel_collective_types(trace: RankTrace, cmask: Mask, calls: Mask) -> list[str]:
-    """Type of each collective kernel (in ``cmask`` order): the enclosing typed host op's, else its name's."""
+    """Type of each collective kernel (in ``cmask`` order).
+
+    The ``Collective name`` recorded by the op it was launched under wins; else the enclosing typed
+    host op's (``nccl:all_reduce``); else its own name's; else ``other``.
+    """
     g, h = trace.gpu, trace.host
     idx = cmask.nonzero()[0]
     by_name = {int(n): collective_type(trace.strings[int(n)]) for n in np.unique(g.name[idx])}
@@ -128,17 +141,34 @@ def kernel_collective_types(trace: RankTrace, cmask: Mask, calls: Mask) -> list[
     typed = calls.nonzero()[0] if len(calls) else np.empty(0, np.int64)
     op_type = {int(n): collective_type(trace.strings[int(n)]) for n in np.unique(h.name[typed])}
     typed = typed[[op_type[int(n)] is not None for n in h.name[typed]]]
+    codes = recorded_types(trace)
+    recorded = np.flatnonzero(codes >= 0)
     launcher = launching_call(trace)[idx]
-    if typed.size == 0 or not (launcher >= 0).any():
+    if (typed.size == 0 and recorded.size == 0) or not (launcher >= 0).any():
         return out
+    _type_by_enclosing_op(trace, typed, [op_type[int(n)] or "" for n in h.name[typed]], launcher, out)
+    _type_by_enclosing_op(trace, recorded, [COLLECTIVE_TYPES[c] for c in codes[recorded]], launcher, out)
+    return out
+
+
+def _type_by_enclosing_op(
+    trace: RankTrace, ops: I64, types: list[str], launcher: I64, out: list[str]
+) -> None:
+    """Give each kernel (``launcher``: its launching call) the type of the op around its launch."""
+    if ops.size == 0:
+        return
+    h = trace.host
+    kinds = np.array(types, dtype=object)
     at = np.where(launcher >= 0, h.ts[np.maximum(launcher, 0)], np.iinfo(np.int64).min)
     tid = np.where(launcher >= 0, h.tid[np.maximum(launcher, 0)], -1)
-    for thread in np.unique(h.tid[typed]).tolist():  # a launch is inside ops of its own thread only
-        ops = typed[h.tid[typed] == thread]
-        ops = ops[h.ts[ops].argsort(kind="stable")]
-        op_start = h.ts[ops]
+    for thread in np.unique(h.tid[ops]).tolist():  # a launch is inside ops of its own thread only
+        on = h.tid[ops] == thread
+        mine = ops[on]
+        order = h.ts[mine].argsort(kind="stable")
+        mine, mine_types = mine[order], kinds[on][order]
+        op_start = h.ts[mine]
         # The enclosing op: among ops starting at or before the launch, the one reaching furthest.
-        reach = np.maximum.accumulate(h.end[ops])
+        reach = np.maximum.accumulate(h.end[mine])
         owner = np.zeros(reach.size, np.int64)
         changed = np.concatenate([[0], np.flatnonzero(np.diff(reach)) + 1])
         owner[changed] = changed
@@ -147,8 +177,74 @@ def kernel_collective_types(trace: RankTrace, cmask: Mask, calls: Mask) -> list[
         inside = (launcher >= 0) & (tid == thread) & (j >= 0)
         inside[inside] = reach[j[inside]] >= at[inside]
         for k in inside.nonzero()[0].tolist():
-            out[k] = op_type[int(h.name[ops[owner[j[k]]]])] or out[k]
+            out[k] = mine_types[owner[j[k]]] or out[k]
+
+
+def recorded_types(trace: RankTrace) -> I8:
+    """Per host event, the collective type its ``Collective name`` arg records (index into
+    ``COLLECTIVE_TYPES``), -1 where none is recorded or the op is bookkeeping (``wait``)."""
+
+    def evaluate() -> I8:
+        h = trace.host
+        out = np.full(len(h), -1, np.int8)
+        has = h.collective != NONE
+        for sid in np.unique(h.collective[has]).tolist():
+            kind = recorded_type(trace.strings[sid])
+            if kind is not None:
+                out[h.collective == sid] = COLLECTIVE_TYPES.index(kind)
+        return out
+
+    return trace.memo("comm.recorded_types", evaluate)
+
+
+def message_bytes(trace: RankTrace) -> I64:
+    """Per host event, the bytes its recorded collective moves (the larger of its input and output
+    messages, ``Out`` for an all-gather and ``In`` for a reduce-scatter); NONE where unknown."""
+
+    def evaluate() -> I64:
+        h = trace.host
+        out = np.full(len(h), NONE, np.int64)
+        elems = np.maximum(h.in_nelems, h.out_nelems)
+        has = (h.msg_dtype != NONE) & (elems >= 0)
+        for sid in np.unique(h.msg_dtype[has]).tolist():
+            size = dtype_bytes(trace.strings[sid])
+            if size is not None:
+                sel = has & (h.msg_dtype == sid)
+                out[sel] = elems[sel] * size
+        return out
+
+    return trace.memo("comm.message_bytes", evaluate)
+
+
+def _recorded_bytes(trace: RankTrace, starts: I64, ends: I64) -> dict[str, tuple[int, int, int]]:
+    """Per recorded type, over the steps: (calls, calls with a known size, their total bytes)."""
+    codes = recorded_types(trace)
+    ops = np.flatnonzero((codes >= 0) & tl.in_windows(trace.host.ts, starts, ends))
+    size = message_bytes(trace)[ops]
+    out = {}
+    for c in np.unique(codes[ops]).tolist():
+        mine = codes[ops] == c
+        known = mine & (size >= 0)
+        out[COLLECTIVE_TYPES[c]] = (int(mine.sum()), int(known.sum()), int(size[known].sum()))
     return out
+
+
+def _with_bytes(stat: CollectiveStat, recorded: dict[str, tuple[int, int, int]], n: int) -> CollectiveStat:
+    """``stat`` with what its recorded calls moved (unchanged when none recorded it)."""
+    got = recorded.get(stat.type)
+    if got is None:
+        return stat
+    calls, sized, total = got
+    per_step = total / n if sized else None
+    return dataclasses.replace(
+        stat,
+        recorded_calls_per_step=calls / n,
+        bytes_per_step=per_step,
+        mean_message_bytes=total / sized if sized else None,
+        algbw_gbps=(
+            round(per_step / stat.time_ns_per_step, 3) if per_step and stat.time_ns_per_step > 0 else None
+        ),
+    )
 
 
 def _kernel_types(
@@ -178,14 +274,24 @@ def _kernel_types(
                 top=[trace.strings[i] for i in top],
             )
         )
+    recorded = _recorded_bytes(trace, starts, ends)
+    out = [_with_bytes(c, recorded, n) for c in out]
     return sorted(out, key=lambda c: (-c.exposed_ns_per_step, -c.time_ns_per_step, c.type))
 
 
 def _host_types(trace: RankTrace, calls: Mask, starts: I64, ends: I64) -> list[CollectiveStat]:
     """CPU collectives (gloo): each typed host op's time is all exposed (no device to overlap)."""
     h = trace.host
-    idx = calls.nonzero()[0]
-    kinds = np.array([collective_type(trace.strings[int(n)]) or "other" for n in h.name[idx]], dtype=object)
+    codes = recorded_types(trace)
+    # Ops whose Collective name is bookkeeping (``wait``) move nothing: not a collective of any type.
+    idx = np.flatnonzero(calls & ((h.collective == NONE) | (codes >= 0)))
+    kinds = np.array(
+        [
+            COLLECTIVE_TYPES[c] if c >= 0 else collective_type(trace.strings[int(name)]) or "other"
+            for name, c in zip(h.name[idx].tolist(), codes[idx].tolist(), strict=True)
+        ],
+        dtype=object,
+    )
     n = max(1, len(starts))
     out = []
     for kind in sorted(set(kinds.tolist())):
@@ -204,6 +310,8 @@ def _host_types(trace: RankTrace, calls: Mask, starts: I64, ends: I64) -> list[C
                 top=[trace.strings[i] for i in top],
             )
         )
+    recorded = _recorded_bytes(trace, starts, ends)
+    out = [_with_bytes(c, recorded, n) for c in out]
     return sorted(out, key=lambda c: (-c.exposed_ns_per_step, c.type))
 
 

@@ -12,12 +12,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from . import timeline as tl
 from .model import GpuKind, HostKind, RankTrace, Step
-from .precision import matmul_ns_by_precision, matmul_precision, trace_caps
+from .precision import matmul_ns_by_precision, matmul_precision, matmul_precision_evidence, trace_caps
 from .steps import launching_call
 from .transfers import small_htod_copies
 
@@ -86,6 +87,9 @@ class OpStats:
     patterns: list[AntiPattern] = field(default_factory=list)
     # Matmul-class (GEMM/conv/attention) kernel time per step by precision, read from kernel names.
     matmul_ns_by_precision: dict[str, float] = field(default_factory=dict)
+    # With record_shapes: that time by kernel name and by the launching op's input dtype, and where
+    # they disagree (the op dtype is used); empty without op dtypes (``precision``).
+    matmul_precision_evidence: dict[str, Any] = field(default_factory=dict)
     kernel_ns_per_step: float = 0.0  # all kernels, summed (not a union)
 
 
@@ -115,6 +119,7 @@ def analyze_ops(trace: RankTrace, steps: list[Step], minimums: Mapping[str, floa
             k: v / n for k, v in (matmul_ns_by_precision(trace, kernels) if len(g) else {}).items()
         },
         "kernel_ns_per_step": float(g.dur[kernels].sum()) / n if len(g) else 0.0,
+        "matmul_precision_evidence": matmul_precision_evidence(trace, kernels, n) if len(g) else {},
     }
     patterns = [
         p

@@ -5,6 +5,11 @@ attention) still in FP32, in a dtype the device has fast units for. Both facts a
 kernel names carry the precision (cuBLAS/CUTLASS/cuDNN and ROCm Tensile/hipBLASLt conventions), and
 ``deviceProperties`` the compute capability; when that is missing or ambiguous (AMD reports gfx
 versions as 9.x, old traces have no properties at all) the device name and the launch API decide.
+
+With ``record_shapes`` the op that launched a kernel also says it: ``aten::mm`` with ``Input type``
+``["float", "float"]`` is FP32 work whatever its kernel is called (Triton, CUTLASS, a fused kernel
+with no dtype token). That op dtype decides where the name says nothing, and wins where the two
+disagree (both are kept in the evidence, ``matmul_precision_evidence``).
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from .model import DeviceInfo, GpuKind, RankTrace
+from .model import I8, NONE, DeviceInfo, GpuKind, HostKind, RankTrace
+from .steps import launching_call
 
 # Kernels doing matmul-class arithmetic, where precision decides speed (substrings of the
 # lower-cased name: kernel names are long C++ templates, and substring tests are ~50× cheaper than
@@ -65,19 +72,156 @@ def matmul_precision(name: str) -> str | None:
     return "unknown"
 
 
+# Codes for per-kernel precision arrays (-1: not matmul-class / not known).
+PRECISIONS = ("fp8", "int8", "bf16", "fp16", "tf32", "fp64", "fp32", "unknown")
+_CODE = {p: i for i, p in enumerate(PRECISIONS)}
+_TF32, _FP32, _UNKNOWN = _CODE["tf32"], _CODE["fp32"], _CODE["unknown"]
+
+# Host ops doing matmul-class work, whose input dtype is the precision of the kernels they launch.
+_MATMUL_OP_RE = re.compile(
+    r"^aten::(?:mm|addmm|bmm|baddbmm|addbmm|matmul|linear|_addmm_activation|_scaled_mm|"
+    r"(?:cudnn_|miopen_|mkldnn_|_)?conv\w*|(?:_|cudnn_|miopen_)?convolution\w*|"
+    r"_?scaled_dot_product\w*|_flash_attention\w*|_efficient_attention\w*)$"
+)
+
+
+def op_dtype_precision(dtype: str) -> str | None:
+    """Precision of an op's floating ``Input type`` ("float", "c10::BFloat16", "float8_e4m3fn")."""
+    low = dtype.lower().removeprefix("c10::")
+    if "float8" in low:
+        return "fp8"
+    if "bfloat16" in low:
+        return "bf16"
+    if "half" in low:
+        return "fp16"
+    if low in ("float", "float32"):
+        return "fp32"
+    if low in ("double", "float64"):
+        return "fp64"
+    return None
+
+
+def kernel_op_precision(trace: RankTrace) -> I8:
+    """Per GPU event, the precision code of the matmul-class op that launched it (-1 when none).
+
+    The launch call carries the External id of the innermost op around it (``aten::addmm`` inside
+    ``aten::linear``), whose first floating input is the dtype the kernel computes in.
+    """
+
+    def evaluate() -> I8:
+        h, g = trace.host, trace.gpu
+        out = np.full(len(g), -1, np.int8)
+        typed = h.input_dtype != NONE
+        if not typed.any() or not len(g):
+            return out
+        ops = np.flatnonzero(
+            typed & trace.host_named(_MATMUL_OP_RE.match, "precision.matmul_ops", HostKind.CPU_OP)
+        )
+        ops = ops[h.external_id[ops] != NONE]
+        if ops.size == 0:
+            return out
+        by_dtype = {int(d): op_dtype_precision(trace.strings[int(d)]) for d in np.unique(h.input_dtype[ops])}
+        codes = np.array([_CODE.get(by_dtype[int(d)] or "", -1) for d in h.input_dtype[ops]], np.int8)
+        order = h.external_id[ops].argsort(kind="stable")
+        ext, codes = h.external_id[ops][order], codes[order]
+        call = launching_call(trace)
+        launched = np.flatnonzero(call >= 0)
+        want = h.external_id[call[launched]]
+        j = np.minimum(ext.searchsorted(want), ext.size - 1)
+        hit = ext[j] == want
+        out[launched[hit]] = codes[j[hit]]
+        rest = launched[~hit]  # older Kineto: launches carry their own id; find the op around them
+        if rest.size:
+            out[rest] = _code_of_op_around(trace, ops, by_dtype, call[rest])
+        return out
+
+    return trace.memo("precision.kernel_op", evaluate)
+
+
+def _code_of_op_around(
+    trace: RankTrace, ops: np.ndarray, by_dtype: dict[int, str | None], calls: np.ndarray
+) -> I8:
+    """Precision code of the innermost of ``ops`` around each launch call on its thread (-1: none)."""
+    h = trace.host
+    out = np.full(calls.size, -1, np.int8)
+    for thread in np.unique(h.tid[ops]).tolist():
+        mine = ops[h.tid[ops] == thread]
+        mine = mine[h.ts[mine].argsort(kind="stable")]
+        sel = np.flatnonzero(h.tid[calls] == thread)
+        at = h.ts[calls[sel]]
+        j = h.ts[mine].searchsorted(at, side="right") - 1
+        ok = j >= 0
+        ok[ok] = h.end[mine[j[ok]]] >= at[ok]  # the latest op starting before the launch still runs
+        for k in np.flatnonzero(ok).tolist():
+            p = by_dtype[int(h.input_dtype[mine[j[k]]])]
+            out[sel[k]] = _CODE.get(p or "", -1)
+    return out
+
+
+def _kernel_precisions(trace: RankTrace, kernels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Of the selected kernels: precision by name, by launching op, and the one used (codes, -1 none).
+
+    The op's dtype decides where the name is silent (not matmul-like, or no dtype token) and where
+    they disagree; a TF32 kernel for an FP32 op agrees (that is how FP32 matmuls run on tensor cores).
+    """
+    g = trace.gpu
+    names = g.name[kernels]
+    by_name = np.full(len(trace.strings), -1, np.int8)
+    for i in np.unique(names).tolist():
+        p = matmul_precision(trace.strings[i])
+        by_name[i] = -1 if p is None else _CODE[p]
+    name_code = by_name[names]
+    op_code = kernel_op_precision(trace)[kernels]
+    agree = (name_code == op_code) | ((name_code == _TF32) & (op_code == _FP32))
+    silent = (name_code < 0) | (name_code == _UNKNOWN)
+    used = np.where((op_code < 0) | agree | ((op_code == _UNKNOWN) & ~silent), name_code, op_code)
+    return name_code, op_code, used
+
+
+def _ns_by_code(codes: np.ndarray, durs: np.ndarray) -> dict[str, float]:
+    sums = np.bincount(
+        codes[codes >= 0], weights=durs[codes >= 0].astype(np.float64), minlength=len(PRECISIONS)
+    )
+    return {PRECISIONS[i]: float(sums[i]) for i in sums.nonzero()[0].tolist()}
+
+
 def matmul_ns_by_precision(trace: RankTrace, kernels: np.ndarray) -> dict[str, float]:
     """Total kernel time (ns) of the selected kernels per matmul precision (non-matmul kernels left out)."""
-    g = trace.gpu
     if not kernels.any():
         return {}
-    n = len(trace.strings)
-    sums = np.bincount(g.name[kernels], weights=g.dur[kernels].astype(np.float64), minlength=n)
-    out: dict[str, float] = {}
-    for i in sums.nonzero()[0].tolist():
-        p = matmul_precision(trace.strings[i])
-        if p is not None:
-            out[p] = out.get(p, 0.0) + float(sums[i])
-    return out
+    return _ns_by_code(_kernel_precisions(trace, kernels)[2], trace.gpu.dur[kernels])
+
+
+def matmul_precision_evidence(trace: RankTrace, kernels: np.ndarray, n_steps: int) -> dict[str, Any]:
+    """Where the matmul precision came from, µs per step: kernel names, launching ops' input dtypes,
+    and the kernels where they disagree (the op dtype was used). Empty without op dtypes."""
+    if not kernels.any():
+        return {}
+    name_code, op_code, used = _kernel_precisions(trace, kernels)
+    if not (op_code >= 0).any():
+        return {}
+    durs = trace.gpu.dur[kernels]
+    per_step = max(1, n_steps) * 1e3
+
+    def us(by: dict[str, float]) -> dict[str, float]:
+        return {k: round(v / per_step, 1) for k, v in by.items()}
+
+    differ = (op_code >= 0) & (name_code >= 0) & (name_code != _UNKNOWN) & (used != name_code)
+    names = trace.gpu.name[kernels]
+    disagreements = [
+        {
+            "kernel": trace.strings[int(i)],
+            "kernel_name_says": PRECISIONS[int(name_code[differ & (names == i)][0])],
+            "op_dtype_says": PRECISIONS[int(op_code[differ & (names == i)][0])],
+        }
+        for i in np.unique(names[differ])[:5].tolist()
+    ]
+    return {
+        "by_kernel_name_us_per_step": us(_ns_by_code(name_code, durs)),
+        "by_op_dtype_us_per_step": us(_ns_by_code(op_code, durs)),
+        "decided_by_op_dtype_us_per_step": us(_ns_by_code(np.where(used != name_code, used, -1), durs)),
+        "disagreements": disagreements,
+    }
 
 
 @dataclass(frozen=True)

@@ -364,6 +364,7 @@ def _compute(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
         "fp32_matmul_us_per_step": _us(work["fp32"]),
         "tf32_matmul_us_per_step": _us(work["tf32"]),
         "matmul_us_by_precision": {k: _us(v) for k, v in ctx.ops.matmul_ns_by_precision.items()},
+        **_precision_sources(ctx),
         "device_arch": caps.arch if caps else None,
         "autocast_dtype": dtype,
     }
@@ -394,6 +395,12 @@ def _compute(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     return Hit(ctx.share("compute"), mid, evidence, params, removable_range_ns=(lo, hi))
 
 
+def _precision_sources(ctx: Context) -> dict[str, Any]:
+    """Kernel-name and op-dtype evidence for the matmul precision, when record_shapes gave op dtypes."""
+    got = ctx.ops.matmul_precision_evidence
+    return {"precision_sources": got} if got else {}
+
+
 def _no_cheap_compute_win(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     """Matmuls already in reduced precision (or FP32 work too small): say so instead of advising it again."""
     if not ctx.has_gpu or ctx.ns("compute") <= 0:
@@ -409,6 +416,7 @@ def _no_cheap_compute_win(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     evidence = {
         "matmul_us_by_precision": {k: _us(v) for k, v in by.items()},
         "low_precision_fraction": round(low / matmul, 3),
+        **_precision_sources(ctx),
     }
     return Hit(ctx.share("compute"), 0.0, evidence, {"dtypes": dtypes, "low_pct": 100 * low / matmul}, 0.7)
 
