@@ -1,9 +1,10 @@
-"""App plumbing: JSON errors everywhere, health/readiness/metrics, OpenAPI, the worker seam."""
+"""App plumbing: JSON errors everywhere, health/readiness/metrics, OpenAPI, explicit wiring, the worker pool."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -82,10 +83,11 @@ def test_lifespan_starts_and_stops_the_worker_pool(
         def stop(self) -> None:
             events.append("stop")
 
-    fake = types.ModuleType("fake_worker_for_test")
-    fake.start_pool = lambda settings: events.append(f"start:{settings.workers}") or Handle()  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "fake_worker_for_test", fake)
-    monkeypatch.setattr(app_module, "WORKER_MODULE", "fake_worker_for_test")
+    def start_pool(settings: Settings) -> Handle:
+        events.append(f"start:{settings.workers}")
+        return Handle()
+
+    monkeypatch.setattr(app_module.worker, "start_pool", start_pool)
 
     with TestClient(create_app(server_settings.model_copy(update={"workers": 2}))):
         assert events == ["start:2"]
@@ -93,3 +95,62 @@ def test_lifespan_starts_and_stops_the_worker_pool(
     with TestClient(create_app(server_settings)):  # workers=0: no pool
         pass
     assert events == ["start:2", "stop"]
+
+
+# One request per part of the service: (method, URL, the route template that must answer it).
+EXPECTED_ROUTES = [
+    ("POST", "/api/v1/traces", "/api/v1/traces"),  # api_traces
+    ("GET", "/api/v1/traces/1", "/api/v1/traces/{trace_id}"),
+    ("GET", "/api/v1/runs", "/api/v1/runs"),  # api_catalog
+    ("GET", "/api/v1/projects", "/api/v1/projects"),
+    ("GET", "/api/v1/traces/1/report", "/api/v1/traces/{trace_id}/report"),  # api_analysis
+    ("GET", "/api/v1/compare", "/api/v1/compare"),
+    ("GET", "/api/v1/traces/1/deep", "/api/v1/traces/{trace_id}/deep"),
+    ("GET", "/", "/"),  # the dashboard
+    ("GET", "/runs", "/runs"),
+    ("GET", "/compare", "/compare"),
+    ("GET", "/login", "/login"),
+    ("GET", "/docs", "/docs"),  # api_docs
+    ("GET", "/redoc", "/redoc"),
+    ("GET", "/healthz", "/healthz"),  # the app's own
+    ("GET", "/metrics", "/metrics"),
+]
+
+
+def test_every_part_of_the_service_is_routed(client: TestClient) -> None:
+    """Each part answers through its own route (the metrics label a request by its matched template)."""
+    for method, url, _ in EXPECTED_ROUTES:
+        client.request(method, url, follow_redirects=False)
+    text = client.get("/metrics").text
+    for method, url, template in EXPECTED_ROUTES:
+        assert f'method="{method}",route="{template}"' in text, f"{method} {url} matched no route {template}"
+    assert 'route="unmatched"' not in text
+
+
+# The interpreter of an install that lacks one part: the module reads as absent, then the app is built.
+WITHOUT_PART = """
+import sys
+sys.modules[sys.argv[1]] = None
+try:
+    from stepdoctor_server.app import create_app
+    create_app()
+except ImportError as exc:
+    print(exc)
+    raise SystemExit(3)
+print("started without", sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize(
+    "part", ["stepdoctor_dashboard.routes", "stepdoctor_server.api_analysis", "stepdoctor_server.worker"]
+)
+def test_a_missing_part_stops_the_server_with_a_message(part: str, tmp_path: Path) -> None:
+    env = {**os.environ, "STEPDOCTOR_DATA_DIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", WITHOUT_PART, part], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert out.stdout.startswith(f"stepdoctor server cannot start: its part {part} does not import"), (
+        out.stdout
+    )
+    assert "pip install 'stepdoctor[server]'" in out.stdout

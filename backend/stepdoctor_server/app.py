@@ -1,12 +1,15 @@
-"""Application factory: routers, JSON errors, health, readiness, metrics and the worker seam.
+"""Application factory: routers, JSON errors, health, readiness, metrics and the worker pool.
 
 Every error leaves as ``{"error": {"code", "message"}}``; an unexpected exception is logged with
 its traceback on the server and answered with a bare 500, never a stack trace to the client.
+
+Every part of the service (API routers, dashboard, worker pool) is imported here by name, so a
+rename breaks mypy and the import instead of silently dropping routes; a part that cannot be
+imported stops the server at start with an ImportError naming it and the install that fixes it.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 import time
@@ -29,7 +32,15 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from stepdoctor_server import api_catalog, api_docs, api_traces
+try:  # the parts of the service: none is optional, so a missing one stops the server at start
+    from stepdoctor_dashboard import routes as dashboard
+    from stepdoctor_server import api_analysis, api_catalog, api_docs, api_traces, worker
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess by test_server_app
+    raise ImportError(
+        f"stepdoctor server cannot start: its part {exc.name or '?'} does not import ({exc}); "
+        "reinstall with pip install 'stepdoctor[server]'",
+        name=exc.name,
+    ) from exc
 from stepdoctor_server.auth import AdminTeam
 from stepdoctor_server.db import Database
 from stepdoctor_server.errors import ApiError
@@ -41,15 +52,6 @@ from stepdoctor_server.storage import make_store
 from stepdoctor_server.timeouts import BodyReadTimeoutMiddleware
 
 log = logging.getLogger("stepdoctor.server")
-
-# Optional modules written by other engineers; the app works (and is tested) without them.
-WORKER_MODULE = "stepdoctor_server.worker"
-# Each exposes ``install(app)`` (pages, static mounts) or a ``router``.
-EXTRA_ROUTER_MODULES = (
-    "stepdoctor_server.api_analysis",
-    "stepdoctor_server.api_exports",
-    "stepdoctor_dashboard.routes",
-)
 
 
 def error_response(
@@ -197,34 +199,19 @@ def _content_length(scope: Scope) -> int:
     return 0
 
 
-# -- worker seam ---------------------------------------------------------------------------------
+# -- worker pool ---------------------------------------------------------------------------------
 
 
-def _start_workers(settings: Settings) -> Any:
-    """Start ``stepdoctor_server.worker.start_pool(settings)`` if that module exists.
-
-    The returned handle is stopped at shutdown through its ``stop()`` (or by calling it).
-    """
+def _start_workers(settings: Settings) -> worker.Pool | None:
+    """The in-process analysis pool; none with ``workers=0`` (API-only replicas)."""
     if settings.workers <= 0:
-        return None
-    try:
-        worker = importlib.import_module(WORKER_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name != WORKER_MODULE:
-            raise
-        log.warning("no analysis worker module (%s); traces stay pending", WORKER_MODULE)
         return None
     return worker.start_pool(settings)
 
 
-def _stop_workers(handle: Any) -> None:
-    if handle is None:
-        return
-    stop = getattr(handle, "stop", None)
-    if callable(stop):
-        stop()
-    elif callable(handle):
-        handle()
+def _stop_workers(handle: worker.Pool | None) -> None:
+    if handle is not None:
+        handle.stop()
 
 
 class _PartialCleaner:
@@ -251,23 +238,6 @@ class _PartialCleaner:
 
     def stop(self) -> None:
         self._stop.set()
-
-
-def _include_optional_routers(app: FastAPI) -> None:
-    """Routers owned by other teams join through ``install(app)`` or their ``router``."""
-    for name in EXTRA_ROUTER_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue
-        install = getattr(module, "install", None)
-        router = getattr(module, "router", None)
-        if callable(install):
-            install(app)
-        elif router is not None:
-            app.include_router(router)
 
 
 # -- factory -------------------------------------------------------------------------------------
@@ -316,9 +286,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(SecurityHeadersMiddleware)
     app.include_router(api_traces.router)
     app.include_router(api_catalog.router)
+    app.include_router(api_analysis.router)
     _install_health(app)
     api_docs.install(app)
-    _include_optional_routers(app)
+    dashboard.install(app)  # last: its HTML error pages wrap the JSON handlers installed above
     return app
 
 
