@@ -46,6 +46,26 @@ def test_db_upgrade_then_token_create_and_list(
         assert client.get("/api/v1/runs", headers=bearer(token)).status_code == 200
 
 
+def test_the_console_script_reaches_every_server_command(
+    env_settings: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Through ``stepdoctor``'s one dispatcher table (the entries resolve; args arrive without the name)."""
+    import importlib
+
+    from stepdoctor.cli import COMMANDS, main
+
+    for name, command in COMMANDS.items():
+        module, function = command.entry.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), name
+    assert main(["db", "upgrade"]) == 0
+    assert main(["token", "create", "--team", "ops", "--scope", "read"]) == 0
+    assert main(["token", "list", "--team", "ops"]) == 0
+    assert "read" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["worker", "--help"])
+    assert exc.value.code == 0 and "usage: stepdoctor worker" in capsys.readouterr().out
+
+
 def test_cli_errors_are_one_line(env_settings: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cli.main(["db", "upgrade"])
     capsys.readouterr()

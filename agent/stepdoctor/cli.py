@@ -1,7 +1,8 @@
 """The ``stepdoctor`` console script: a thin dispatcher to each layer's own command module.
 
 Each subcommand lives with the layer it belongs to and is imported only when invoked, so the
-agent-only install never imports the server's (absent) dependencies. A command whose extra is
+agent-only install never imports the server's (absent) dependencies. One table says, for every
+command, the function that runs it: ``main(argv)`` gets the arguments after the command's name. A command whose extra is
 not installed answers with one line naming the ``pip install`` that fixes it (exit 2), whether
 the gap shows before the command starts or when it first imports the missing module.
 """
@@ -12,20 +13,27 @@ import importlib
 import importlib.util
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
-# subcommand -> (module with ``main(argv) -> int``, extra that provides its dependencies, summary)
-COMMANDS: dict[str, tuple[str, str | None, str]] = {
-    "analyze": ("stepdoctor_analysis.cli", "analyze", "diagnose trace files offline (no server)"),
-    "trim": (
-        "stepdoctor_analysis.trim_cli",
+
+class Command(NamedTuple):
+    entry: str  # "module:function"; the function takes the argv after the command name
+    extra: str | None  # the extra that installs its dependencies (None: stdlib only)
+    summary: str
+
+
+COMMANDS: dict[str, Command] = {
+    "analyze": Command("stepdoctor_analysis.cli:main", "analyze", "diagnose trace files offline (no server)"),
+    "trim": Command(
+        "stepdoctor_analysis.trim_cli:main",
         "analyze",
         "cut steps out of a big trace (trim IN OUT --steps 5-6)",
     ),
-    "sync": ("stepdoctor.sync", None, "upload traces left in the local spool"),
-    "serve": ("stepdoctor_server.cli", "server", "run the API server and dashboard"),
-    "worker": ("stepdoctor_server.cli", "server", "run analysis workers only"),
-    "token": ("stepdoctor_server.cli", "server", "create or list API tokens"),
-    "db": ("stepdoctor_server.cli", "server", "database migrations (db upgrade)"),
+    "sync": Command("stepdoctor.sync:main", None, "upload traces left in the local spool"),
+    "serve": Command("stepdoctor_server.cli:serve_main", "server", "run the API server and dashboard"),
+    "worker": Command("stepdoctor_server.worker:main", "server", "run analysis workers only"),
+    "token": Command("stepdoctor_server.cli:token_main", "server", "create, list or revoke API tokens"),
+    "db": Command("stepdoctor_server.cli:db_main", "server", "database migrations (db upgrade)"),
 }
 
 # extra -> top-level modules it installs that the commands need (a test keeps this in step with
@@ -101,16 +109,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"stepdoctor: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module_name, extra, _ = COMMANDS[command]
+    entry, extra, _ = COMMANDS[command]
     absent = missing_module(extra) if extra else None
     if extra and absent:
         print(install_hint(command, extra, absent), file=sys.stderr)
         return 2
-    # Server commands share one module and take the command name as their first argument.
-    sub_argv = args if module_name == "stepdoctor_server.cli" else args[1:]
+    module_name, function = entry.split(":")
     try:
         module = importlib.import_module(module_name)
-        return int(module.main(sub_argv) or 0)
+        return int(getattr(module, function)(args[1:]) or 0)
     except ModuleNotFoundError as exc:
         # A module imported lazily deep inside the command (``--deep`` needs HTA, say).
         needed = extra_providing(exc.name) or extra

@@ -1,7 +1,8 @@
 """Server commands: ``serve``, ``worker``, ``token create|list|revoke``, ``db upgrade``.
 
-``main(argv)`` takes the command name as ``argv[0]`` (the ``stepdoctor`` dispatcher passes it on).
-Errors are one line on stderr and exit status 1 (2 for usage errors), never a traceback.
+``main(argv)`` takes the command name as ``argv[0]``; the ``stepdoctor`` dispatcher calls
+``serve_main``/``token_main``/``db_main`` with the arguments after it (``stepdoctor worker`` is
+``stepdoctor_server.worker.main``). Errors are one line on stderr and exit status 1 (2 for usage errors), never a traceback.
 """
 
 from __future__ import annotations
@@ -52,8 +53,6 @@ def _parser() -> argparse.ArgumentParser:
         "checks that `stepdoctor db upgrade` ran)",
     )
 
-    commands.add_parser("worker", help="run analysis workers only", add_help=False)
-
     token = commands.add_parser("token", help="create, list or revoke API tokens")
     token_commands = token.add_subparsers(dest="token_command", required=True)
     create = token_commands.add_parser("create", help="create a token (printed alone on the last line)")
@@ -99,12 +98,7 @@ def _serve_doc() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["worker"]:
-        from stepdoctor_server import worker
-
-        return int(worker.main(args_list[1:]) or 0)
-    args = _parser().parse_args(args_list)
+    args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         settings = get_settings()
         if args.command == "serve":
@@ -131,6 +125,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stepdoctor {args.command}: database error at {_safe_url(settings)}: {first}", file=sys.stderr)
         return 1
     return 2
+
+
+def serve_main(argv: Sequence[str]) -> int:
+    """``stepdoctor serve ARGS``."""
+    return main(["serve", *argv])
+
+
+def token_main(argv: Sequence[str]) -> int:
+    """``stepdoctor token create|list|revoke ARGS``."""
+    return main(["token", *argv])
+
+
+def db_main(argv: Sequence[str]) -> int:
+    """``stepdoctor db upgrade``."""
+    return main(["db", *argv])
 
 
 def _safe_url(settings: Settings) -> str:
