@@ -7,26 +7,21 @@ processes, read stored reports and stream stored files.
 
 from __future__ import annotations
 
-import re
 from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy import select
 
-from stepdoctor_server import compare, tensorboard_export
-from stepdoctor_server.api_catalog import load_run
-from stepdoctor_server.api_traces import load_trace, public_report
-from stepdoctor_server.auth import AdminTeam, Principal, ReadTeam, UploadTeam
+from stepdoctor_server import compare
+from stepdoctor_server.auth import AdminTeam, ReadTeam, UploadTeam
 from stepdoctor_server.db import SessionDep
-from stepdoctor_server.errors import ApiError
-from stepdoctor_server.models import Analysis, DeepAnalysis, Run, Trace
-from stepdoctor_server.queue import is_outdated, request_deep_analysis, requeue_if_stale, reset_to_pending
+from stepdoctor_server.models import Analysis, DeepAnalysis, Trace
+from stepdoctor_server.queue import is_outdated, reset_to_pending
 from stepdoctor_server.schemas import ErrorResponse, ReportJSON
-from stepdoctor_server.storage import TraceStore
+from stepdoctor_server.services import deep, runs, traces
 
 router = APIRouter(prefix="/api/v1", tags=["analysis"])
 
@@ -63,7 +58,7 @@ class CompareOut(BaseModel):
 )
 def reanalyze_trace(trace_id: int, principal: AdminTeam, session: SessionDep) -> Requeued:
     """Admin only, and queued behind fresh uploads (priority 1), so it can never flood the queue."""
-    trace, _, _ = load_trace(session, principal, trace_id)
+    trace, _, _ = traces.load_trace(session, principal, trace_id)
     reset_to_pending(session, [trace.id])
     return Requeued(ids=[trace.id])
 
@@ -77,7 +72,7 @@ def reanalyze_trace(trace_id: int, principal: AdminTeam, session: SessionDep) ->
 )
 def reanalyze_run(run_id: int, principal: AdminTeam, session: SessionDep) -> Requeued:
     """Admin only: one call can requeue thousands of traces (they wait behind fresh uploads)."""
-    run, _ = load_run(session, principal, run_id)
+    run, _ = runs.load_run(session, principal, run_id)
     ids = list(session.scalars(select(Trace.id).where(Trace.run_id == run.id).order_by(Trace.id)))
     reset_to_pending(session, ids)
     return Requeued(ids=ids)
@@ -90,15 +85,14 @@ def reanalyze_run(run_id: int, principal: AdminTeam, session: SessionDep) -> Req
     summary="The trace's report; one from an older engine is re-queued and returned marked stale",
 )
 def get_report(trace_id: int, principal: ReadTeam, session: SessionDep) -> ReportOut:
-    trace, _, _ = load_trace(session, principal, trace_id)
-    analysis = session.scalar(select(Analysis).where(Analysis.trace_id == trace.id))
-    stale = requeue_if_stale(session, trace, analysis)
+    trace, _, _ = traces.load_trace(session, principal, trace_id)
+    analysis, stale = traces.current_analysis(session, trace)
     return ReportOut(
         trace_id=trace.id,
         status=trace.status,
         status_reason=trace.status_reason,
         stale=stale,
-        report=public_report(analysis.report, trace.filename) if analysis is not None else None,
+        report=traces.public_report(analysis.report, trace.filename) if analysis is not None else None,
     )
 
 
@@ -117,7 +111,7 @@ class RunDiagnosisOut(BaseModel):
     summary="The run's diagnosis; traces analysed by an older engine are re-queued and it is marked stale",
 )
 def get_run_diagnosis(run_id: int, principal: ReadTeam, session: SessionDep) -> RunDiagnosisOut:
-    run, _ = load_run(session, principal, run_id)
+    run, _ = runs.load_run(session, principal, run_id)
     rows = session.execute(
         select(Trace.id, Trace.status, Analysis.engine_version, Analysis.schema_version)
         .join(Analysis, Analysis.trace_id == Trace.id)
@@ -126,16 +120,12 @@ def get_run_diagnosis(run_id: int, principal: ReadTeam, session: SessionDep) -> 
     outdated = [r for r in rows if is_outdated(r.engine_version, r.schema_version)]
     requeue = [r.id for r in outdated if r.status in ("done", "failed")]
     reset_to_pending(session, requeue)
-    counts = dict(
-        session.execute(
-            select(Trace.status, func.count(Trace.id)).where(Trace.run_id == run.id).group_by(Trace.status)
-        ).all()
-    )
+    counts = runs.trace_status_counts(session, run.id)
     return RunDiagnosisOut(
         run_id=run.id,
         stale=bool(outdated),
         requeued=sorted(requeue),
-        trace_status={str(k): int(v) for k, v in counts.items()},
+        trace_status=counts,
         diagnosis=run.diagnosis,
     )
 
@@ -152,10 +142,10 @@ def compare_runs(
     base: int = Query(description="id of the baseline run"),
     other: int = Query(description="id of the run compared with it"),
 ) -> CompareOut:
-    base_run, base_project = load_run(session, principal, base)
-    other_run, other_project = load_run(session, principal, other)
-    base_diag = run_diagnosis(base_run)
-    other_diag = run_diagnosis(other_run)
+    base_run, base_project = runs.load_run(session, principal, base)
+    other_run, other_project = runs.load_run(session, principal, other)
+    base_diag = runs.run_diagnosis(base_run)
+    other_diag = runs.run_diagnosis(other_run)
     return CompareOut(
         base={"id": base_run.id, "project": base_project.name, "name": base_run.name, "diagnosis": base_diag},
         other={
@@ -168,17 +158,6 @@ def compare_runs(
     )
 
 
-def run_diagnosis(run: Run) -> dict[str, Any]:
-    """The run's stored diagnosis, which the worker refreshes as its traces finish; 409 while it has none.
-
-    Reading it (rather than re-aggregating every report on the request path) keeps compare, the run
-    page and ``GET /runs/{id}`` on one source of truth.
-    """
-    if not run.diagnosis or not run.diagnosis.get("traces"):
-        raise ApiError(409, "not_analyzed", f"run {run.id} has no analysed traces yet")
-    return run.diagnosis
-
-
 @router.get(
     "/runs/{run_id}/tensorboard.zip",
     response_class=StreamingResponse,
@@ -186,41 +165,7 @@ def run_diagnosis(run: Run) -> dict[str, Any]:
     summary="The run's traces as a TensorBoard profiler log directory (unzip, tensorboard --logdir DIR)",
 )
 def tensorboard_zip(run_id: int, request: Request, principal: ReadTeam, session: SessionDep) -> Any:
-    run, project = load_run(session, principal, run_id)
-    store: TraceStore = request.app.state.store
-    traces = session.scalars(
-        select(Trace).where(Trace.run_id == run.id, Trace.status != "failed").order_by(Trace.id)
-    ).all()
-    items = [
-        tensorboard_export.ExportItem(
-            path=store.source(t.storage_key),
-            rank=t.rank,
-            window_index=t.window_index,
-            host=_host(t.meta),
-            trace_id=t.id,
-        )
-        for t in traces
-    ]
-    items = [i for i, t in zip(items, traces, strict=True) if store.exists(t.storage_key)]
-    if not items:
-        raise ApiError(409, "empty", f"run {run.id} has no exportable traces")
-    members = tensorboard_export.archive_names(run.name, items)
-    # Names are validated on the way in; rows from before full-match validation may hold a
-    # trailing newline, which would make the header invalid (and drop the connection).
-    filename = _HEADER_UNSAFE.sub("_", f"{project.name}_{run.name}_tensorboard.zip")
-    return StreamingResponse(
-        tensorboard_export.stream_zip(members),
-        media_type="application/zip",
-        headers={"Content-Disposition": f'attachment; filename="{filename}"'},
-    )
-
-
-_HEADER_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
-
-
-def _host(meta: dict[str, Any] | None) -> str | None:
-    host = (meta or {}).get("host") or (meta or {}).get("hostname")
-    return str(host) if host else None
+    return runs.tensorboard_zip(session, principal, request.app.state.store, run_id)
 
 
 # -- deep analyses (Holistic Trace Analysis, optional extra) -------------------------------------
@@ -254,23 +199,6 @@ def deep_out(job: DeepAnalysis) -> DeepAnalysisOut:
     )
 
 
-def request_critical_path(
-    session: Session, principal: Principal, trace_id: int, *, step: int | None, force: bool
-) -> tuple[DeepAnalysis, bool]:
-    """The service behind the API and the dashboard button: 404 others' traces, 501 without HTA."""
-    from stepdoctor_analysis import deep
-
-    trace, _, _ = load_trace(session, principal, trace_id)
-    if not deep.available():
-        raise ApiError(
-            501,
-            "hta_not_installed",
-            f"deep analyses need Holistic Trace Analysis on the server: {deep.INSTALL_HINT}",
-        )
-    params: dict[str, Any] = {} if step is None else {"step": step}
-    return request_deep_analysis(session, trace.id, "critical_path", params, force=force)
-
-
 @router.post(
     "/traces/{trace_id}/deep/critical-path",
     status_code=202,
@@ -290,7 +218,7 @@ def post_critical_path(
     step: Annotated[int | None, Query(ge=0, lt=2**31, description="ProfilerStep number")] = None,
     force: Annotated[bool, Query(description="redo even if already done")] = False,
 ) -> DeepAnalysisOut:
-    job, queued = request_critical_path(session, principal, trace_id, step=step, force=force)
+    job, queued = deep.request_critical_path(session, principal, trace_id, step=step, force=force)
     if not queued:
         response.status_code = 200
     return deep_out(job)
@@ -303,16 +231,5 @@ def post_critical_path(
     summary="The trace's deep (HTA) analyses with their status and results",
 )
 def list_deep(trace_id: int, principal: ReadTeam, session: SessionDep) -> list[DeepAnalysisOut]:
-    trace, _, _ = load_trace(session, principal, trace_id)
-    return [deep_out(job) for job in deep_analyses(session, trace.id)]
-
-
-def deep_analyses(session: Session, trace_id: int) -> list[DeepAnalysis]:
-    """A trace's deep analyses, newest first."""
-    return list(
-        session.scalars(
-            select(DeepAnalysis)
-            .where(DeepAnalysis.trace_id == trace_id)
-            .order_by(DeepAnalysis.created_at.desc(), DeepAnalysis.id.desc())
-        )
-    )
+    trace, _, _ = traces.load_trace(session, principal, trace_id)
+    return [deep_out(job) for job in deep.deep_analyses(session, trace.id)]

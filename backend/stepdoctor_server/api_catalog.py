@@ -15,14 +15,13 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
-from sqlalchemy import ColumnElement, Select, and_, cast, exists, func, or_, select
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy import ColumnElement, Select, and_, func, or_, select
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from stepdoctor_analysis import BOTTLENECK_KINDS
-from stepdoctor_server.auth import Principal, ReadTeam
+from stepdoctor_server.auth import ReadTeam
 from stepdoctor_server.db import SessionDep
-from stepdoctor_server.errors import MAX_ID, ApiError, check_id, not_found
+from stepdoctor_server.errors import MAX_ID, ApiError
 from stepdoctor_server.ingest import NAME_RE, check_tag, validate_name
 from stepdoctor_server.models import Analysis, Project, Run, Trace
 from stepdoctor_server.schemas import (
@@ -34,6 +33,7 @@ from stepdoctor_server.schemas import (
     TraceSummary,
     as_utc,
 )
+from stepdoctor_server.services import runs
 
 router = APIRouter(prefix="/api/v1", tags=["catalog"])
 
@@ -152,14 +152,6 @@ def _trace_count() -> Any:
     return select(func.count(Trace.id)).where(Trace.run_id == Run.id).scalar_subquery()
 
 
-def _has_tag(session: Session, tag: str) -> ColumnElement[bool]:
-    """Tags are a JSON list; containment is dialect-specific (jsonb @> on PostgreSQL, json_each on SQLite)."""
-    if session.get_bind().dialect.name == "postgresql":
-        return cast(Run.tags, JSONB).contains([tag])
-    each = func.json_each(Run.tags).table_valued("value")
-    return exists(select(1).select_from(each).where(each.c.value == tag))
-
-
 def _run_out(run: Run, project_name: str, trace_count: int) -> RunOut:
     return RunOut(
         id=run.id,
@@ -197,7 +189,7 @@ def list_runs(
     if project is not None:
         query = query.where(Project.name == validate_name("project", project))
     if tag is not None:
-        query = query.where(_has_tag(session, check_tag(tag, "tag filter")))
+        query = query.where(runs.has_tag(session, check_tag(tag, "tag filter")))
     if primary_kind is not None:
         if primary_kind not in BOTTLENECK_KINDS:
             raise ApiError(
@@ -222,27 +214,10 @@ def _bounded_time(name: str, value: datetime) -> datetime:
         ) from None
 
 
-def load_run(session: Session, principal: Principal, run_id: int) -> tuple[Run, Project]:
-    """The run and its project if they belong to the caller's team (else 404)."""
-    check_id("run", run_id)
-    row = session.execute(
-        select(Run, Project)
-        .join(Project, Project.id == Run.project_id)
-        .where(Run.id == run_id, Project.team_id == principal.team_id)
-    ).first()
-    if row is None:
-        raise not_found("run", run_id)
-    run, project = row
-    return run, project
-
-
 @router.get("/runs/{run_id}", response_model=RunDetail, responses=_ERRORS, summary="A run and its diagnosis")
 def get_run(run_id: int, principal: ReadTeam, session: SessionDep) -> RunDetail:
-    run, project = load_run(session, principal, run_id)
-    status_counts = (
-        select(Trace.status, func.count(Trace.id)).where(Trace.run_id == run.id).group_by(Trace.status)
-    )
-    counts = {status: n for status, n in session.execute(status_counts)}
+    run, project = runs.load_run(session, principal, run_id)
+    counts = runs.trace_status_counts(session, run.id)
     base = _run_out(run, project.name, sum(counts.values()))
     return RunDetail(
         **base.model_dump(),
@@ -258,7 +233,7 @@ def get_run(run_id: int, principal: ReadTeam, session: SessionDep) -> RunDetail:
 def list_run_traces(
     run_id: int, principal: ReadTeam, session: SessionDep, limit: Limit = 50, cursor: Cursor = None
 ) -> Page[TraceSummary]:
-    run, _ = load_run(session, principal, run_id)
+    run, _ = runs.load_run(session, principal, run_id)
     query = (
         select(Trace, Analysis.primary_kind, Analysis.primary_share)
         .outerjoin(Analysis, Analysis.trace_id == Trace.id)

@@ -9,7 +9,7 @@ commit. Any failure on the way leaves neither a row nor a file.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated
 
 import anyio.to_thread
 from fastapi import APIRouter, Header, Query, Request, Response
@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from stepdoctor_server.api_catalog import trace_summary
 from stepdoctor_server.auth import Principal, ReadTeam, UploadTeam
 from stepdoctor_server.db import Database, SessionDep, on_rollback
-from stepdoctor_server.errors import ApiError, check_id, not_found
+from stepdoctor_server.errors import ApiError
 from stepdoctor_server.ingest import (
     BodyInspector,
     UploadMetadata,
@@ -31,8 +31,9 @@ from stepdoctor_server.ingest import (
     validate_name,
 )
 from stepdoctor_server.models import Analysis, Project, Run, Trace
-from stepdoctor_server.queue import enqueue_analyses, requeue_if_stale
+from stepdoctor_server.queue import enqueue_analyses
 from stepdoctor_server.schemas import AnalysisOut, ErrorResponse, TraceOut, UploadResult
+from stepdoctor_server.services import traces
 from stepdoctor_server.settings import Settings
 from stepdoctor_server.storage import StagedFile, TraceStore, too_large
 
@@ -286,27 +287,11 @@ def download_filename(project: str, run: str, rank: int | None, trace_id: int, g
 # -- reading -------------------------------------------------------------------------------------
 
 
-def load_trace(session: Session, principal: Principal, trace_id: int) -> tuple[Trace, Run, Project]:
-    """The trace with its run and project, if it belongs to the caller's team (else 404)."""
-    check_id("trace", trace_id)
-    row = session.execute(
-        select(Trace, Run, Project)
-        .join(Run, Run.id == Trace.run_id)
-        .join(Project, Project.id == Run.project_id)
-        .where(Trace.id == trace_id, Project.team_id == principal.team_id)
-    ).first()
-    if row is None:
-        raise not_found("trace", trace_id)
-    trace, run, project = row
-    return trace, run, project
-
-
 @router.get("/{trace_id}", response_model=TraceOut, responses=_ERRORS, summary="Trace status and report")
 def get_trace(trace_id: int, principal: ReadTeam, session: SessionDep) -> TraceOut:
-    trace, run, project = load_trace(session, principal, trace_id)
-    analysis = session.scalar(select(Analysis).where(Analysis.trace_id == trace.id))
+    trace, run, project = traces.load_trace(session, principal, trace_id)
     # A report from an older engine is still shown, flagged stale, while it is redone.
-    stale = requeue_if_stale(session, trace, analysis)
+    analysis, stale = traces.current_analysis(session, trace)
     summary = trace_summary(
         trace, analysis.primary_kind if analysis else None, analysis.primary_share if analysis else None
     )
@@ -321,17 +306,9 @@ def get_trace(trace_id: int, principal: ReadTeam, session: SessionDep) -> TraceO
     )
 
 
-def public_report(report: dict[str, Any], filename: str) -> dict[str, Any]:
-    """The report as clients see it: ``source`` is the trace's file name, never a server path
-    (reports stored before the worker wrote the name carry the storage path)."""
-    if "source" in report and report["source"] != filename:
-        report = {**report, "source": filename}
-    return report
-
-
 def _analysis_out(analysis: Analysis, filename: str) -> AnalysisOut:
     out = AnalysisOut.model_validate(analysis)
-    out.report = public_report(out.report, filename)
+    out.report = traces.public_report(out.report, filename)
     return out
 
 
@@ -351,20 +328,4 @@ def download_trace(
         Query(max_length=32, description="only these ProfilerSteps, e.g. 5 or 5-6 (a smaller trace)"),
     ] = None,
 ) -> Response:
-    trace, _, _ = load_trace(session, principal, trace_id)
-    store: TraceStore = request.app.state.store
-    if not store.exists(trace.storage_key):
-        raise ApiError(410, "gone", f"trace {trace_id} file is missing from the store")
-    if steps is not None:
-        from stepdoctor_server.trimmed import trimmed_download
-
-        with store.local_copy(trace.storage_key) as path:
-            return trimmed_download(trace, path, steps, request)
-    media = "application/gzip" if trace.filename.endswith(".gz") else "application/json"
-    # The local store sends the file; S3 streams it through (or redirects to a presigned URL).
-    return store.download(
-        trace.storage_key,
-        filename=trace.filename,
-        media_type=media,
-        headers={"X-Content-SHA256": trace.sha256, "Cache-Control": "private, max-age=3600"},
-    )
+    return traces.download(session, principal, request.app.state.store, trace_id, request, steps=steps)

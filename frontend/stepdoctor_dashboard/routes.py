@@ -24,12 +24,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stepdoctor_analysis import BOTTLENECK_KINDS
 from stepdoctor_dashboard import assets, figures, formatting
-from stepdoctor_server import api_analysis, api_traces, compare, sessions
-from stepdoctor_server.api_catalog import load_run
+from stepdoctor_server import compare, sessions
 from stepdoctor_server.auth import Principal, authenticate
 from stepdoctor_server.db import DatabaseDep, SessionDep
 from stepdoctor_server.errors import ApiError, check_id, not_found
 from stepdoctor_server.models import Analysis, Project, Run, Trace
+from stepdoctor_server.services import deep, runs, traces
 
 COOKIE = sessions.COOKIE  # a random session id (sessions.py), never the API token
 HERE = Path(__file__).parent
@@ -250,9 +250,7 @@ def _runs_query(viewer: Principal, project_id: int | None, f: RunFilter) -> Any:
 def _paged_runs(session: Session, viewer: Principal, project_id: int | None, f: RunFilter) -> dict[str, Any]:
     query = _runs_query(viewer, project_id, f)
     if f.tag:
-        from stepdoctor_server.api_catalog import _has_tag
-
-        query = query.where(_has_tag(session, f.tag))
+        query = query.where(runs.has_tag(session, f.tag))
     ids = query.with_only_columns(Run.id)
     total = int(session.scalar(select(func.count()).select_from(ids.order_by(None).subquery())) or 0)
     pages = max(1, math.ceil(total / PAGE_SIZE))
@@ -284,9 +282,9 @@ def _like_escape(text: str) -> str:
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
 def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep) -> HTMLResponse:
-    run, project = load_run(session, viewer, run_id)
+    run, project = runs.load_run(session, viewer, run_id)
     diagnosis = run.diagnosis or {}
-    traces = session.execute(
+    trace_rows = session.execute(
         select(Trace, Analysis.primary_kind, Analysis.report["steps"].as_json())
         .outerjoin(Analysis, Analysis.trace_id == Trace.id)
         .where(Trace.run_id == run.id)
@@ -309,7 +307,7 @@ def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep)
         .order_by(Run.updated_at.desc())
         .limit(200)
     ).all()
-    waiting = any(t.status in ("pending", "running") for t, _, _ in traces)
+    waiting = any(t.status in ("pending", "running") for t, _, _ in trace_rows)
     return _render(
         request,
         "run.html",
@@ -317,7 +315,7 @@ def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep)
         run=run,
         project=project,
         d=diagnosis,
-        traces=[(t, kind, _steps_label(t, steps)) for t, kind, steps in traces],
+        traces=[(t, kind, _steps_label(t, steps)) for t, kind, steps in trace_rows],
         trace_count=trace_count,
         figs=figs,
         others=others,
@@ -346,11 +344,6 @@ def _run_facts(session: Session, run_id: int) -> tuple[int | None, list[str]]:
             if isinstance(w, str) and w not in warnings:
                 warnings.append(w)
     return slowest, warnings
-
-
-def _report(session: Session, trace_id: int) -> dict[str, Any]:
-    report = session.scalar(select(Analysis.report).where(Analysis.trace_id == trace_id))
-    return report if isinstance(report, dict) else {}
 
 
 def _facts_report(session: Session, trace_id: int) -> dict[str, Any]:
@@ -426,8 +419,8 @@ def trace_page(
     session: SessionDep,
     step: Annotated[int | None, Query(ge=0, lt=2**31)] = None,
 ) -> HTMLResponse:
-    trace, run, project = api_traces.load_trace(session, viewer, trace_id)
-    report = _report(session, trace.id)
+    trace, run, project = traces.load_trace(session, viewer, trace_id)
+    report = traces.stored_report(session, trace.id)
     figs = {}
     if report.get("breakdown"):
         figs["breakdown"] = figures.to_json(figures.breakdown_figure(report["breakdown"]))
@@ -441,7 +434,7 @@ def trace_page(
     shown_step = next((s for s in drawn if s.get("number") == step), drawn[0] if drawn else None)
     if shown_step is not None:
         figs["step"] = figures.to_json(figures.step_figure(shown_step, timeline.get("names") or []))
-    jobs = [j for j in api_analysis.deep_analyses(session, trace.id) if j.kind == "critical_path"]
+    jobs = [j for j in deep.deep_analyses(session, trace.id) if j.kind == "critical_path"]
     latest = jobs[0] if jobs else None
     shown = next((j for j in jobs if j.status == "done" and j.result), None)
     if shown is not None and shown.result is not None:
@@ -497,7 +490,7 @@ async def request_critical_path(trace_id: int, request: Request, viewer: Viewer,
 
     def queue_it() -> None:  # blocking database work: off the event loop
         with db.session() as session:
-            api_analysis.request_critical_path(session, viewer, trace_id, step=step, force=force)
+            deep.request_critical_path(session, viewer, trace_id, step=step, force=force)
 
     await run_in_threadpool(queue_it)
     return RedirectResponse(f"/traces/{trace_id}#critical-path", status_code=303)
@@ -514,11 +507,11 @@ def compare_page(
     base: Annotated[int, Query()],
     other: Annotated[int, Query()],
 ) -> HTMLResponse:
-    base_run, _ = load_run(session, viewer, base)
-    other_run, _ = load_run(session, viewer, other)
+    base_run, _ = runs.load_run(session, viewer, base)
+    other_run, _ = runs.load_run(session, viewer, other)
     try:
-        base_d = api_analysis.run_diagnosis(base_run)
-        other_d = api_analysis.run_diagnosis(other_run)
+        base_d = runs.run_diagnosis(base_run)
+        other_d = runs.run_diagnosis(other_run)
     except ApiError as exc:  # a run without analysed traces yet
         return _render(
             request, "compare.html", viewer, base=base_run, other=other_run, c=None, error=exc.message
@@ -568,7 +561,7 @@ def _run_context(session: Session, run: Run) -> dict[str, Any]:
     }
 
 
-# -- downloads (the API's handlers, with the page's cookie principal) -----------------------------
+# -- downloads (the API's services, with the page's cookie principal) -----------------------------
 
 
 @router.get("/traces/{trace_id}/download")
@@ -579,12 +572,12 @@ def download(
     session: SessionDep,
     steps: Annotated[str | None, Query(max_length=32)] = None,
 ) -> Response:
-    return api_traces.download_trace(trace_id, request, viewer, session, steps=steps or None)
+    return traces.download(session, viewer, request.app.state.store, trace_id, request, steps=steps or None)
 
 
 @router.get("/runs/{run_id}/tensorboard.zip")
 def tensorboard(run_id: int, request: Request, viewer: Viewer, session: SessionDep) -> Any:
-    return api_analysis.tensorboard_zip(run_id, request, viewer, session)
+    return runs.tensorboard_zip(session, viewer, request.app.state.store, run_id)
 
 
 __all__ = ["ApiError", "install", "router"]

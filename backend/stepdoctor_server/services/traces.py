@@ -1,0 +1,80 @@
+"""Traces: the caller's trace, its analysis (re-queued when stale), its report and its bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request, Response
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from stepdoctor_server.auth import Principal
+from stepdoctor_server.errors import ApiError, check_id, not_found
+from stepdoctor_server.models import Analysis, Project, Run, Trace
+from stepdoctor_server.queue import requeue_if_stale
+from stepdoctor_server.storage import TraceStore
+
+
+def load_trace(session: Session, principal: Principal, trace_id: int) -> tuple[Trace, Run, Project]:
+    """The trace with its run and project, if it belongs to the caller's team (else 404)."""
+    check_id("trace", trace_id)
+    row = session.execute(
+        select(Trace, Run, Project)
+        .join(Run, Run.id == Trace.run_id)
+        .join(Project, Project.id == Run.project_id)
+        .where(Trace.id == trace_id, Project.team_id == principal.team_id)
+    ).first()
+    if row is None:
+        raise not_found("trace", trace_id)
+    trace, run, project = row
+    return trace, run, project
+
+
+def current_analysis(session: Session, trace: Trace) -> tuple[Analysis | None, bool]:
+    """The trace's stored analysis and whether it is stale; a stale one (older engine) is still
+    returned, flagged, while this call re-queues the trace."""
+    analysis = session.scalar(select(Analysis).where(Analysis.trace_id == trace.id))
+    return analysis, requeue_if_stale(session, trace, analysis)
+
+
+def stored_report(session: Session, trace_id: int) -> dict[str, Any]:
+    """The trace's report as stored ({} before its analysis)."""
+    report = session.scalar(select(Analysis.report).where(Analysis.trace_id == trace_id))
+    return report if isinstance(report, dict) else {}
+
+
+def public_report(report: dict[str, Any], filename: str) -> dict[str, Any]:
+    """The report as clients see it: ``source`` is the trace's file name, never a server path
+    (reports stored before the worker wrote the name carry the storage path)."""
+    if "source" in report and report["source"] != filename:
+        report = {**report, "source": filename}
+    return report
+
+
+def download(
+    session: Session,
+    principal: Principal,
+    store: TraceStore,
+    trace_id: int,
+    request: Request,
+    *,
+    steps: str | None = None,
+) -> Response:
+    """The trace as uploaded, or only the ProfilerSteps ``steps`` names (e.g. ``5-6``); 410 when the
+    store lost the file."""
+    trace, _, _ = load_trace(session, principal, trace_id)
+    if not store.exists(trace.storage_key):
+        raise ApiError(410, "gone", f"trace {trace_id} file is missing from the store")
+    if steps is not None:
+        from stepdoctor_server.trimmed import trimmed_download
+
+        with store.local_copy(trace.storage_key) as path:
+            return trimmed_download(trace, path, steps, request)
+    media = "application/gzip" if trace.filename.endswith(".gz") else "application/json"
+    # The local store sends the file; S3 streams it through (or redirects to a presigned URL).
+    return store.download(
+        trace.storage_key,
+        filename=trace.filename,
+        media_type=media,
+        headers={"X-Content-SHA256": trace.sha256, "Cache-Control": "private, max-age=3600"},
+    )
