@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from . import intervals as iv
 from .model import I8, NONE, DeviceInfo, GpuKind, HostKind, RankTrace
 from .steps import launching_call
 
@@ -130,7 +131,12 @@ def kernel_op_precision(trace: RankTrace) -> I8:
         j = np.minimum(ext.searchsorted(want), ext.size - 1)
         hit = ext[j] == want
         out[launched[hit]] = codes[j[hit]]
-        rest = launched[~hit]  # older Kineto: launches carry their own id; find the op around them
+        # Older Kineto: a launch's id names no op; find the matmul op around it. A launch whose id
+        # names another op (``aten::copy_`` inside an autocast ``aten::linear``) is that op's work.
+        rest = launched[~hit]
+        if rest.size:
+            op_ids = h.external_id[(h.kind == HostKind.CPU_OP) & (h.external_id != NONE)]
+            rest = rest[~iv.member(h.external_id[call[rest]], op_ids)]
         if rest.size:
             out[rest] = _code_of_op_around(trace, ops, by_dtype, call[rest])
         return out

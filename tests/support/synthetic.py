@@ -61,9 +61,10 @@ class TraceBuilder:
             {"ph": "X", "cat": cat, "name": name, "pid": PID, "tid": TID, "ts": ts, "dur": dur, "args": args}
         )
 
-    def cpu_op(self, name: str, ts: float, dur: float) -> None:
+    def cpu_op(self, name: str, ts: float, dur: float, args: dict[str, Any] | None = None) -> None:
+        """``args``: what the profiler records beside the id (``Input type``, ``Collective name``)."""
         self._ext += 1
-        self._host("cpu_op", name, ts, dur, {"External id": self._ext})
+        self._host("cpu_op", name, ts, dur, {"External id": self._ext, **(args or {})})
 
     def annotation(self, name: str, ts: float, dur: float) -> None:
         self._ext += 1

@@ -107,6 +107,12 @@ class _Interner(dict[str, int]):
 ABSENT_AFTER = 4096
 
 
+def _carried(evs: Sequence[Event], arg: Arg) -> bool:
+    """Whether any of these events has ``arg`` at all: an ``Input type`` with no floating dtype
+    (``["long"]``, ``[]``) still shows record_shapes is on, though its column value is NONE."""
+    return any(v is not None for v in map(attrgetter(f"args.{arg.attr}"), evs))
+
+
 class _Values(_Interner):
     """String arg values -> dense ids of their own; an absent value (None) is ``NONE``.
 
@@ -369,7 +375,8 @@ class Builder:
                 got = col[idx] = self._sparse_values(pick(evs, idx), arg, dtype)
                 missing = self._absent.get(arg.attr, 0)
                 if missing >= 0:  # still unseen in this trace: count the events that lacked it
-                    self._absent[arg.attr] = -1 if (got != NONE).any() else missing + idx.size
+                    found = (got != NONE).any() or _carried(pick(evs, idx), arg)
+                    self._absent[arg.attr] = -1 if found else missing + idx.size
         return out
 
     def _carriers(self, cols: dict[str, np.ndarray], arg: Arg) -> np.ndarray:
