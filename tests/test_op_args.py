@@ -166,7 +166,7 @@ def test_collectives_typed_and_sized_by_recorded_name(tmp_path: Path) -> None:
 
 
 def test_wait_is_bookkeeping_on_a_cpu_gloo_job(tmp_path: Path) -> None:
-    """No device: each recorded op is the collective; its ``wait`` moves nothing and is no type."""
+    """No device: the host ops are the collective, counted once; its ``wait`` moves nothing."""
     b = TraceBuilder(gpu=False, rank=1, world_size=4)
     b.distributed = {"backend": "gloo", "rank": 1, "world_size": 4}
     t = 100.0
@@ -174,6 +174,8 @@ def test_wait_is_bookkeeping_on_a_cpu_gloo_job(tmp_path: Path) -> None:
         start = t
         b.cpu_op("aten::addmm", t, 2_000)
         t += 2_000
+        # One call, three nested ops: c10d::allreduce_ > record_param_comms > gloo:all_reduce.
+        b.cpu_op("c10d::allreduce_", t, 1_500)
         b.cpu_op("record_param_comms", t, 1_500, args=_comm_args("allreduce", 250_000, 250_000, "Float"))
         b.cpu_op("gloo:all_reduce", t + 5, 1_490)
         t += 1_500
@@ -185,7 +187,7 @@ def test_wait_is_bookkeeping_on_a_cpu_gloo_job(tmp_path: Path) -> None:
     by_type = _by_type(r)
     assert set(by_type) == {"all_reduce"}  # a 'wait' taken for a collective: 'other', 300 µs
     ar = by_type["all_reduce"]
-    assert ar["recorded_calls_per_step"] == 1
+    assert ar["calls_per_step"] == ar["recorded_calls_per_step"] == 1  # the nested ops are one call
     assert ar["bytes_per_step"] == 250_000 * 4
     assert ar["time_ns_per_step"] == pytest.approx(1_500e3)  # the wait's 300 µs is not in it
     assert ar["algbw_gbps"] == pytest.approx(1e6 / 1.5e6, abs=1e-3)

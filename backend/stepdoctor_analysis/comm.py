@@ -293,6 +293,7 @@ def _host_types(trace: RankTrace, calls: Mask, starts: I64, ends: I64) -> list[C
         dtype=object,
     )
     n = max(1, len(starts))
+    counted = _outermost(trace, idx) & tl.in_windows(h.ts[idx], starts, ends)
     out = []
     for kind in sorted(set(kinds.tolist())):
         sel = idx[kinds == kind]
@@ -302,7 +303,7 @@ def _host_types(trace: RankTrace, calls: Mask, starts: I64, ends: I64) -> list[C
         out.append(
             CollectiveStat(
                 type=kind,
-                calls_per_step=int(np.count_nonzero(tl.in_windows(h.ts[sel], starts, ends))) / n,
+                calls_per_step=int(np.count_nonzero(counted[kinds == kind])) / n,
                 time_ns_per_step=tl.mean_or_zero(total),
                 exposed_ns_per_step=tl.mean_or_zero(total),
                 overlapped_ns_per_step=0.0,
@@ -313,6 +314,18 @@ def _host_types(trace: RankTrace, calls: Mask, starts: I64, ends: I64) -> list[C
     recorded = _recorded_bytes(trace, starts, ends)
     out = [_with_bytes(c, recorded, n) for c in out]
     return sorted(out, key=lambda c: (-c.exposed_ns_per_step, c.type))
+
+
+def _outermost(trace: RankTrace, ops: I64) -> Mask:
+    """Of these host ops (in time order), those not started inside another of them on their thread:
+    one call is recorded as nested ops (``c10d::allreduce_`` > ``record_param_comms`` > ``gloo:all_reduce``)."""
+    h = trace.host
+    out = np.ones(ops.size, np.bool_)
+    for thread in np.unique(h.tid[ops]).tolist():
+        sel = np.flatnonzero(h.tid[ops] == thread)
+        reach = np.maximum.accumulate(h.end[ops[sel]])  # the host table is sorted by start time
+        out[sel[1:]] = h.ts[ops[sel[1:]]] >= reach[:-1]
+    return out
 
 
 def _top_ids(names: np.ndarray, durs: np.ndarray, k: int = 3) -> tuple[list[int], list[int]]:
