@@ -107,7 +107,7 @@ def main() -> int:
             )
             session.commit()
             print(
-                f"inserted {args.runs:,} runs in {time.perf_counter() - t0:.1f} s ({settings.database_url.split(':')[0]})"
+                f"inserted {args.runs:,} runs in {time.perf_counter() - t0:.1f} s ({settings.database_url.get_secret_value().split(':')[0]})"
             )
         pages = {
             "home /": "/",

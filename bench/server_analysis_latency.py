@@ -75,7 +75,7 @@ def main() -> int:
     direct = time.perf_counter() - t
     med = statistics.median(latencies)
     print(
-        f"\ntrace: {args.trace.name} ({len(body) / 1e6:.1f} MB gzip), backend: {settings.database_url.split(':')[0]}"
+        f"\ntrace: {args.trace.name} ({len(body) / 1e6:.1f} MB gzip), backend: {settings.database_url.get_secret_value().split(':')[0]}"
     )
     print(
         f"median upload->stored latency: {med:.3f} s (target < {TARGET_S} s: {'met' if med < TARGET_S else 'MISSED'})"

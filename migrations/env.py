@@ -26,7 +26,7 @@ def _configure(connection: Connection) -> None:
 
 def run_migrations_offline() -> None:
     context.configure(
-        url=config.get_main_option("sqlalchemy.url") or get_settings().database_url,
+        url=config.get_main_option("sqlalchemy.url") or get_settings().database_url.get_secret_value(),
         target_metadata=target_metadata,
         literal_binds=True,
         compare_type=True,
@@ -43,7 +43,7 @@ def run_migrations_online() -> None:
         with context.begin_transaction():
             context.run_migrations()
         return
-    url = config.get_main_option("sqlalchemy.url") or get_settings().database_url
+    url = config.get_main_option("sqlalchemy.url") or get_settings().database_url.get_secret_value()
     engine = create_engine(url, poolclass=pool.NullPool)
     with engine.connect() as conn:
         _configure(conn)

@@ -137,7 +137,7 @@ def test_reanalysis_needs_admin_and_waits_behind_fresh_uploads(
     other_team = make_token("upload", "another-team")
     fresh = upload(client, synthetic_trace(5), token=other_team, run="fresh")
     assert fresh.status_code == 201
-    postgres = app.state.settings.database_url.startswith("postgresql")
+    postgres = app.state.settings.database_url.get_secret_value().startswith("postgresql")
     with app.state.db.session() as session:
         first = claim_row(session, Trace, "test:1:0", postgres=postgres)
     assert first == fresh.json()["id"]  # the newest trace, yet first: the backlog waits
@@ -147,7 +147,7 @@ def test_reanalysis_jobs_are_deferred_behind_uploads_in_procrastinate(
     app: FastAPI, client: TestClient
 ) -> None:
     """On PostgreSQL the job engine is procrastinate: it fetches higher ``priority`` first."""
-    if not app.state.settings.database_url.startswith("postgresql"):
+    if not app.state.settings.database_url.get_secret_value().startswith("postgresql"):
         pytest.skip("procrastinate runs on PostgreSQL only")
     jobs_of = text("SELECT priority FROM procrastinate_jobs WHERE args->>'trace_id' = :id ORDER BY id")
     trace = _uploaded(client)
@@ -168,7 +168,7 @@ def test_a_flooding_team_does_not_delay_another_teams_upload(
     app: FastAPI, client: TestClient, make_token: Callable[..., str]
 ) -> None:
     flood = [_uploaded(client, run="flood")["id"] for _ in range(6)]
-    postgres = app.state.settings.database_url.startswith("postgresql")
+    postgres = app.state.settings.database_url.get_secret_value().startswith("postgresql")
     with app.state.db.session() as session:
         assert claim_row(session, Trace, "w:1", postgres=postgres) == flood[0]  # the flood runs
     other = upload(client, synthetic_trace(5), token=make_token("upload", "quiet-team"), run="one")
@@ -236,7 +236,7 @@ def test_expired_and_revoked_tokens_are_refused(app: FastAPI, client: TestClient
 def cli_env(server_settings: object, monkeypatch: pytest.MonkeyPatch, app: FastAPI) -> Iterator[None]:
     """The CLI (which reads the environment) on the test database."""
     monkeypatch.setenv("STEPDOCTOR_DATA_DIR", str(app.state.settings.data_dir))
-    monkeypatch.setenv("STEPDOCTOR_DATABASE_URL", app.state.settings.database_url)
+    monkeypatch.setenv("STEPDOCTOR_DATABASE_URL", app.state.settings.database_url.get_secret_value())
     get_settings.cache_clear()
     yield
     get_settings.cache_clear()

@@ -332,7 +332,7 @@ def test_worker_command_analyses_and_stops_on_sigint(
     trace_id = _upload_file(client, RANK1, rank=1)
     env = {
         **os.environ,
-        "STEPDOCTOR_DATABASE_URL": server_settings.database_url,
+        "STEPDOCTOR_DATABASE_URL": server_settings.database_url.get_secret_value(),
         "STEPDOCTOR_DATA_DIR": str(server_settings.data_dir),
     }
     proc = subprocess.Popen(

@@ -96,7 +96,7 @@ def test_serve_bootstraps_once_and_accepts_uploads(
     """A real ``stepdoctor serve`` on the test database (SQLite and PostgreSQL): empty DB -> admin token."""
     env = {
         "STEPDOCTOR_DATA_DIR": str(tmp_path / "served"),
-        "STEPDOCTOR_DATABASE_URL": server_settings.database_url,
+        "STEPDOCTOR_DATABASE_URL": server_settings.database_url.get_secret_value(),
         "STEPDOCTOR_WORKERS": "0",
     }
     with serve_subprocess(env) as server:
@@ -110,3 +110,19 @@ def test_serve_bootstraps_once_and_accepts_uploads(
             assert [r["id"] for r in listed["items"]] == [created.json()["run_id"]]
     with serve_subprocess(env) as again:
         assert "sdt_" not in again.output()
+
+
+def test_the_database_password_never_prints(
+    env_settings: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = "postgresql+psycopg://stepdoctor:hunter2@127.0.0.1:1/none"
+    settings = Settings(data_dir=env_settings, database_url=url)
+    assert "hunter2" not in repr(settings) and "hunter2" not in str(settings)
+    assert settings.database_url_shown == "postgresql+psycopg://stepdoctor:***@127.0.0.1:1/none"
+    # Worker processes get their settings as JSON: that form keeps the real URL.
+    assert Settings.model_validate_json(settings.model_dump_json()).database_url.get_secret_value() == url
+    monkeypatch.setenv("STEPDOCTOR_DATABASE_URL", url)
+    get_settings.cache_clear()
+    assert cli.main(["db", "upgrade"]) == 1
+    err = capsys.readouterr().err
+    assert "stepdoctor:***@127.0.0.1:1/none" in err and "hunter2" not in err

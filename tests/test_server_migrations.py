@@ -39,7 +39,7 @@ def test_upgrade_builds_an_empty_sqlite_database_and_is_idempotent(tmp_path: Pat
     assert migrate.current_revision(settings) is None
     migrate.upgrade(settings)
     migrate.upgrade(settings)
-    engine = create_engine(settings.database_url, poolclass=pool.NullPool)
+    engine = create_engine(settings.database_url.get_secret_value(), poolclass=pool.NullPool)
     try:
         assert {"teams", "tokens", "projects", "runs", "traces", "analyses"} <= set(
             inspect(engine).get_table_names()

@@ -13,7 +13,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from sqlalchemy import func, select
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -122,7 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         orig = getattr(exc, "orig", None)
         detail = str(orig if orig is not None else exc).strip().splitlines()
         first = detail[0] if detail else type(exc).__name__
-        print(f"stepdoctor {args.command}: database error at {_safe_url(settings)}: {first}", file=sys.stderr)
+        print(
+            f"stepdoctor {args.command}: database error at {settings.database_url_shown}: {first}",
+            file=sys.stderr,
+        )
         return 1
     return 2
 
@@ -142,13 +144,9 @@ def db_main(argv: Sequence[str]) -> int:
     return main(["db", *argv])
 
 
-def _safe_url(settings: Settings) -> str:
-    return make_url(settings.database_url).render_as_string(hide_password=True)
-
-
 def db_upgrade(settings: Settings) -> int:
     migrate.upgrade(settings)
-    print(f"database at {_safe_url(settings)} is at revision {migrate.current_revision(settings)}")
+    print(f"database at {settings.database_url_shown} is at revision {migrate.current_revision(settings)}")
     return 0
 
 
@@ -282,7 +280,7 @@ def serve(
         migrate.upgrade(settings)
     elif not migrate.is_current(settings):
         raise CommandError(
-            f"database at {_safe_url(settings)} is not at the latest schema revision: "
+            f"database at {settings.database_url_shown} is not at the latest schema revision: "
             "run `stepdoctor db upgrade` first (or serve --migrate)"
         )
     shown_host = "127.0.0.1" if settings.host in {"0.0.0.0", "::"} else settings.host
@@ -290,7 +288,7 @@ def serve(
     if message:
         print(message, flush=True)
     print(
-        f"stepdoctor serve: database {_safe_url(settings)}, traces in {make_store(settings).description}, "
+        f"stepdoctor serve: database {settings.database_url_shown}, traces in {make_store(settings).description}, "
         f"{settings.workers} analysis worker(s)",
         flush=True,
     )

@@ -23,7 +23,7 @@ _ROLLBACK_HOOKS = "stepdoctor_on_rollback"
 
 def make_engine(settings: Settings) -> Engine:
     """Create the engine; SQLite gets WAL, foreign keys and writer-serialising transactions."""
-    url = make_url(settings.database_url)
+    url = make_url(settings.database_url.get_secret_value())
     if url.get_backend_name() != "sqlite":
         return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
     if url.database and url.database != ":memory:":

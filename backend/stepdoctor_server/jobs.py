@@ -151,7 +151,7 @@ def make_app(settings: Settings) -> Any:
     import procrastinate
 
     app = procrastinate.App(
-        connector=procrastinate.PsycopgConnector(conninfo=libpq_url(settings.database_url))
+        connector=procrastinate.PsycopgConnector(conninfo=libpq_url(settings.database_url.get_secret_value()))
     )
     app.add_tasks_from(_blueprint(), namespace="")
     return app

@@ -25,7 +25,7 @@ from stepdoctor_server.settings import Settings
 
 def _engine(settings: Settings) -> Engine:
     """A throwaway engine; a SQLite file's directory is created so first runs just work."""
-    url = make_url(settings.database_url)
+    url = make_url(settings.database_url.get_secret_value())
     if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:":
         Path(url.database).parent.mkdir(parents=True, exist_ok=True)
     return create_engine(url, poolclass=pool.NullPool)
@@ -51,7 +51,7 @@ def include_name(name: str | None, type_: str, _parent: object = None) -> bool:
 
 def upgrade(settings: Settings, revision: str = "head") -> None:
     """Bring the database at ``settings.database_url`` to ``revision`` (creates a SQLite file if needed)."""
-    config = alembic_config(settings.database_url)
+    config = alembic_config(settings.database_url.get_secret_value())
     engine = _engine(settings)
     try:
         with engine.begin() as connection:
@@ -90,7 +90,7 @@ def procrastinate_installed(settings: Settings) -> bool:
 
 def is_current(settings: Settings) -> bool:
     """Whether the database is at the latest revision (API replicas check, never migrate)."""
-    script = ScriptDirectory.from_config(alembic_config(settings.database_url))
+    script = ScriptDirectory.from_config(alembic_config(settings.database_url.get_secret_value()))
     return current_revision(settings) == script.get_current_head()
 
 

@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, field_serializer, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 GiB = 1024**3
@@ -22,8 +22,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="STEPDOCTOR_", extra="ignore")
 
     data_dir: Path = Path("./stepdoctor-data")
-    # Empty means "a SQLite file under data_dir"; filled in by the validator below.
-    database_url: str = ""
+    # Empty means "a SQLite file under data_dir"; filled in by the validator below. A secret (it may
+    # hold a password): repr and str show asterisks, messages print ``database_url_shown``.
+    database_url: SecretStr = SecretStr("")
     max_upload_bytes: int = Field(default=2 * GiB, gt=0)
     max_decompressed_bytes: int = Field(default=8 * GiB, gt=0)
     max_metadata_bytes: int = Field(default=8 * 1024, gt=0)
@@ -60,9 +61,22 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _resolve_paths(self) -> Settings:
         self.data_dir = self.data_dir.expanduser().resolve()
-        if not self.database_url:
-            self.database_url = f"sqlite:///{self.data_dir / 'stepdoctor.sqlite3'}"
+        if not self.database_url.get_secret_value():
+            self.database_url = SecretStr(f"sqlite:///{self.data_dir / 'stepdoctor.sqlite3'}")
         return self
+
+    @field_serializer("database_url", when_used="json")
+    def _database_url_json(self, value: SecretStr) -> str:
+        """Settings reach analysis child processes as JSON (``model_dump_json``), which must carry
+        the real URL; Python dumps, repr and str keep it masked."""
+        return value.get_secret_value()
+
+    @property
+    def database_url_shown(self) -> str:
+        """The database URL with its password masked, for messages and logs."""
+        from sqlalchemy.engine import make_url
+
+        return make_url(self.database_url.get_secret_value()).render_as_string(hide_password=True)
 
     @property
     def traces_dir(self) -> Path:
@@ -71,13 +85,13 @@ class Settings(BaseSettings):
 
     @property
     def is_sqlite(self) -> bool:
-        return self.database_url.startswith("sqlite")
+        return self.database_url.get_secret_value().startswith("sqlite")
 
     @property
     def uses_procrastinate(self) -> bool:
         """Whether jobs go through procrastinate (PostgreSQL) rather than the in-process pool."""
         if self.job_engine == "auto":
-            return self.database_url.startswith("postgresql")
+            return self.database_url.get_secret_value().startswith("postgresql")
         return self.job_engine == "procrastinate"
 
 

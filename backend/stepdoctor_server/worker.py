@@ -633,7 +633,7 @@ def main(argv: Sequence[str] | None = None, *, settings: Settings | None = None)
     _on_signals(done.set)
     engine = "procrastinate" if settings.uses_procrastinate else "embedded pool"
     print(
-        f"stepdoctor worker: {size} analysis process(es) at a time ({engine}) on {_safe_url(settings)}, "
+        f"stepdoctor worker: {size} analysis process(es) at a time ({engine}) on {settings.database_url_shown}, "
         f"traces from {make_store(settings).description}; Ctrl-C to stop",
         flush=True,
     )
@@ -662,9 +662,3 @@ def main(argv: Sequence[str] | None = None, *, settings: Settings | None = None)
 def _on_signals(handler: Callable[[], None]) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: handler())
-
-
-def _safe_url(settings: Settings) -> str:
-    from sqlalchemy.engine import make_url
-
-    return make_url(settings.database_url).render_as_string(hide_password=True)
