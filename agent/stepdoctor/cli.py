@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import sys
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -58,6 +59,15 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     ),
     "hta": ("hta", "pandas"),
 }
+
+
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+
+
+def configure_logging(level: int = logging.INFO, *, bare: bool = False) -> None:
+    """The one place a command (never a library module) sets up logging: stderr, ``level``, and
+    timestamped lines, or the message alone (``bare``) for commands a user reads in a terminal."""
+    logging.basicConfig(level=level, format="%(message)s" if bare else LOG_FORMAT)
 
 
 def _usage() -> str:

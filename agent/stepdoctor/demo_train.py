@@ -11,7 +11,6 @@ Run both to get a before/after pair. Server, token, project and spool come from 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import time
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import stepdoctor
+from stepdoctor.cli import configure_logging
 
 
 class SlowDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -120,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    configure_logging(bare=True)
     torch.manual_seed(0)
     # The model is tiny: one intra-op thread keeps OpenMP spin-waits from starving the data loading
     # on small machines, so the before/after difference is the DataLoader's, not the scheduler's.

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from stepdoctor.cli import configure_logging
 from stepdoctor.config import Delivery, default_spool, default_spool_max_bytes
 from stepdoctor.spool import Spool
 from stepdoctor.worker import DeliveryWorker
@@ -46,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    configure_logging(logging.WARNING, bare=True)
     root = args.spool or os.environ.get("STEPDOCTOR_SPOOL") or default_spool()
     spool = Spool(Path(root))
     if not spool.root.is_dir():

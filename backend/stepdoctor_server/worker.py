@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 from sqlalchemy import func, select
 from sqlalchemy.exc import InterfaceError, OperationalError
 
+from stepdoctor.cli import configure_logging
 from stepdoctor_server.db import Database
 from stepdoctor_server.limits import JobFailed, run_limited
 from stepdoctor_server.models import DeepAnalysis, Trace
@@ -365,7 +366,7 @@ def worker_loop(settings: Settings, index: int, stop: multiprocessing.synchroniz
     procrastinate worker running ``settings.workers`` jobs at a time (each in its own child).
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which sets ``stop``
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()  # a fresh (spawned) process: the parent's logging setup is not inherited
     if settings.uses_procrastinate:
         from stepdoctor_server import jobs
 
@@ -624,7 +625,7 @@ def main(argv: Sequence[str] | None = None, *, settings: Settings | None = None)
     size = args.workers if args.workers is not None else max(1, settings.workers)
     if size < 1:
         parser.error("--workers must be at least 1")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     metrics = WorkerMetrics(settings)
     port = args.metrics_port if args.metrics_port is not None else settings.metrics_port
     if port:
