@@ -338,25 +338,33 @@ def test_autocast_cast_kernels_are_not_fp32_matmul_work(tmp_path: Path, old_kine
         assert "compute.mixed_precision" not in _ids(r)
 
 
-# --- 3. the real NCCL fixture, against an oracle from its raw JSON --------------------------------
+# --- 3. real NCCL traces, against an oracle from their raw JSON ------------------------------------
 
-NCCL_FIXTURE = HTA_TRACES / "nccl_parser_config/nccl_data.json.gz"
-RECORDED_TYPE = {"allreduce": "all_reduce", "broadcast": "broadcast"}  # the names this trace records
+# nccl_data: NCCL kernels on the device (3 steps); ns_resolution: the same job's host side only (no
+# collective kernels, 5 steps), where NCCL's host ops merely enqueue and time gives no bandwidth.
+NCCL_FIXTURES = {
+    "nccl_data": (HTA_TRACES / "nccl_parser_config/nccl_data.json.gz", 3, True),
+    "ns_resolution": (
+        HTA_TRACES / "ns_resolution_trace/rank-0.Apr_03_18_51_38.1102.pt.trace.json.gz",
+        5,
+        False,
+    ),
+}
+RECORDED_TYPE = {"allreduce": "all_reduce", "broadcast": "broadcast"}  # the names these traces record
 
 
-def _raw_events(path: Path) -> list[dict[str, Any]]:
+def _raw_comm_ops(path: Path) -> list[dict[str, Any]]:
     with gzip.open(path, "rt") as fh:
-        return json.load(fh)["traceEvents"]
-
-
-def _raw_comm_ops(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        events = json.load(fh)["traceEvents"]
     return [e for e in events if e.get("name") == "record_param_comms" and e.get("ph") == "X"]
 
 
-def test_real_nccl_trace_columns_carry_recorded_args() -> None:
-    raw = _raw_comm_ops(_raw_events(NCCL_FIXTURE))
+@pytest.mark.parametrize("fixture", NCCL_FIXTURES)
+def test_real_nccl_trace_columns_carry_recorded_args(fixture: str) -> None:
+    path = NCCL_FIXTURES[fixture][0]
+    raw = _raw_comm_ops(path)
     assert raw and all("Collective name" in e["args"] for e in raw)
-    trace = load_trace(NCCL_FIXTURE)
+    trace = load_trace(path)
     h = trace.host
     rec = h.collective != NONE
     # Only the record_param_comms ops carry them (the kernels' copies of the args are not read).
@@ -375,11 +383,13 @@ def test_real_nccl_trace_columns_carry_recorded_args() -> None:
     assert got == want
 
 
-def test_real_nccl_trace_bytes_per_type_match_raw_json() -> None:
-    raw = _raw_comm_ops(_raw_events(NCCL_FIXTURE))
-    r = _report(NCCL_FIXTURE)
+@pytest.mark.parametrize("fixture", NCCL_FIXTURES)
+def test_real_nccl_trace_bytes_per_type_match_raw_json(fixture: str) -> None:
+    path, steps, on_device = NCCL_FIXTURES[fixture]
+    raw = _raw_comm_ops(path)
+    r = _report(path)
     windows = [(s["start_us"], s["start_us"] + s["duration_us"]) for s in r["steps"]]
-    assert len(windows) == 3
+    assert len(windows) == steps
     oracle: dict[str, dict[str, float]] = {}
     for e in raw:
         a = e["args"]
@@ -392,14 +402,17 @@ def test_real_nccl_trace_bytes_per_type_match_raw_json() -> None:
     assert set(oracle) == {"all_reduce", "broadcast"}
     by_type = _by_type(r)
     assert set(by_type) == set(oracle)  # the 'wait' ops (dtype Byte) are no type of their own
-    n = len(windows)
     for kind, o in oracle.items():
         c = by_type[kind]
-        assert c["recorded_calls_per_step"] == pytest.approx(o["calls"] / n)
-        assert c["bytes_per_step"] == pytest.approx(o["bytes"] / n) and c["bytes_per_step"] > 0
+        # One call each, whether counted by kernel or by its nested host ops (c10d > record > nccl).
+        assert c["calls_per_step"] == c["recorded_calls_per_step"] == pytest.approx(o["calls"] / steps)
+        assert c["bytes_per_step"] == pytest.approx(o["bytes"] / steps) and c["bytes_per_step"] > 0
         assert c["mean_message_bytes"] == pytest.approx(o["bytes"] / o["calls"])
-        assert c["algbw_gbps"] == pytest.approx(c["bytes_per_step"] / c["time_ns_per_step"], abs=1e-3)
-        assert c["algbw_gbps"] > 0
+        if on_device:
+            assert c["algbw_gbps"] == pytest.approx(c["bytes_per_step"] / c["time_ns_per_step"], abs=1e-3)
+            assert c["algbw_gbps"] > 0
+        else:  # host time of an NCCL call is its enqueue: no bandwidth from it
+            assert c["algbw_gbps"] is None
 
 
 # --- 4. the sparse-arg rule: an arg its first carriers lacked is not looked for again -------------

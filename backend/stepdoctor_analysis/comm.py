@@ -49,7 +49,7 @@ class CollectiveStat:
     recorded_calls_per_step: float | None = None  # calls whose op recorded "Collective name"
     bytes_per_step: float | None = None  # message bytes: max(In, Out msg nelems) × dtype size
     mean_message_bytes: float | None = None
-    algbw_gbps: float | None = None  # bytes_per_step / time_ns_per_step (GB/s)
+    algbw_gbps: float | None = None  # bytes_per_step / time_ns_per_step (GB/s); None if NCCL host ops only
 
     @property
     def overlap_fraction(self) -> float:
@@ -229,21 +229,27 @@ def _recorded_bytes(trace: RankTrace, starts: I64, ends: I64) -> dict[str, tuple
     return out
 
 
-def _with_bytes(stat: CollectiveStat, recorded: dict[str, tuple[int, int, int]], n: int) -> CollectiveStat:
-    """``stat`` with what its recorded calls moved (unchanged when none recorded it)."""
+# Device collectives: their host ops only enqueue the transfer, so host time gives no bandwidth.
+_DEVICE_LIBRARIES = {"nccl", "rccl", "msccl", "nvshmem"}
+
+
+def _with_bytes(
+    stat: CollectiveStat, recorded: dict[str, tuple[int, int, int]], n: int, *, timed: bool = True
+) -> CollectiveStat:
+    """``stat`` with what its recorded calls moved (unchanged when none recorded it); its algbw
+    only where ``timed`` (its time is the transfer's)."""
     got = recorded.get(stat.type)
     if got is None:
         return stat
     calls, sized, total = got
     per_step = total / n if sized else None
+    timed = timed and stat.time_ns_per_step > 0
     return dataclasses.replace(
         stat,
         recorded_calls_per_step=calls / n,
         bytes_per_step=per_step,
         mean_message_bytes=total / sized if sized else None,
-        algbw_gbps=(
-            round(per_step / stat.time_ns_per_step, 3) if per_step and stat.time_ns_per_step > 0 else None
-        ),
+        algbw_gbps=(round(per_step / stat.time_ns_per_step, 3) if per_step and timed else None),
     )
 
 
@@ -312,7 +318,7 @@ def _host_types(trace: RankTrace, calls: Mask, starts: I64, ends: I64) -> list[C
             )
         )
     recorded = _recorded_bytes(trace, starts, ends)
-    out = [_with_bytes(c, recorded, n) for c in out]
+    out = [_with_bytes(c, recorded, n, timed=not _DEVICE_LIBRARIES & set(c.libraries)) for c in out]
     return sorted(out, key=lambda c: (-c.exposed_ns_per_step, c.type))
 
 
