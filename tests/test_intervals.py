@@ -83,15 +83,12 @@ def test_union_of_negative_times() -> None:
 
 
 @pytest.mark.parametrize("seed", range(30))
-def test_median_and_percentiles_equal_numpys(seed: int) -> None:
-    """The engine's cheap stand-ins return exactly what numpy returns."""
+def test_mean_or_zero_equals_numpys_mean(seed: int) -> None:
+    """The engine's one remaining stand-in returns exactly what numpy returns."""
     from stepdoctor_analysis import timeline as tl
 
     rng = np.random.default_rng(seed)
     a = rng.integers(0, 10 ** int(rng.integers(1, 12)), int(rng.integers(1, 40))).astype(np.int64)
-    assert tl.median(a) == float(np.median(a))
-    assert tl.percentiles(a, (50, 90, 99)) == np.percentile(a, (50, 90, 99)).tolist()
     assert tl.mean_or_zero(a) == float(a.mean())
-    f = a / 7.0
-    assert tl.median(f) == float(np.median(f))
-    assert tl.percentiles(f, (10, 50, 99)) == np.percentile(f, (10, 50, 99)).tolist()
+    assert tl.mean_or_zero(a / 7.0) == float((a / 7.0).mean())
+    assert tl.mean_or_zero(a[:0]) == 0.0

@@ -17,7 +17,6 @@ import numpy as np
 
 from . import intervals as iv
 from .model import F32, I64, GpuKind, RankTrace, Step
-from .timeline import distinct
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,7 @@ def compute_gpu_metrics(trace: RankTrace, steps: list[Step], *, per_step: bool =
     gpu = trace.gpu
     is_kernel = trace.gpu_kind(GpuKind.KERNEL)
     devices = []
-    for dev in distinct(gpu.device[is_kernel]):
+    for dev in np.unique(gpu.device[is_kernel]).tolist():
         if dev < 0:
             continue
         sel = (is_kernel & (gpu.device == dev)).nonzero()[0]
@@ -106,8 +105,8 @@ def _window(busy: iv.Intervals, ts: I64, end: I64, bps: F32, occ: F32, lo: int, 
         return WindowMetrics(0.0, None, None, 0)
     # Only kernels overlapping the window matter; clipping them makes every sum window-local.
     inside = (ts < hi) & (end > lo)
-    s = np.minimum(np.maximum(ts[inside], lo), hi)  # np.clip, without its wrapper's overhead
-    e = np.minimum(np.maximum(end[inside], lo), hi)
+    s = np.clip(ts[inside], lo, hi)
+    e = np.clip(end[inside], lo, hi)
     return WindowMetrics(
         utilization=kernel_ns / span,
         sm_efficiency=_sm_efficiency(s, e, bps[inside], span),
@@ -126,7 +125,7 @@ def _sm_efficiency(s: I64, e: I64, bps: F32, span: int) -> float | None:
     dv = np.concatenate([v, -v])
     order = t.argsort(kind="stable")
     t, dv = t[order], dv[order]
-    level = np.minimum(np.maximum(dv.cumsum()[:-1], 0.0), 1.0)  # np.clip, without its wrapper
+    level = np.clip(dv.cumsum()[:-1], 0.0, 1.0)
     seg = (t[1:] - t[:-1]).astype(np.float64)
     return float((level * seg).sum() / span)
 

@@ -112,9 +112,9 @@ def analyze_ops(trace: RankTrace, steps: list[Step], minimums: Mapping[str, floa
         "top_kernels": _top(trace, g.name[kernels], g.dur[kernels]) if len(g) else [],
         "top_ops": _top(trace, h.name[ops], h.dur[ops]),
         "ops_per_step": int(np.count_nonzero(ops)) / n,
-        "median_op_ns": tl.median(h.dur[ops]) if ops.any() else 0.0,
+        "median_op_ns": float(np.median(h.dur[ops])) if ops.any() else 0.0,
         "kernels_per_step": int(np.count_nonzero(kernels)) / n,
-        "median_kernel_ns": tl.median(g.dur[kernels]) if kernels.any() else 0.0,
+        "median_kernel_ns": float(np.median(g.dur[kernels])) if kernels.any() else 0.0,
         "matmul_ns_by_precision": {
             k: v / n for k, v in (matmul_ns_by_precision(trace, kernels) if len(g) else {}).items()
         },

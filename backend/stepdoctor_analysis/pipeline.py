@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from . import breakdown as bd
 from . import diagnose, gpu_metrics, job, parse, ranks, step_timeline, steps, tables
@@ -177,7 +178,7 @@ def _metrics(trace: RankTrace, ctx: Context, step_list: list[Any]) -> dict[str, 
     out: dict[str, Any] = {
         "step_time_us": {
             "mean": tl.mean_or_zero(durs),
-            "p50": tl.median(durs),
+            "p50": float(np.median(durs)),
             "max": float(durs.max()),
             "min": float(durs.min()),
         },

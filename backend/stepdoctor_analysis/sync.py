@@ -109,7 +109,7 @@ def _triggers(trace: RankTrace, calls: np.ndarray) -> list[Trigger]:
     is_trigger = trace.host_named(lambda n: n in _TRIGGERS, "sync_triggers", HostKind.CPU_OP)
     picked = np.full(calls.size, -1, dtype=np.int64)
     call_tid = h.tid[calls]
-    for tid in tl.distinct(call_tid):
+    for tid in np.unique(call_tid).tolist():
         sel = ops[h.tid[ops] == tid]
         if sel.size == 0:
             continue

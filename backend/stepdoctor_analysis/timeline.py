@@ -8,7 +8,6 @@ definition), memory = memcpy and memset, computation = every other kernel.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 
@@ -86,51 +85,6 @@ def per_step(ivs: iv.Intervals, starts: I64, ends: I64) -> I64:
 def mean_or_zero(a: I64 | np.ndarray) -> float:
     # ``a.mean()``'s own arithmetic (a float64 sum, then one division) without its ~5 µs wrapper.
     return float(a.sum(dtype=np.float64)) / a.size if a.size else 0.0
-
-
-def distinct(a: np.ndarray) -> list[int]:
-    """``np.unique(a).tolist()`` for integer arrays.
-
-    ``np.unique`` costs ~10 µs in fixed overhead, several times what a few dozen values take through
-    a set; large arrays still go through numpy.
-    """
-    return sorted(set(a.tolist())) if a.size <= 256 else np.unique(a).tolist()
-
-
-# ``np.median`` and ``np.percentile`` cost 15-40 µs each in fixed overhead, a sizeable part of a small
-# trace's analysis. These return exactly what they return (same order statistics, same arithmetic)
-# for non-empty arrays without NaN, which is all the engine passes them.
-
-
-def median(a: np.ndarray) -> float:
-    """``float(np.median(a))``."""
-    mid = a.size // 2
-    part = a.copy()
-    if a.size % 2:
-        part.partition(mid)
-        return float(part[mid])
-    part.partition((mid - 1, mid))
-    return (float(part[mid - 1]) + float(part[mid])) / 2
-
-
-def percentiles(a: np.ndarray, qs: tuple[int, ...]) -> list[float]:
-    """``np.percentile(a, qs).tolist()`` for integer arrays (linear interpolation, numpy's ``_lerp``)."""
-    if a.dtype.kind not in "iu":
-        return [float(v) for v in np.percentile(a, qs)]
-    n = a.size
-    at = [(n - 1) * (q / 100) for q in qs]  # numpy's virtual index of each percentile
-    below = [min(math.floor(v), n - 1) for v in at]
-    part = a.copy()
-    part.partition(sorted({i for b in below for i in (b, min(b + 1, n - 1))}))
-    out = []
-    for v, b in zip(at, below, strict=True):
-        if v >= n - 1:
-            out.append(float(part[n - 1]))
-            continue
-        lo, hi, t = int(part[b]), int(part[b + 1]), v - b
-        diff = hi - lo
-        out.append(hi - diff * (1 - t) if t >= 0.5 else lo + diff * t)
-    return out
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ def analyze_transfers(trace: RankTrace, steps: list[Step]) -> TransferStats:
                 bandwidth_gbps=float(b.sum()) / dur if dur > 0 else 0.0,  # bytes/ns == GB/s
                 pageable_count_per_step=int(np.count_nonzero(m & pageable)) / n,
                 pinned_count_per_step=int(np.count_nonzero(m & (g.host_mem == int(HostMem.PINNED)))) / n,
-                median_bytes=tl.median(b) if b.size else 0.0,
+                median_bytes=float(np.median(b)) if b.size else 0.0,
             )
         )
 
