@@ -1,14 +1,14 @@
 """Dashboard pages: server-rendered templates, figures as plotly JSON, cookie login with an API token.
 
-Pages read through the same loaders and permission checks as the REST API (a team sees only its own
-objects; others' ids are 404), and downloads call the API's own handlers so bytes are identical.
+Pages read through the domain services the REST API also calls (``stepdoctor_server.services``:
+the same queries and permission checks; a team sees only its own objects, others' ids are 404), and
+downloads go through the same service as the API's, so the bytes are identical.
 Every verdict, share and recommendation comes from the stored run diagnosis or trace report, the
 same JSON the API returns; templates only format it.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import parse_qs, urlencode
@@ -17,7 +17,6 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -28,7 +27,7 @@ from stepdoctor_server import compare, sessions
 from stepdoctor_server.auth import Principal, authenticate
 from stepdoctor_server.db import DatabaseDep, SessionDep
 from stepdoctor_server.errors import ApiError, check_id, not_found
-from stepdoctor_server.models import Analysis, Project, Run, Trace
+from stepdoctor_server.models import Project, Trace
 from stepdoctor_server.services import deep, runs, traces
 
 COOKIE = sessions.COOKIE  # a random session id (sessions.py), never the API token
@@ -37,18 +36,10 @@ templates = Jinja2Templates(directory=str(HERE / "templates"))
 formatting.register(templates.env)
 router = APIRouter(include_in_schema=False)
 
-PAGE_SIZE = 50
 # Paths for programs, not people: their errors stay JSON.
 _MACHINE_PATHS = ("/api", "/docs", "/openapi", "/redoc", "/metrics", "/healthz", "/readyz", "/static/")
 MAX_TRACES_LISTED = 500
 REFRESH_S = 5  # pages with traces still being analysed reload themselves this often
-# Run-list sorts: every one is served by an index (migration 2026_11_22_0014_dashboard_indexes).
-RUN_SORTS: dict[str, tuple[Any, ...]] = {
-    "updated": (Run.updated_at.desc(), Run.id.desc()),
-    "created": (Run.created_at.desc(), Run.id.desc()),
-    "name": (Run.name.asc(), Run.id.asc()),
-    "bottleneck": (Run.primary_kind.asc(), Run.updated_at.desc(), Run.id.desc()),
-}
 
 
 class LoginRequired(Exception):
@@ -169,17 +160,10 @@ def _safe_next(target: str) -> str:
 
 @router.get("/", response_class=HTMLResponse)
 def home(request: Request, viewer: Viewer, session: SessionDep) -> HTMLResponse:
-    # Per project: run count and last activity, both read from the (project_id, updated_at) index.
-    projects = session.execute(
-        select(Project, func.count(Run.id), func.max(Run.updated_at))
-        .outerjoin(Run, Run.project_id == Project.id)
-        .where(Project.team_id == viewer.team_id)
-        .group_by(Project.id)
-        .order_by(Project.name)
-    ).all()
-    projects = sorted(projects, key=lambda row: (row[2] is None, -(row[2].timestamp() if row[2] else 0)))
-    recent = _runs_query(viewer, None, RunFilter()).limit(20)
-    return _render(request, "home.html", viewer, projects=projects, runs=session.execute(recent).all())
+    projects = runs.team_projects(session, viewer)
+    return _render(
+        request, "home.html", viewer, projects=projects, runs=runs.recent_runs(session, viewer, 20)
+    )
 
 
 class RunFilter:
@@ -191,7 +175,7 @@ class RunFilter:
         self.q = q.strip()[:128]
         self.kind = kind if kind in (*BOTTLENECK_KINDS, "pending") else ""
         self.tag = tag.strip()[:128]
-        self.sort = sort if sort in RUN_SORTS else "updated"
+        self.sort = sort if sort in runs.RUN_SORTS else "updated"
         self.page = max(1, min(page, 10**6))
 
     def link(self, **change: Any) -> str:
@@ -229,52 +213,11 @@ def runs_page(request: Request, viewer: Viewer, session: SessionDep, f: Filters)
     return _render(request, "runs.html", viewer, f=f, **_paged_runs(session, viewer, None, f))
 
 
-def _runs_query(viewer: Principal, project_id: int | None, f: RunFilter) -> Any:
-    query = (
-        select(Run, Project.name)
-        .join(Project, Project.id == Run.project_id)
-        .where(Project.team_id == viewer.team_id)
-        .order_by(*RUN_SORTS[f.sort])
-    )
-    if project_id is not None:
-        query = query.where(Run.project_id == project_id)
-    if f.q:
-        query = query.where(Run.name.ilike(f"%{_like_escape(f.q)}%", escape="\\"))
-    if f.kind == "pending":
-        query = query.where(Run.primary_kind.is_(None))
-    elif f.kind:
-        query = query.where(Run.primary_kind == f.kind)
-    return query
-
-
 def _paged_runs(session: Session, viewer: Principal, project_id: int | None, f: RunFilter) -> dict[str, Any]:
-    query = _runs_query(viewer, project_id, f)
-    if f.tag:
-        query = query.where(runs.has_tag(session, f.tag))
-    ids = query.with_only_columns(Run.id)
-    total = int(session.scalar(select(func.count()).select_from(ids.order_by(None).subquery())) or 0)
-    pages = max(1, math.ceil(total / PAGE_SIZE))
-    page = min(f.page, pages)
-    # The offset walks index entries (ids only); the page's rows, diagnosis JSON included, are then
-    # read by primary key. Skipping whole rows made page 100 of 10k runs take half a second.
-    page_ids = session.scalars(ids.offset((page - 1) * PAGE_SIZE).limit(PAGE_SIZE)).all()
-    rows = (
-        session.execute(_runs_query(viewer, project_id, f).where(Run.id.in_(page_ids))).all()
-        if page_ids
-        else []
+    listing = runs.page_of_runs(
+        session, viewer, project_id, q=f.q, kind=f.kind, tag=f.tag, sort=f.sort, page=f.page
     )
-    return {
-        "runs": rows,
-        "total": total,
-        "page": page,
-        "pages": pages,
-        "first_index": (page - 1) * PAGE_SIZE + 1 if rows else 0,
-        "kinds": BOTTLENECK_KINDS,
-    }
-
-
-def _like_escape(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return {**listing, "kinds": BOTTLENECK_KINDS}
 
 
 # -- run -----------------------------------------------------------------------------------------
@@ -284,16 +227,9 @@ def _like_escape(text: str) -> str:
 def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep) -> HTMLResponse:
     run, project = runs.load_run(session, viewer, run_id)
     diagnosis = run.diagnosis or {}
-    trace_rows = session.execute(
-        select(Trace, Analysis.primary_kind, Analysis.report["steps"].as_json())
-        .outerjoin(Analysis, Analysis.trace_id == Trace.id)
-        .where(Trace.run_id == run.id)
-        .order_by(Trace.rank, Trace.window_index, Trace.id)
-        .limit(MAX_TRACES_LISTED)
-    ).all()
-    trace_count = int(session.scalar(select(func.count(Trace.id)).where(Trace.run_id == run.id)) or 0)
-    rep_id, warnings = _run_facts(session, run.id)
-    report = _facts_report(session, rep_id) if rep_id is not None else {}
+    trace_rows, trace_count = runs.run_traces(session, run.id, MAX_TRACES_LISTED)
+    rep_id, warnings = runs.run_facts(session, run.id)
+    report = runs.facts_report(session, rep_id) if rep_id is not None else {}
     figs = {}
     if diagnosis.get("breakdown"):
         figs["breakdown"] = figures.to_json(figures.breakdown_figure(diagnosis["breakdown"]))
@@ -301,12 +237,7 @@ def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep)
         figs["shares"] = figures.to_json(figures.shares_figure(diagnosis["shares"]))
     if len(diagnosis.get("ranks") or []) > 1:
         figs["ranks"] = figures.to_json(figures.ranks_figure(diagnosis["ranks"]))
-    others = session.execute(
-        select(Run.id, Run.name)
-        .where(Run.project_id == project.id, Run.id != run.id)
-        .order_by(Run.updated_at.desc())
-        .limit(200)
-    ).all()
+    others = runs.sibling_runs(session, run, 200)
     waiting = any(t.status in ("pending", "running") for t, _, _ in trace_rows)
     return _render(
         request,
@@ -325,48 +256,6 @@ def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep)
         rep_trace=rep_id,
         refresh_s=REFRESH_S if waiting else None,
     )
-
-
-def _run_facts(session: Session, run_id: int) -> tuple[int | None, list[str]]:
-    """The trace whose report stands for the run in the facts (its slowest analysed one), and every
-    trace's analysis warnings, deduplicated; read as JSON fields, not whole reports."""
-    rows = session.execute(
-        select(Analysis.trace_id, Analysis.report["step_time_us"].as_float(), Analysis.report["warnings"])
-        .join(Trace, Trace.id == Analysis.trace_id)
-        .where(Trace.run_id == run_id)
-    ).all()
-    if not rows:
-        return None, []
-    slowest = max(rows, key=lambda r: (r[1] or 0.0, -r[0]))[0]
-    warnings: list[str] = []
-    for _, _, ws in rows:
-        for w in ws or []:
-            if isinstance(w, str) and w not in warnings:
-                warnings.append(w)
-    return slowest, warnings
-
-
-def _facts_report(session: Session, trace_id: int) -> dict[str, Any]:
-    """The parts of a report the run page shows (device, GPU and memory metrics, tables), read as
-    JSON fields: the whole report also holds the drawn steps, which only the trace page needs."""
-    metrics = Analysis.report["metrics"]
-    row = session.execute(
-        select(
-            Analysis.report["device"],
-            metrics["gpu"],
-            metrics["memory"]["devices"],
-            Analysis.report["tables"],
-        ).where(Analysis.trace_id == trace_id)
-    ).first()
-    if row is None:
-        return {}
-    device, gpu, memory, tables = row
-    return {
-        "device": device,
-        "metrics": {"gpu": gpu, "memory": {"devices": memory}},
-        "tables": tables,
-        "analysed": True,
-    }
 
 
 def _device_facts(report: dict[str, Any]) -> dict[str, Any]:
@@ -518,7 +407,7 @@ def compare_page(
         )
     comparison = compare.compare_diagnoses(base_d, other_d)
     differences = compare.context_differences(
-        _run_context(session, base_run), _run_context(session, other_run)
+        runs.comparison_context(session, base_run), runs.comparison_context(session, other_run)
     )
     fig = figures.to_json(figures.compare_figure(comparison, base_run.name, other_run.name))
     kinds_fig = figures.to_json(figures.kind_delta_figure(comparison.get("kinds") or {}))
@@ -534,31 +423,6 @@ def compare_page(
         differences=differences,
         error=None,
     )
-
-
-def _run_context(session: Session, run: Run) -> dict[str, Any]:
-    """What must match for two runs to compare fairly: devices, batch size, world size."""
-    row = session.execute(
-        select(Trace.meta, Analysis.report["device"], Analysis.report["world_size"])
-        .outerjoin(Analysis, Analysis.trace_id == Trace.id)
-        .where(Trace.run_id == run.id)
-        .order_by(Analysis.id.is_(None), Trace.id)
-        .limit(1)
-    ).first()
-    if row is None:
-        return {}
-    meta, device, world = row
-    meta = meta if isinstance(meta, dict) else {}
-    loader = meta.get("loader") if isinstance(meta.get("loader"), dict) else {}
-    names = [d.get("name") for d in meta.get("devices") or [] if isinstance(d, dict) and d.get("name")]
-    if not names and isinstance(device, dict) and device.get("name"):
-        names = [device["name"]]
-    return {
-        "devices": ", ".join(sorted(set(map(str, names))))
-        or ("CPU only" if meta or device is None else None),
-        "batch_size": (loader or {}).get("batch_size"),
-        "world_size": meta.get("world_size") if meta.get("world_size") is not None else world,
-    }
 
 
 # -- downloads (the API's services, with the page's cookie principal) -----------------------------

@@ -1,7 +1,9 @@
-"""Runs: the caller's run, its stored diagnosis and trace counts, tag filters, its TensorBoard export."""
+"""Runs: the caller's run, its stored diagnosis and trace counts, tag filters, its TensorBoard export, and
+the dashboard's run lists, a run's traces and facts, and what two compared runs must share."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -13,7 +15,7 @@ from sqlalchemy.orm import Session
 from stepdoctor_server import tensorboard_export
 from stepdoctor_server.auth import Principal
 from stepdoctor_server.errors import ApiError, check_id, not_found
-from stepdoctor_server.models import Project, Run, Trace
+from stepdoctor_server.models import Analysis, Project, Run, Trace
 from stepdoctor_server.storage import TraceStore
 
 
@@ -94,3 +96,185 @@ def tensorboard_zip(
 def _host(meta: dict[str, Any] | None) -> str | None:
     host = (meta or {}).get("host") or (meta or {}).get("hostname")
     return str(host) if host else None
+
+
+# -- the dashboard's views: lists, a run's traces and facts, what two compared runs must share ------
+
+# Run-list sorts: every one is served by an index (migration 2026_11_22_0014_dashboard_indexes).
+RUN_SORTS: dict[str, tuple[Any, ...]] = {
+    "updated": (Run.updated_at.desc(), Run.id.desc()),
+    "created": (Run.created_at.desc(), Run.id.desc()),
+    "name": (Run.name.asc(), Run.id.asc()),
+    "bottleneck": (Run.primary_kind.asc(), Run.updated_at.desc(), Run.id.desc()),
+}
+PAGE_SIZE = 50
+
+
+def team_projects(session: Session, principal: Principal) -> list[Any]:
+    """The team's projects as (project, run count, last activity), most recently active first."""
+    # Run count and last activity are both read from the (project_id, updated_at) index.
+    projects = session.execute(
+        select(Project, func.count(Run.id), func.max(Run.updated_at))
+        .outerjoin(Run, Run.project_id == Project.id)
+        .where(Project.team_id == principal.team_id)
+        .group_by(Project.id)
+        .order_by(Project.name)
+    ).all()
+    return sorted(projects, key=lambda row: (row[2] is None, -(row[2].timestamp() if row[2] else 0)))
+
+
+def runs_query(
+    principal: Principal, project_id: int | None, *, q: str = "", kind: str = "", sort: str = "updated"
+) -> Any:
+    """(run, project name) rows of the team, searched by name, filtered by primary kind ("pending":
+    none yet), in one of ``RUN_SORTS``."""
+    query = (
+        select(Run, Project.name)
+        .join(Project, Project.id == Run.project_id)
+        .where(Project.team_id == principal.team_id)
+        .order_by(*RUN_SORTS[sort])
+    )
+    if project_id is not None:
+        query = query.where(Run.project_id == project_id)
+    if q:
+        query = query.where(Run.name.ilike(f"%{_like_escape(q)}%", escape="\\"))
+    if kind == "pending":
+        query = query.where(Run.primary_kind.is_(None))
+    elif kind:
+        query = query.where(Run.primary_kind == kind)
+    return query
+
+
+def recent_runs(session: Session, principal: Principal, limit: int) -> list[Any]:
+    """The team's most recently updated runs, as (run, project name)."""
+    return list(session.execute(runs_query(principal, None).limit(limit)).all())
+
+
+def page_of_runs(
+    session: Session,
+    principal: Principal,
+    project_id: int | None,
+    *,
+    q: str,
+    kind: str,
+    tag: str,
+    sort: str,
+    page: int,
+) -> dict[str, Any]:
+    """One numbered page of ``runs_query`` (``PAGE_SIZE`` rows), with the total and page count."""
+    query = runs_query(principal, project_id, q=q, kind=kind, sort=sort)
+    if tag:
+        query = query.where(has_tag(session, tag))
+    ids = query.with_only_columns(Run.id)
+    total = int(session.scalar(select(func.count()).select_from(ids.order_by(None).subquery())) or 0)
+    pages = max(1, math.ceil(total / PAGE_SIZE))
+    page = min(page, pages)
+    # The offset walks index entries (ids only); the page's rows, diagnosis JSON included, are then
+    # read by primary key. Skipping whole rows made page 100 of 10k runs take half a second.
+    page_ids = session.scalars(ids.offset((page - 1) * PAGE_SIZE).limit(PAGE_SIZE)).all()
+    by_id = runs_query(principal, project_id, q=q, kind=kind, sort=sort).where(Run.id.in_(page_ids))
+    rows = session.execute(by_id).all() if page_ids else []
+    return {
+        "runs": rows,
+        "total": total,
+        "page": page,
+        "pages": pages,
+        "first_index": (page - 1) * PAGE_SIZE + 1 if rows else 0,
+    }
+
+
+def _like_escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+def run_traces(session: Session, run_id: int, limit: int) -> tuple[list[Any], int]:
+    """The run's first ``limit`` traces as (trace, primary kind, report steps) by rank and window,
+    and how many it has in all."""
+    rows = session.execute(
+        select(Trace, Analysis.primary_kind, Analysis.report["steps"].as_json())
+        .outerjoin(Analysis, Analysis.trace_id == Trace.id)
+        .where(Trace.run_id == run_id)
+        .order_by(Trace.rank, Trace.window_index, Trace.id)
+        .limit(limit)
+    ).all()
+    count = int(session.scalar(select(func.count(Trace.id)).where(Trace.run_id == run_id)) or 0)
+    return list(rows), count
+
+
+def sibling_runs(session: Session, run: Run, limit: int) -> list[Any]:
+    """(id, name) of the other runs of the run's project, most recently updated first."""
+    return list(
+        session.execute(
+            select(Run.id, Run.name)
+            .where(Run.project_id == run.project_id, Run.id != run.id)
+            .order_by(Run.updated_at.desc())
+            .limit(limit)
+        ).all()
+    )
+
+
+def run_facts(session: Session, run_id: int) -> tuple[int | None, list[str]]:
+    """The trace whose report stands for the run in the facts (its slowest analysed one), and every
+    trace's analysis warnings, deduplicated; read as JSON fields, not whole reports."""
+    rows = session.execute(
+        select(Analysis.trace_id, Analysis.report["step_time_us"].as_float(), Analysis.report["warnings"])
+        .join(Trace, Trace.id == Analysis.trace_id)
+        .where(Trace.run_id == run_id)
+    ).all()
+    if not rows:
+        return None, []
+    slowest = max(rows, key=lambda r: (r[1] or 0.0, -r[0]))[0]
+    warnings: list[str] = []
+    for _, _, ws in rows:
+        for w in ws or []:
+            if isinstance(w, str) and w not in warnings:
+                warnings.append(w)
+    return slowest, warnings
+
+
+def facts_report(session: Session, trace_id: int) -> dict[str, Any]:
+    """The parts of a report the run page shows (device, GPU and memory metrics, tables), read as
+    JSON fields: the whole report also holds the drawn steps, which only the trace page needs."""
+    metrics = Analysis.report["metrics"]
+    row = session.execute(
+        select(
+            Analysis.report["device"],
+            metrics["gpu"],
+            metrics["memory"]["devices"],
+            Analysis.report["tables"],
+        ).where(Analysis.trace_id == trace_id)
+    ).first()
+    if row is None:
+        return {}
+    device, gpu, memory, tables = row
+    return {
+        "device": device,
+        "metrics": {"gpu": gpu, "memory": {"devices": memory}},
+        "tables": tables,
+        "analysed": True,
+    }
+
+
+def comparison_context(session: Session, run: Run) -> dict[str, Any]:
+    """What must match for two runs to compare fairly: devices, batch size, world size."""
+    row = session.execute(
+        select(Trace.meta, Analysis.report["device"], Analysis.report["world_size"])
+        .outerjoin(Analysis, Analysis.trace_id == Trace.id)
+        .where(Trace.run_id == run.id)
+        .order_by(Analysis.id.is_(None), Trace.id)
+        .limit(1)
+    ).first()
+    if row is None:
+        return {}
+    meta, device, world = row
+    meta = meta if isinstance(meta, dict) else {}
+    loader = meta.get("loader") if isinstance(meta.get("loader"), dict) else {}
+    names = [d.get("name") for d in meta.get("devices") or [] if isinstance(d, dict) and d.get("name")]
+    if not names and isinstance(device, dict) and device.get("name"):
+        names = [device["name"]]
+    return {
+        "devices": ", ".join(sorted(set(map(str, names))))
+        or ("CPU only" if meta or device is None else None),
+        "batch_size": (loader or {}).get("batch_size"),
+        "world_size": meta.get("world_size") if meta.get("world_size") is not None else world,
+    }
