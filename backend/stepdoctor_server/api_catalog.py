@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
-from sqlalchemy import ColumnElement, Select, and_, func, or_, select
+from sqlalchemy import ColumnElement, Select, and_, or_
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from stepdoctor_analysis import BOTTLENECK_KINDS
@@ -23,7 +23,7 @@ from stepdoctor_server.auth import ReadTeam
 from stepdoctor_server.db import SessionDep
 from stepdoctor_server.errors import MAX_ID, ApiError
 from stepdoctor_server.ingest import NAME_RE, check_tag, validate_name
-from stepdoctor_server.models import Analysis, Project, Run, Trace
+from stepdoctor_server.models import Project, Run, Trace
 from stepdoctor_server.schemas import (
     ErrorResponse,
     Page,
@@ -137,19 +137,13 @@ def _run_keyset(sort: str) -> Keyset:
 def list_projects(
     principal: ReadTeam, session: SessionDep, limit: Limit = 50, cursor: Cursor = None
 ) -> Page[ProjectOut]:
-    run_count = select(func.count(Run.id)).where(Run.project_id == Project.id).scalar_subquery()
-    query = select(Project, run_count).where(Project.team_id == principal.team_id)
     keyset = Keyset(sort="name", column=Project.name, descending=False)
-    rows, next_cursor = paginate(session, query, keyset, Project.id, limit, cursor)
+    rows, next_cursor = paginate(session, runs.projects_query(principal), keyset, Project.id, limit, cursor)
     items = [ProjectOut(id=p.id, name=p.name, created_at=p.created_at, run_count=n) for p, n in rows]
     return Page[ProjectOut](items=items, next=next_cursor)
 
 
 # -- runs ----------------------------------------------------------------------------------------
-
-
-def _trace_count() -> Any:
-    return select(func.count(Trace.id)).where(Trace.run_id == Run.id).scalar_subquery()
 
 
 def _run_out(run: Run, project_name: str, trace_count: int) -> RunOut:
@@ -181,25 +175,16 @@ def list_runs(
     limit: Limit = 50,
     cursor: Cursor = None,
 ) -> Page[RunOut]:
-    query = (
-        select(Run, Project.name, _trace_count())
-        .join(Project, Project.id == Run.project_id)
-        .where(Project.team_id == principal.team_id)
+    # Checked in the order of the parameters, so the first bad one is the one named.
+    project = validate_name("project", project) if project is not None else None
+    tag = check_tag(tag, "tag filter") if tag is not None else None
+    if primary_kind is not None and primary_kind not in BOTTLENECK_KINDS:
+        raise ApiError(422, "invalid_request", f"primary_kind must be one of {', '.join(BOTTLENECK_KINDS)}")
+    since = _bounded_time("since", since) if since is not None else None
+    until = _bounded_time("until", until) if until is not None else None
+    query = runs.catalog_query(
+        session, principal, project=project, tag=tag, primary_kind=primary_kind, since=since, until=until
     )
-    if project is not None:
-        query = query.where(Project.name == validate_name("project", project))
-    if tag is not None:
-        query = query.where(runs.has_tag(session, check_tag(tag, "tag filter")))
-    if primary_kind is not None:
-        if primary_kind not in BOTTLENECK_KINDS:
-            raise ApiError(
-                422, "invalid_request", f"primary_kind must be one of {', '.join(BOTTLENECK_KINDS)}"
-            )
-        query = query.where(Run.primary_kind == primary_kind)
-    if since is not None:
-        query = query.where(Run.created_at >= _bounded_time("since", since))
-    if until is not None:
-        query = query.where(Run.created_at < _bounded_time("until", until))
     rows, next_cursor = paginate(session, query, _run_keyset(sort), Run.id, limit, cursor)
     return Page[RunOut](items=[_run_out(r, p, n) for r, p, n in rows], next=next_cursor)
 
@@ -234,13 +219,8 @@ def list_run_traces(
     run_id: int, principal: ReadTeam, session: SessionDep, limit: Limit = 50, cursor: Cursor = None
 ) -> Page[TraceSummary]:
     run, _ = runs.load_run(session, principal, run_id)
-    query = (
-        select(Trace, Analysis.primary_kind, Analysis.primary_share)
-        .outerjoin(Analysis, Analysis.trace_id == Trace.id)
-        .where(Trace.run_id == run.id)
-    )
     keyset = Keyset(sort="id", column=None, descending=False)
-    rows, next_cursor = paginate(session, query, keyset, Trace.id, limit, cursor)
+    rows, next_cursor = paginate(session, runs.traces_query(run.id), keyset, Trace.id, limit, cursor)
     items = [trace_summary(t, kind, share) for t, kind, share in rows]
     return Page[TraceSummary](items=items, next=next_cursor)
 

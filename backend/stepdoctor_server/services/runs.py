@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from datetime import datetime
 from typing import Any
 
 from fastapi.responses import StreamingResponse
@@ -96,6 +97,55 @@ def tensorboard_zip(
 def _host(meta: dict[str, Any] | None) -> str | None:
     host = (meta or {}).get("host") or (meta or {}).get("hostname")
     return str(host) if host else None
+
+
+# -- the API's catalog (keyset-paginated by the router) ---------------------------------------------
+
+
+def projects_query(principal: Principal) -> Any:
+    """(project, run count) rows of the team."""
+    run_count = select(func.count(Run.id)).where(Run.project_id == Project.id).scalar_subquery()
+    return select(Project, run_count).where(Project.team_id == principal.team_id)
+
+
+def catalog_query(
+    session: Session,
+    principal: Principal,
+    *,
+    project: str | None = None,
+    tag: str | None = None,
+    primary_kind: str | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> Any:
+    """(run, project name, trace count) rows of the team, each filter applied when given (the
+    caller validated them): project name, tag, primary kind, created in [since, until)."""
+    trace_count = select(func.count(Trace.id)).where(Trace.run_id == Run.id).scalar_subquery()
+    query = (
+        select(Run, Project.name, trace_count)
+        .join(Project, Project.id == Run.project_id)
+        .where(Project.team_id == principal.team_id)
+    )
+    if project is not None:
+        query = query.where(Project.name == project)
+    if tag is not None:
+        query = query.where(has_tag(session, tag))
+    if primary_kind is not None:
+        query = query.where(Run.primary_kind == primary_kind)
+    if since is not None:
+        query = query.where(Run.created_at >= since)
+    if until is not None:
+        query = query.where(Run.created_at < until)
+    return query
+
+
+def traces_query(run_id: int) -> Any:
+    """(trace, primary kind, primary share) rows of the run."""
+    return (
+        select(Trace, Analysis.primary_kind, Analysis.primary_share)
+        .outerjoin(Analysis, Analysis.trace_id == Trace.id)
+        .where(Trace.run_id == run_id)
+    )
 
 
 # -- the dashboard's views: lists, a run's traces and facts, what two compared runs must share ------
