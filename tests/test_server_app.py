@@ -154,3 +154,21 @@ def test_a_missing_part_stops_the_server_with_a_message(part: str, tmp_path: Pat
         out.stdout
     )
     assert "pip install 'stepdoctor[server]'" in out.stdout
+
+
+def test_serve_without_a_part_is_one_line(tmp_path: Path) -> None:
+    """Through the console script, a part that is not installed ends in the install hint, not a traceback."""
+    code = (
+        "import sys; sys.modules['stepdoctor_dashboard.routes'] = None\n"
+        "from stepdoctor_server import cli\n"
+        "cli.migrate.upgrade = lambda settings: None\n"  # reach the app import without a database
+        "from stepdoctor.cli import main\n"
+        "raise SystemExit(main(['serve', '--workers', '1']))\n"
+    )
+    env = {**os.environ, "STEPDOCTOR_DATA_DIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
+    )
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'stepdoctor[server]'" in lines[0], out.stderr

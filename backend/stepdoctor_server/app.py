@@ -36,7 +36,9 @@ try:  # the parts of the service: none is optional, so a missing one stops the s
     from stepdoctor_dashboard import routes as dashboard
     from stepdoctor_server import api_analysis, api_catalog, api_docs, api_traces, worker
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by test_server_app
-    raise ImportError(
+    # Same class (ModuleNotFoundError stays one), so the console script still answers a missing
+    # module with its one-line install hint.
+    raise type(exc)(
         f"stepdoctor server cannot start: its part {exc.name or '?'} does not import ({exc}); "
         "reinstall with pip install 'stepdoctor[server]'",
         name=exc.name,
