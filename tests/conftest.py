@@ -32,7 +32,21 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def _other_backend(item: pytest.Item) -> bool:
+    """A test marked ``only_db(...)`` whose ``db_url`` parametrization names another backend."""
+    marker = item.get_closest_marker("only_db")
+    callspec = getattr(item, "callspec", None)
+    backend = callspec.params.get("db_url") if callspec is not None else None
+    return marker is not None and backend is not None and backend not in marker.args
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Backend-specific tests are deselected for the other backend, not skipped: a skip is kept for
+    # a resource this machine lacks.
+    other = [item for item in items if _other_backend(item)]
+    if other:
+        config.hook.pytest_deselected(items=other)
+        items[:] = [item for item in items if not _other_backend(item)]
     chromium = shutil.which("chromium") or os.path.exists("/usr/bin/chromium")
     has_gpu = None
     for item in items:

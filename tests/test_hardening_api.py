@@ -143,12 +143,11 @@ def test_reanalysis_needs_admin_and_waits_behind_fresh_uploads(
     assert first == fresh.json()["id"]  # the newest trace, yet first: the backlog waits
 
 
+@pytest.mark.only_db("postgresql")  # procrastinate runs on PostgreSQL only
 def test_reanalysis_jobs_are_deferred_behind_uploads_in_procrastinate(
     app: FastAPI, client: TestClient
 ) -> None:
     """On PostgreSQL the job engine is procrastinate: it fetches higher ``priority`` first."""
-    if not app.state.settings.database_url.get_secret_value().startswith("postgresql"):
-        pytest.skip("procrastinate runs on PostgreSQL only")
     jobs_of = text("SELECT priority FROM procrastinate_jobs WHERE args->>'trace_id' = :id ORDER BY id")
     trace = _uploaded(client)
     with app.state.db.session() as session:

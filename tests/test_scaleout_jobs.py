@@ -65,12 +65,6 @@ def test_child_killed_by_a_signal_is_an_internal_error() -> None:
     assert info.value.internal
 
 
-@pytest.fixture
-def sqlite_only(db_url: str) -> None:
-    if not db_url.startswith("sqlite"):
-        pytest.skip("in-process engine behaviour, same code on both databases")
-
-
 def _child_data_bytes() -> int:
     """Data segment (heap + anonymous mappings) a fresh job child starts with: the limit's base."""
     status = _limited(Path("/proc/self/status").read_text)
@@ -78,7 +72,7 @@ def _child_data_bytes() -> int:
     return int(kib) * 1024
 
 
-@pytest.mark.usefixtures("sqlite_only")
+@pytest.mark.only_db("sqlite")  # in-process engine behaviour, same code on both databases
 @pytest.mark.parametrize("limit", ["time", "memory"])
 def test_trace_over_a_limit_fails_with_the_limit_stored(client: TestClient, app: FastAPI, limit: str) -> None:
     if limit == "time":  # the engine needs ~0.3 s for this trace
@@ -113,7 +107,7 @@ def test_retry_db_waits_out_an_outage_with_one_line_per_state_change(
     assert "database unreachable" in lines[0] and "reachable again" in lines[1]
 
 
-@pytest.mark.usefixtures("sqlite_only")
+@pytest.mark.only_db("sqlite")  # in-process engine behaviour, same code on both databases
 def test_database_error_while_storing_is_retried_not_a_failure(
     client: TestClient, app: FastAPI, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -156,11 +150,10 @@ def test_a_second_delivery_never_stores_a_second_analysis(client: TestClient, ap
         assert trace is not None and trace.status == "done" and trace.claimed_by == "host-b:2:0"
 
 
+@pytest.mark.only_db("sqlite")
 def test_sqlite_page_read_answers_while_another_connection_writes(
     db_url: str, tmp_path: Path, admin_token: str, app: FastAPI
 ) -> None:
-    if not db_url.startswith("sqlite"):
-        pytest.skip("SQLite locking")
     settings = app.state.settings.model_copy(update={"sqlite_busy_timeout_s": 1.0})
     from stepdoctor_server.app import create_app
 
@@ -208,7 +201,7 @@ def test_replicas_migrating_together_do_not_race(tmp_path: Path) -> None:
         assert migrate.procrastinate_installed(settings)
 
 
-@pytest.mark.usefixtures("sqlite_only")
+@pytest.mark.only_db("sqlite")  # in-process engine behaviour, same code on both databases
 def test_worker_metrics_expose_durations_failures_and_queue_depth(client: TestClient, app: FastAPI) -> None:
     from prometheus_client import generate_latest
 
@@ -255,11 +248,10 @@ def test_worker_without_database_logs_the_outage_once(tmp_path: Path) -> None:
     assert "Traceback" not in out and "psycopg.pool" not in out, out
 
 
+@pytest.mark.only_db("postgresql")  # procrastinate runs on PostgreSQL only
 def test_sweep_requeues_pending_and_orphaned_traces(client: TestClient, app: FastAPI, db_url: str) -> None:
     """The outbox safety net (procrastinate): a pending trace without a job gets one; a running
     trace whose job is gone for good goes back to pending with a job."""
-    if not db_url.startswith("postgresql"):
-        pytest.skip("procrastinate runs on PostgreSQL only")
     from datetime import datetime, timedelta, timezone
     from types import SimpleNamespace
 

@@ -72,11 +72,10 @@ def test_zip_errors(client: TestClient, read_token: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.only_db("sqlite")  # the export does not depend on the database backend
 def test_tensorboard_plugin_loads_the_export(
     client: TestClient, tmp_path: Path, server_settings: Any, db_url: str
 ) -> None:
-    if "sqlite" not in db_url:
-        pytest.skip("the export does not depend on the database backend; checked once on SQLite")
     pytest.importorskip("torch_tb_profiler")
     run_id = _upload_run(client)
     logdir = tmp_path / "logdir"
