@@ -43,7 +43,8 @@ _HOST_OP_RE = re.compile(
 _HOST_NOT_COLLECTIVE = re.compile(r"wait|barrier_init|work", re.IGNORECASE)
 
 # GPU kernels of collective libraries (case-sensitive library prefixes, then lower-cased families).
-_KERNEL_LIB_RE = re.compile(r"^(?:void )?(?:nccl|rccl|msccl)|mscclKernel|nvshmem|dpsk::ep::|deep_ep::|pplx::")
+_KERNEL_LIB_PREFIXES = ("nccl", "rccl", "msccl", "void nccl", "void rccl", "void msccl")
+_KERNEL_LIB_WORDS = ("mscclKernel", "nvshmem", "dpsk::ep::", "deep_ep::", "pplx::")
 _CUSTOM_ALL_REDUCE_RE = re.compile(
     r"cross_device_reduce|multimem_?all_?(?:reduce|gather)|multimem_(?:ld_)?reduce|"
     r"(?:one|two)_shot_all_?reduce|all_?reduce_fusion|custom_?all_?reduce|quick_?reduce|lamport"
@@ -77,8 +78,18 @@ def is_collective_op_name(name: str) -> bool:
 
 
 def is_collective_kernel_name(name: str) -> bool:
-    """A GPU kernel of a collective library or an inference server's custom all-reduce."""
-    return _KERNEL_LIB_RE.search(name) is not None or _CUSTOM_ALL_REDUCE_RE.search(name.lower()) is not None
+    """A GPU kernel of a collective library or an inference server's custom all-reduce.
+
+    Prefix and substring tests, not a regex, for the libraries, and a guard on ``_CUSTOM_ALL_REDUCE_RE``: an
+    unanchored alternation is tried at every position of long templated kernel names, and most
+    names contain none of the words any alternative needs.
+    """
+    if name.startswith(_KERNEL_LIB_PREFIXES) or any(word in name for word in _KERNEL_LIB_WORDS):
+        return True
+    low = name.lower()
+    if "reduce" not in low and "gather" not in low and "lamport" not in low:
+        return False
+    return _CUSTOM_ALL_REDUCE_RE.search(low) is not None
 
 
 def collective_type(name: str) -> str | None:

@@ -336,7 +336,8 @@ _ARCH_PREFIXES = {
     "turing_": (7, 5),
     "ampere_": (8, 0),
 }
-_ARCH_RE = re.compile(r"(?:^|[^a-z0-9])(?:sm|cutlass_)(\d)(\d)_")
+# A lookbehind, not ``(?:^|[^a-z0-9])``: the search then starts only where ``sm``/``cutlass_`` does.
+_ARCH_RE = re.compile(r"(?<![a-z0-9])(?:sm|cutlass_)(\d)(\d)_")
 
 
 def _kernel_arch_floor(trace: RankTrace) -> tuple[int, int] | None:

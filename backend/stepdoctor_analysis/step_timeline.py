@@ -144,7 +144,8 @@ def _dominant_bins(
         if s.size:
             owned[names.index(kind)] += np.diff(_covered_until(s, e, edges))
     best = owned.argmax(axis=0)
-    return [(int(edges[i]), int(edges[i + 1]), names[int(best[i])]) for i in range(bins)]
+    at, owner = edges.tolist(), best.tolist()
+    return [(at[i], at[i + 1], names[owner[i]]) for i in range(bins)]
 
 
 def _covered_until(s: np.ndarray, e: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -161,11 +162,16 @@ def _host_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dic
     h = trace.host
     if not len(h):
         return []
-    shown = trace.memo("step_timeline.host_shown", lambda: _host_shown(trace))
-    sel = (shown & (h.ts < step.end) & (h.end > step.start)).nonzero()[0]
+    by_start, starts = trace.memo("step_timeline.host_shown", lambda: _host_shown(trace))
+    # Shown events starting before the step's end are a prefix of the start-ordered ones; of those,
+    # keep the ones ending after its start, back in event order.
+    head = by_start[: starts.searchsorted(step.end, side="left")]
+    sel = np.sort(head[h.end[head] > step.start])
+    pids, tids = h.pid[sel], h.tid[sel]
+    one_process = bool(pids.size) and bool((pids == pids[0]).all())
     lanes = []
-    for pid, tid in _busiest(h.pid[sel], h.tid[sel], h.dur[sel], MAX_THREADS):
-        idx = sel[(h.pid[sel] == pid) & (h.tid[sel] == tid)]
+    for pid, tid in _busiest(pids, tids, h.dur[sel], MAX_THREADS):
+        idx = sel[(pids == pid) & (tids == tid)]
         idx = idx[np.lexsort((-h.dur[idx], h.ts[idx]))]
         # Outermost events only: one that starts after every earlier one ended.
         ends = h.end[idx]
@@ -173,15 +179,21 @@ def _host_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dic
         top = np.ones(idx.size, np.bool_)
         top[1:] = h.ts[idx][1:] >= reach[:-1]
         idx = idx[top]
-        label = f"host thread {tid}" if len(set(h.pid[sel].tolist())) == 1 else f"host {pid}/{tid}"
+        label = f"host thread {tid}" if one_process else f"host {pid}/{tid}"
         lanes.append(_lane(trace, label, "host", h.ts[idx], h.end[idx], h.name[idx], step, names))
     return lanes
 
 
-def _host_shown(trace: RankTrace) -> np.ndarray:
-    """Host events a lane draws: ops, annotations other than the step marker, runtime calls."""
+def _host_shown(trace: RankTrace) -> tuple[np.ndarray, np.ndarray]:
+    """Host events a lane draws (ops, annotations other than the step marker, runtime calls).
+
+    As (indices ordered by start, their starts), so each drawn step finds its events by a binary
+    search instead of masking the whole host table.
+    """
     shown = trace.host_kind(HostKind.CPU_OP, HostKind.USER_ANNOTATION, HostKind.RUNTIME, HostKind.DRIVER)
-    return np.asarray(shown & ~step_marker_mask(trace))
+    idx = np.asarray(shown & ~step_marker_mask(trace)).nonzero()[0]
+    idx = idx[trace.host.ts[idx].argsort(kind="stable")]
+    return idx, trace.host.ts[idx]
 
 
 def _gpu_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dict[str, Any]]:
