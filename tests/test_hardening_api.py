@@ -18,7 +18,7 @@ from sqlalchemy.exc import ProgrammingError
 
 from stepdoctor_server import cli
 from stepdoctor_server.models import Analysis, Token, Trace, utcnow
-from stepdoctor_server.queue import claim_row
+from stepdoctor_server.queue import REANALYSIS_PRIORITY, claim_row
 from stepdoctor_server.settings import get_settings
 from support.server import bearer, row_counts, store_files, synthetic_trace, upload
 
@@ -160,7 +160,31 @@ def test_reanalysis_jobs_are_deferred_behind_uploads_in_procrastinate(
     assert fresh == [0]
     assert client.post(f"/api/v1/traces/{trace['id']}/reanalyze").status_code == 202
     with app.state.db.session() as session:
-        assert session.execute(jobs_of, {"id": str(trace["id"])}).scalars().all() == [0, -1]
+        assert session.execute(jobs_of, {"id": str(trace["id"])}).scalars().all() == [0, REANALYSIS_PRIORITY]
+
+
+@pytest.mark.only_db("postgresql")  # procrastinate runs on PostgreSQL only
+def test_a_flooding_team_does_not_delay_another_teams_upload_in_procrastinate(
+    app: FastAPI, client: TestClient, make_token: Callable[..., str]
+) -> None:
+    """procrastinate's own fetch function hands out a quiet team's upload right after the flood's
+    first job, not after the whole backlog; a re-analysis comes after every upload."""
+    with app.state.db.session() as session:
+        session.execute(text("UPDATE procrastinate_jobs SET status = 'succeeded' WHERE status = 'todo'"))
+        session.execute(update(Trace).values(status="done"))
+    flood = [_uploaded(client, run="flood")["id"] for _ in range(5)]
+    quiet = upload(client, synthetic_trace(5), token=make_token("upload", "quiet-team"), run="one")
+    order = []
+    with app.state.db.session() as session:
+        worker = session.execute(
+            text("INSERT INTO procrastinate_workers DEFAULT VALUES RETURNING id")
+        ).scalar()
+        fetch = text("SELECT id, args FROM procrastinate_fetch_job_v2(ARRAY['analysis']::varchar[], :w)")
+        while (row := session.execute(fetch, {"w": worker}).one()).id is not None:
+            order.append(int(row.args["trace_id"]))
+        session.rollback()  # leave the jobs as they were for the other tests
+    assert order[:2] == [flood[0], quiet.json()["id"]]
+    assert order[2:] == flood[1:]
 
 
 def test_a_flooding_team_does_not_delay_another_teams_upload(

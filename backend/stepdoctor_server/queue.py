@@ -409,17 +409,39 @@ def requeue_or_give_up(session: Session, table: JobTable, ids: Sequence[int]) ->
 PROCRASTINATE = "stepdoctor_procrastinate"
 
 
-def enqueue_analyses(session: Session, trace_ids: Sequence[int], *, priority: int = 0) -> None:
+# procrastinate fetches the highest priority first (ties: oldest first). A fresh upload's priority
+# is minus its team's backlog of pending traces, so each team's k-th waiting job ranks with the
+# other teams' k-th: a flood from one team delays another team's next upload by at most one job
+# per team ahead of it, never by the whole backlog (#12). Re-analyses rank below every upload.
+MAX_BACKLOG_RANK = 10_000
+REANALYSIS_PRIORITY = -(MAX_BACKLOG_RANK + 1)
+
+
+def upload_priority(session: Session, trace_id: int) -> int:
+    """Minus the number of other pending traces of this trace's team (capped)."""
+    team = select(Trace.team_id).where(Trace.id == trace_id).scalar_subquery()
+    backlog = session.scalar(
+        select(func.count())
+        .select_from(Trace)
+        .where(Trace.team_id == team, Trace.status == "pending", Trace.id != trace_id)
+    )
+    return -min(int(backlog or 0), MAX_BACKLOG_RANK)
+
+
+def enqueue_analyses(session: Session, trace_ids: Sequence[int], *, reanalysis: bool = False) -> None:
     """Hand pending traces to the job engine inside the caller's transaction.
 
     With procrastinate the job rows are inserted by the same commit as the trace rows, so an
     accepted upload is never without its job and a rolled-back one never has one. The embedded
-    pool needs nothing: its workers claim pending rows of ``traces`` directly.
+    pool needs nothing: its workers claim pending rows of ``traces`` directly (``claim_row``
+    applies the same fairness).
     """
     if trace_ids and session.info.get(PROCRASTINATE):
         from stepdoctor_server import jobs
 
-        jobs.defer_analyses(session, trace_ids, priority=priority)
+        for trace_id in trace_ids:
+            priority = REANALYSIS_PRIORITY if reanalysis else upload_priority(session, trace_id)
+            jobs.defer_analyses(session, [trace_id], priority=priority)
 
 
 def schedule_aggregation(session: Session, trace_id: int) -> None:
@@ -436,7 +458,7 @@ def reset_to_pending(session: Session, trace_ids: Sequence[int]) -> int:
     """Queue traces (again) for analysis; attempts restart so a retried trace gets full retries."""
     if not trace_ids:
         return 0
-    enqueue_analyses(session, trace_ids, priority=-1)  # procrastinate: behind fresh uploads (#12)
+    enqueue_analyses(session, trace_ids, reanalysis=True)  # behind every fresh upload (#12)
     result = session.execute(
         update(Trace)
         .where(Trace.id.in_(list(trace_ids)))
