@@ -12,22 +12,24 @@ import pytest
 from stepdoctor_server.aggregate import TraceReport, aggregate_run, merge_recommendations
 from stepdoctor_server.compare import compare_diagnoses
 from stepdoctor_server.tensorboard_export import ExportItem, archive_names, stream_zip, worker_name
+from tests.support.reports import recommendation, report
+from tests.support.reports import steps as step_rows
 
 
 def _report(
     kernel: float, loader: float, *, steps: int, shares: dict[str, float], recs: list[str]
 ) -> dict[str, Any]:
-    return {
-        "breakdown": {"kernel": kernel, "dataloader": loader, "other": 0.0},
-        "step_time_us": kernel + loader,
-        "steps": [{"number": i} for i in range(steps)],
-        "metrics": {"shares": shares},
-        "primary": {"kind": max(shares, key=lambda k: shares[k]), "share": max(shares.values())},
-        "recommendations": [{"id": r, "title": r, "expected_speedup": 1.0 + i} for i, r in enumerate(recs)],
-        "findings": [{"id": f"f.{r}"} for r in recs],
-        "engine_version": "9.9",
-        "schema_version": 1,
-    }
+    kinds = {k: v for k, v in shares.items() if k != "other"}  # "other" is never a verdict
+    primary = max(kinds, key=lambda k: kinds[k])
+    return report(
+        breakdown={"kernel": kernel, "dataloader": loader, "other": 0.0},
+        step_time_us=kernel + loader,
+        steps=step_rows(steps),
+        metrics={"shares": shares},
+        primary={"kind": primary, "share": kinds[primary]},
+        recommendations=[recommendation(r, expected_speedup=1.0 + i) for i, r in enumerate(recs)],
+        findings=[recommendation(f"f.{r}") for r in recs],
+    )
 
 
 def test_aggregate_weights_by_steps_and_picks_the_limiter() -> None:
@@ -62,12 +64,12 @@ def test_other_time_never_becomes_the_primary_kind() -> None:
 
 def test_recommendations_merge_by_id_with_run_level_gain() -> None:
     def rec(rid: str, removable_us: float) -> dict[str, Any]:
-        return {"id": rid, "kind": "launch", "change": "x", "removable_us_per_step": removable_us}
+        return recommendation(rid, kind="launch", change="x", removable_us_per_step=removable_us)
 
     reports = [
-        TraceReport(1, 0, 0, {"step_time_us": 100.0, "recommendations": [rec("a", 10.0), rec("b", 5.0)]}),
-        TraceReport(2, 1, 0, {"step_time_us": 100.0, "recommendations": [rec("b", 50.0)]}),
-        TraceReport(3, 2, 0, {"step_time_us": 100.0, "recommendations": [rec("b", 20.0), rec("a", 1.0)]}),
+        TraceReport(1, 0, 0, report(step_time_us=100.0, recommendations=[rec("a", 10.0), rec("b", 5.0)])),
+        TraceReport(2, 1, 0, report(step_time_us=100.0, recommendations=[rec("b", 50.0)])),
+        TraceReport(3, 2, 0, report(step_time_us=100.0, recommendations=[rec("b", 20.0), rec("a", 1.0)])),
     ]
     merged = merge_recommendations(reports)
     assert [m["id"] for m in merged] == ["b", "a"]
@@ -84,15 +86,36 @@ def test_tiny_gains_are_not_cards() -> None:
             1,
             0,
             0,
-            {
-                "step_time_us": 100.0,
-                "recommendations": [
-                    {"id": "a", "kind": "launch", "change": "x", "removable_us_per_step": 1.0}
-                ],
-            },
+            report(
+                step_time_us=100.0,
+                recommendations=[recommendation("a", kind="launch", change="x", removable_us_per_step=1.0)],
+            ),
         )
     ]
     assert merge_recommendations(reports) == []
+
+
+def test_outdated_reports_are_left_out_of_the_run_and_counted() -> None:
+    """A stored report that does not decode as the contract (an older engine's shape) is outdated:
+    the run is aggregated from the others, as if it were still pending, and never crashes."""
+    current = _report(10.0, 90.0, steps=2, shares={"input": 0.9, "compute": 0.1}, recs=["in.workers"])
+    old_engine = {  # a pre-contract report: no steps rows, metrics, device ...
+        "breakdown": {"kernel": 1000.0},
+        "step_time_us": 1000.0,
+        "primary": {"kind": "compute", "share": 1.0},
+        "recommendations": [{"id": "old.rule", "change": "x", "expected_speedup": "fast"}],
+    }
+    typo = {**current, "step_time_us": "100"}  # a mistyped field is not read as 0 either
+    diag = aggregate_run(
+        [TraceReport(1, 0, 0, current), TraceReport(2, 1, 0, old_engine), TraceReport(3, 2, 0, typo)]
+    )
+    alone = aggregate_run([TraceReport(1, 0, 0, current)])
+    assert diag["outdated"] == 2 and "outdated" not in alone
+    assert {k: v for k, v in diag.items() if k != "outdated"} == alone
+    assert [r["id"] for r in merge_recommendations([TraceReport(2, 1, 0, old_engine)])] == []
+
+    only_old = aggregate_run([TraceReport(2, 1, 0, old_engine)], pending=1)
+    assert only_old["primary"] is None and only_old["traces"] == 0 and only_old["outdated"] == 1
 
 
 def test_empty_run_has_no_primary() -> None:

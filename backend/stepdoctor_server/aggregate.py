@@ -1,7 +1,9 @@
 """Run-level diagnosis from the per-trace reports of one run (all ranks, all capture windows).
 
-Pure: takes report dicts (as stored in ``analyses.report``) and returns a JSON-ready dict, so the
-worker, the API and the tests share one definition of "what is this run bound by".
+Pure: takes reports as stored in ``analyses.report``, reads each typed (``reports.read_report``,
+the contract's ``ReportDoc``) and returns a JSON-ready dict, so the worker, the API and the tests
+share one definition of "what is this run bound by". A stored report that does not decode is
+outdated (another engine wrote it): it is left out and counted in ``outdated``.
 
 Conventions:
 - A report's step time is its ``step_time_us``, else the sum of its breakdown: the breakdown parts
@@ -27,13 +29,18 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from typing import Any
 
+import msgspec
+
 from stepdoctor_analysis import BOTTLENECK_KINDS, BREAKDOWN_CATEGORIES
+from stepdoctor_analysis.contract import Recommendation, ReportDoc
 from stepdoctor_analysis.diagnose import MIN_CARD_SPEEDUP, score
 from stepdoctor_analysis.job import job_limiter, step_count, step_time_us
 from stepdoctor_analysis.ranks import RankVerdict, rank_verdict, straggler_advice, with_straggler_advice
 from stepdoctor_analysis.ranks import TraceEntry as RankEntry
+from stepdoctor_server.reports import read_report
 
 # Breakdown categories in the TensorBoard plugin's priority order; unknown keys are kept after these.
 CATEGORIES = BREAKDOWN_CATEGORIES
@@ -45,22 +52,37 @@ DIAGNOSIS_VERSION = 1
 
 @dataclass(frozen=True)
 class TraceReport:
-    """One analysed trace of a run: where it came from and its engine report."""
+    """One analysed trace of a run: where it came from and its engine report (as stored; ``doc``
+    is the same report typed, None when it does not decode)."""
 
     trace_id: int
     rank: int | None
     window_index: int | None
     report: Mapping[str, Any]
 
+    @cached_property
+    def doc(self) -> ReportDoc | None:
+        return read_report(self.report)
+
+
+def readable(reports: Sequence[TraceReport]) -> list[TraceReport]:
+    """The reports that decode as the contract's ``ReportDoc``; the others are outdated."""
+    return [r for r in reports if r.doc is not None]
+
 
 def aggregate_run(reports: Sequence[TraceReport], *, failed: int = 0, pending: int = 0) -> dict[str, Any]:
     """Combine every analysed trace of a run into one diagnosis (see the module docstring)."""
+    typed = readable(reports)
+    # Only present when some are: a run whose reports all decode keeps its diagnosis unchanged.
+    outdated = {"outdated": len(reports) - len(typed)} if len(typed) < len(reports) else {}
+    reports = typed
     if not reports:
         return {
             "diagnosis_version": DIAGNOSIS_VERSION,
             "traces": 0,
             "failed": failed,
             "pending": pending,
+            **outdated,
             "primary": None,
         }
     weights = [step_count(r.report) for r in reports]
@@ -79,11 +101,12 @@ def aggregate_run(reports: Sequence[TraceReport], *, failed: int = 0, pending: i
         recommendations = with_straggler_advice(recommendations, card, primary_kind)
     return {
         "diagnosis_version": DIAGNOSIS_VERSION,
-        "engine_version": _common(r.report.get("engine_version") for r in reports),
-        "schema_version": _common(r.report.get("schema_version") for r in reports),
+        "engine_version": _common(_doc(r).engine_version for r in reports),
+        "schema_version": _common(_doc(r).schema_version for r in reports),
         "traces": len(reports),
         "failed": failed,
         "pending": pending,
+        **outdated,
         "windows": len({r.window_index for r in reports}),
         "steps": sum(weights),
         "step_time_us": _weighted_mean(times, weights),
@@ -122,20 +145,22 @@ def merge_recommendations(
     Each id's removable time is averaged over every report's profiled time (a report without it
     contributes nothing), so one window's optimistic figure does not stand for the run; cards are
     ranked like the per-trace ones (measured waits before estimates), those gaining no more than
-    ``MIN_CARD_SPEEDUP`` are dropped, and the primary kind's best card leads.
+    ``MIN_CARD_SPEEDUP`` are dropped, and the primary kind's best card leads. Outdated reports
+    (``doc`` None) are left out.
     """
+    reports = readable(reports)
     weights = weights or [step_count(r.report) for r in reports]
     times = times or [step_time_us(r.report) for r in reports]
     total = sum((t if t > 0 else 1.0) * w for t, w in zip(times, weights, strict=True)) or 1.0
     merged: dict[str, dict[str, Any]] = {}
     for tr, w, t in zip(reports, weights, times, strict=True):
         span = (t if t > 0 else 1.0) * w
-        for pos, rec in enumerate(tr.report.get("recommendations") or []):
-            if not isinstance(rec, Mapping) or not rec.get("id"):
+        for pos, rec in enumerate(_doc(tr).recommendations):
+            if not rec.id:
                 continue
             entry = merged.setdefault(
-                str(rec["id"]),
-                {**rec, "traces": 0, "first_in": 0, "ranks": [], "_removable": 0.0, "_span": None},
+                rec.id,
+                {**_plain(rec), "traces": 0, "first_in": 0, "ranks": [], "_removable": 0.0, "_span": None},
             )
             entry["traces"] += 1
             entry["first_in"] += pos == 0
@@ -143,11 +168,10 @@ def merge_recommendations(
                 entry["ranks"].append(tr.rank)
             removable = _removable_fraction(rec, t)
             entry["_removable"] += removable * span
-            lo_hi = rec.get("expected_speedup_range")
-            if isinstance(lo_hi, list) and len(lo_hi) == 2 and removable > 0:
+            if rec.expected_speedup_range is not None and removable > 0:
                 entry["_span"] = entry["_span"] or [0.0, 0.0]
                 for i in (0, 1):
-                    entry["_span"][i] += _fraction_of(_num(lo_hi[i])) * span
+                    entry["_span"][i] += _fraction_of(rec.expected_speedup_range[i]) * span
     out = []
     for entry in merged.values():
         entry["ranks"].sort()
@@ -176,12 +200,12 @@ def _fraction_of(speedup: float) -> float:
     return 1.0 - 1.0 / speedup if speedup > 1.0 else 0.0
 
 
-def _removable_fraction(rec: Mapping[str, Any], step_us: float) -> float:
+def _removable_fraction(rec: Recommendation, step_us: float) -> float:
     """A recommendation's removable share of its trace's step (µs figure, else from the speedup)."""
-    us = _num(rec.get("removable_us_per_step"))
+    us = rec.removable_us_per_step
     if us > 0 and step_us > 0:
         return min(us / step_us, 0.95)
-    return _fraction_of(_num(rec.get("expected_speedup")))
+    return _fraction_of(rec.expected_speedup)
 
 
 def _note(kind: str, recs: Sequence[Mapping[str, Any]], reports: Sequence[TraceReport]) -> str:
@@ -189,34 +213,25 @@ def _note(kind: str, recs: Sequence[Mapping[str, Any]], reports: Sequence[TraceR
     if recs and recs[0].get("kind") == kind:
         return ""
     for tr in reports:
-        p = tr.report.get("primary") or {}
-        if p.get("kind") == kind and p.get("note"):
-            return str(p["note"])
+        p = _doc(tr).primary
+        if p.kind == kind and p.note:
+            return p.note
     nxt = f" The next optimization targets {recs[0].get('kind')} instead." if recs else ""
     return f"No recommendation in this run's traces changes its {kind} time." + nxt
 
 
 def merge_findings(reports: Sequence[TraceReport]) -> list[dict[str, Any]]:
-    """One entry per finding id with the number of traces that raised it."""
+    """One entry per finding id (its rule id, else its title) with the number of traces that raised
+    it; outdated reports are left out."""
     merged: dict[str, dict[str, Any]] = {}
-    for tr in reports:
-        for finding in tr.report.get("findings") or []:
-            fid = finding_id(finding)
-            if fid is None:
+    for tr in readable(reports):
+        for finding in _doc(tr).findings:
+            fid = finding.id or finding.title
+            if not fid:
                 continue
-            entry = merged.setdefault(fid, {**finding, "id": fid, "traces": 0})
+            entry = merged.setdefault(fid, {**_plain(finding), "id": fid, "traces": 0})
             entry["traces"] += 1
     return sorted(merged.values(), key=lambda e: (-e["traces"], e["id"]))
-
-
-def finding_id(finding: Any) -> str | None:
-    """Stable identity of a finding across runs: its rule id (``id``/``rule``), else its title."""
-    if not isinstance(finding, Mapping):
-        return None
-    for key in ("id", "rule", "title"):
-        if finding.get(key):
-            return str(finding[key])
-    return None
 
 
 def _weighted_utilization(
@@ -225,9 +240,9 @@ def _weighted_utilization(
     """Run-level GPU utilization: each GPU report's ``metrics.gpu.utilization`` weighted by its time."""
     num = den = 0.0
     for tr, w, t in zip(reports, weights, times, strict=True):
-        gpu = (tr.report.get("metrics") or {}).get("gpu") or {}
-        util = gpu.get("utilization") if isinstance(gpu, Mapping) else None
-        if isinstance(util, int | float) and not isinstance(util, bool):
+        gpu = _doc(tr).metrics.gpu
+        util = gpu.utilization if gpu is not None else None
+        if util is not None:
             span = (t if t > 0 else 1.0) * w
             num += float(util) * span
             den += span
@@ -237,8 +252,8 @@ def _weighted_utilization(
 def _weighted_breakdown(reports: Sequence[TraceReport], weights: Sequence[int]) -> dict[str, float]:
     sums: dict[str, float] = defaultdict(float)
     for tr, w in zip(reports, weights, strict=True):
-        for key, value in (tr.report.get("breakdown") or {}).items():
-            sums[str(key)] += _num(value) * w
+        for key, value in msgspec.structs.asdict(_doc(tr).breakdown).items():
+            sums[key] += value * w
     total = sum(weights)
     keys = [k for k in CATEGORIES if k in sums] + sorted(k for k in sums if k not in CATEGORIES)
     return {k: sums[k] / total for k in keys}
@@ -272,10 +287,15 @@ def _common(values: Iterable[Any]) -> Any:
     return distinct[0] if len(distinct) == 1 else (distinct or None)
 
 
-def _num(value: Any) -> float:
-    """A numeric field as float; missing or non-numeric (e.g. a speedup given as text) counts as 0."""
-    if isinstance(value, bool):
-        return 0.0
-    if isinstance(value, int | float):
-        return float(value)
-    return 0.0
+def _doc(tr: TraceReport) -> ReportDoc:
+    """The typed report of a trace already filtered by ``readable``."""
+    doc = tr.doc
+    if doc is None:  # pragma: no cover - callers filter with ``readable`` first
+        raise ValueError(f"trace {tr.trace_id}: its report is outdated")
+    return doc
+
+
+def _plain(rec: Recommendation) -> dict[str, Any]:
+    """A recommendation or finding as JSON values, in the report's key order."""
+    out: dict[str, Any] = msgspec.to_builtins(rec)
+    return out
