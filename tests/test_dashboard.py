@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from stepdoctor_dashboard import figures
+from support.reports import steps, typed
 from support.server import FIXTURE_TRACES, drain, serve_subprocess, upload
 
 # A trace with a clear verdict (host synchronisation) and one with almost nothing in it.
@@ -47,8 +48,8 @@ def test_compare_figure_pairs_base_and_other() -> None:
 
 
 def test_steps_figure_stacks_the_attributed_kinds_per_step() -> None:
-    report = {"steps": [{"number": 7, "kinds": {"input": 3000.0, "compute": 1000.0, "sync": 0.0}}]}
-    fig = figures.steps_figure(report)
+    report = typed(steps=steps(1, number=7, kinds={"input": 3000.0, "compute": 1000.0, "sync": 0.0}))
+    fig = figures.steps_figure(report.steps)
     assert {t.name: t.y[0] for t in fig.data} == {"input": 3.0, "compute": 1.0}
     assert list(fig.data[0].x) == ["7"]
 

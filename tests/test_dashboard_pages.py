@@ -217,3 +217,36 @@ def test_compare_warns_when_the_setups_differ(client: TestClient, app: FastAPI, 
     assert "differ in devices: NVIDIA A100 vs NVIDIA H100" in page
     assert "differ in batch size: 32 vs 64" in page
     assert "world size" not in page  # equal: no warning
+
+
+def test_a_report_that_does_not_decode_is_shown_as_re_analysing(
+    client: TestClient, app: FastAPI, read_token: str
+) -> None:
+    """Pages read reports typed (``ReportDoc``): one stored in an older shape is outdated, so the
+    trace page says it is being redone and queues it, the run page still renders, and once the
+    worker has redone it the verdict is back."""
+    from sqlalchemy import select
+
+    from stepdoctor_server.models import Analysis, Trace
+
+    made = upload(client, TWO_STEPS.read_bytes(), project="p", run="r").json()
+    drain(app)
+    with app.state.db.session() as session:
+        analysis = session.scalars(select(Analysis).where(Analysis.trace_id == made["id"])).one()
+        old = dict(analysis.report)
+        old["primary"] = {"kind": old["primary"]["kind"]}  # an older engine's verdict, fewer fields
+        old["tables"] = {"ops": "not rows"}
+        analysis.report = old
+    api_before = client.get(f"/api/v1/traces/{made['id']}/report").json()["report"]
+    assert api_before["tables"] == {"ops": "not rows"}  # the API returns the stored JSON as it is
+    with _browser(app, read_token) as browser:
+        trace_page = browser.get(f"/traces/{made['id']}")
+        run_page = browser.get(f"/runs/{made['run_id']}")
+        assert trace_page.status_code == 200 and run_page.status_code == 200
+        assert "Re-analysing" in trace_page.text and "Bound by" not in trace_page.text
+        assert 'id="kernels"' not in run_page.text  # its tables did not decode: not shown
+        with app.state.db.session() as session:
+            assert session.get(Trace, made["id"]).status == "pending"  # type: ignore[union-attr]
+        drain(app)
+        again = browser.get(f"/traces/{made['id']}").text
+    assert "Re-analysing" not in again and "Bound by" in again

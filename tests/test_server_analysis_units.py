@@ -12,8 +12,8 @@ import pytest
 from stepdoctor_server.aggregate import TraceReport, aggregate_run, merge_recommendations
 from stepdoctor_server.compare import compare_diagnoses
 from stepdoctor_server.tensorboard_export import ExportItem, archive_names, stream_zip, worker_name
-from tests.support.reports import recommendation, report
-from tests.support.reports import steps as step_rows
+from support.reports import recommendation, report
+from support.reports import steps as step_rows
 
 
 def _report(

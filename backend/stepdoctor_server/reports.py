@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from stepdoctor_analysis.contract import ReportDoc, decode
+from stepdoctor_analysis.contract import Device, GpuSection, ReportDoc, Tables, decode
 
 log = logging.getLogger(__name__)
 
@@ -29,3 +29,35 @@ def read_report(stored: Mapping[str, Any] | bytes | str | None) -> ReportDoc | N
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         log.info("stored report does not match the report contract, treated as outdated: %s", exc)
         return None
+
+
+class ReportFacts(msgspec.Struct, kw_only=True):
+    """The parts of a report the run and trace pages summarise (device, GPU figures, memory per
+    device, top tables), typed; the run page reads them as JSON fields, never the whole report."""
+
+    device: Device | None = None
+    gpu: GpuSection | None = None
+    memory_devices: list[dict[str, Any]] = msgspec.field(default_factory=list)  # free-form section
+    tables: Tables | None = None
+
+
+def read_facts(device: Any, gpu: Any, memory_devices: Any, tables: Any) -> ReportFacts | None:
+    """The stored report's parts (as read from its JSON fields) typed; None when one does not
+    decode (outdated, as for ``read_report``)."""
+    parts = {"device": device, "gpu": gpu, "memory_devices": memory_devices or [], "tables": tables}
+    try:
+        return msgspec.convert(parts, ReportFacts)
+    except msgspec.ValidationError as exc:
+        log.info("stored report parts do not match the report contract, treated as outdated: %s", exc)
+        return None
+
+
+def facts_of(doc: ReportDoc) -> ReportFacts:
+    """The same parts of a report already read whole."""
+    devices = doc.metrics.memory.get("devices")
+    return ReportFacts(
+        device=doc.device,
+        gpu=doc.metrics.gpu,
+        memory_devices=devices if isinstance(devices, list) else [],
+        tables=doc.tables,
+    )

@@ -1,6 +1,7 @@
 """Plotly figures built server-side from stored diagnoses; pages only call ``Plotly.newPlot``.
 
-Pure functions from the JSON the engine and the aggregator store to the figure's plotly JSON: no
+Pure functions from what the engine and the aggregator store (a report's sections typed, as the
+contract's ``ReportDoc`` reads them; a run diagnosis as its JSON) to the figure's plotly JSON: no
 database, no request, so they are tested directly. Figures are plain dicts (``Fig``), not
 ``plotly.graph_objects``: building a ``go.Figure`` validates every property and cost 60-80 ms per
 figure, most of a page's server time; plotly.js validates what it draws anyway. The ``plotly_white``
@@ -15,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import plotly.io as pio
+
+from stepdoctor_analysis.contract import StepRow
 
 # The TensorBoard profiler plugin's categories, in its priority order, with stable colours.
 CATEGORY_COLORS = {
@@ -129,16 +132,16 @@ def shares_figure(shares: Mapping[str, Any], title: str = "Bottleneck shares of 
     return figure([bar], title, yaxis=_axis("% of step time"))
 
 
-def steps_figure(report: Mapping[str, Any], title: str = "Where each step's time goes") -> Fig:
-    """Stacked bars per profiled step of the bottleneck kinds the engine attributed (``steps[].kinds``)."""
-    steps = [s for s in report.get("steps") or [] if isinstance(s, Mapping)]
-    labels = [str(s.get("number", i)) for i, s in enumerate(steps)]
-    kinds = [k for k in KIND_COLORS if any(_num((s.get("kinds") or {}).get(k)) > 0 for s in steps)]
+def steps_figure(steps: Sequence[StepRow], title: str = "Where each step's time goes") -> Fig:
+    """Stacked bars per profiled step of the bottleneck kinds the engine attributed (a typed
+    report's ``steps[].kinds``)."""
+    labels = [str(s.number) for s in steps]
+    kinds = [k for k in KIND_COLORS if any(s.kinds.get(k, 0.0) > 0 for s in steps)]
     data = [
         {
             "type": "bar",
             "x": labels,
-            "y": [_num((s.get("kinds") or {}).get(kind)) / 1000.0 for s in steps],
+            "y": [s.kinds.get(kind, 0.0) / 1000.0 for s in steps],
             "name": kind,
             "marker": {"color": KIND_COLORS[kind]},
         }

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import parse_qs, urlencode
 
+import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
@@ -28,6 +29,7 @@ from stepdoctor_server.auth import Principal, authenticate
 from stepdoctor_server.db import DatabaseDep, SessionDep
 from stepdoctor_server.errors import ApiError, check_id, not_found
 from stepdoctor_server.models import Project, Trace
+from stepdoctor_server.reports import ReportFacts, facts_of
 from stepdoctor_server.services import deep, runs, traces
 
 COOKIE = sessions.COOKIE  # a random session id (sessions.py), never the API token
@@ -229,7 +231,7 @@ def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep)
     diagnosis = run.diagnosis or {}
     trace_rows, trace_count = runs.run_traces(session, run.id, MAX_TRACES_LISTED)
     rep_id, warnings = runs.run_facts(session, run.id)
-    report = runs.facts_report(session, rep_id) if rep_id is not None else {}
+    facts = runs.facts_report(session, rep_id) if rep_id is not None else None
     figs = {}
     if diagnosis.get("breakdown"):
         figs["breakdown"] = figures.to_json(figures.breakdown_figure(diagnosis["breakdown"]))
@@ -251,36 +253,36 @@ def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep)
         figs=figs,
         others=others,
         warnings=diagnosis.get("warnings") or warnings,
-        facts=_device_facts(report),
-        tables=report.get("tables") or {},
+        facts=_device_facts(facts),
+        tables=(facts.tables if facts is not None else None) or {},
         rep_trace=rep_id,
         refresh_s=REFRESH_S if waiting else None,
     )
 
 
-def _device_facts(report: dict[str, Any]) -> dict[str, Any]:
-    """Device summary from a report: GPU name and memory, TensorBoard's GPU figures, memory peak."""
-    metrics = report.get("metrics") or {}
-    gpu = metrics.get("gpu") or {}
-    device = report.get("device") or {}
+def _device_facts(facts: ReportFacts | None) -> dict[str, Any]:
+    """Device summary from a report's typed parts: GPU name and memory, TensorBoard's GPU figures,
+    memory peak (``metrics.memory`` is still a free-form section, so its rows are checked)."""
+    device, gpu = (facts.device, facts.gpu) if facts is not None else (None, None)
     memory = [
         m
-        for m in ((metrics.get("memory") or {}).get("devices") or [])
+        for m in (facts.memory_devices if facts is not None else [])
         if isinstance(m, dict) and str(m.get("device", "")).startswith("cuda")
     ]
     peak = max(memory, key=lambda m: m.get("peak_fraction") or 0.0, default=None)
+    tables = facts.tables if facts is not None else None
     return {
-        "device": device.get("name") if device else None,
-        "capability": device.get("compute_capability") if device else None,
-        "memory_gb": device.get("memory_gb") if device else None,
-        "utilization": gpu.get("utilization"),
-        "sm_efficiency": gpu.get("sm_efficiency"),
-        "occupancy": gpu.get("occupancy"),
-        "tensor_core_share": (report.get("tables") or {}).get("tensor_core_share"),
+        "device": device.name if device else None,
+        "capability": device.compute_capability if device else None,
+        "memory_gb": device.memory_gb if device else None,
+        "utilization": gpu.utilization if gpu else None,
+        "sm_efficiency": gpu.sm_efficiency if gpu else None,
+        "occupancy": gpu.occupancy if gpu else None,
+        "tensor_core_share": tables.tensor_core_share if tables else None,
         "memory_peak": max(peak.get("peak_allocated") or 0, peak.get("peak_reserved") or 0) if peak else None,
         "memory_capacity": peak.get("capacity") if peak else None,
         "memory_fraction": peak.get("peak_fraction") if peak else None,
-        "cpu_only": bool(report) and not device and not gpu,
+        "cpu_only": facts is not None and not device and not gpu,
     }
 
 
@@ -309,16 +311,17 @@ def trace_page(
     step: Annotated[int | None, Query(ge=0, lt=2**31)] = None,
 ) -> HTMLResponse:
     trace, run, project = traces.load_trace(session, viewer, trace_id)
-    report = traces.stored_report(session, trace.id)
+    doc, reanalysing = traces.readable_report(session, trace)
     figs = {}
-    if report.get("breakdown"):
-        figs["breakdown"] = figures.to_json(figures.breakdown_figure(report["breakdown"]))
-    if report.get("steps"):
-        figs["steps"] = figures.to_json(figures.steps_figure(report))
-    memory = figures.memory_figure(((report.get("metrics") or {}).get("memory") or {}).get("series") or {})
+    if doc is not None:
+        figs["breakdown"] = figures.to_json(figures.breakdown_figure(msgspec.structs.asdict(doc.breakdown)))
+    if doc is not None and doc.steps:
+        figs["steps"] = figures.to_json(figures.steps_figure(doc.steps))
+    # ``metrics.memory`` and ``timeline`` are free-form sections of the contract: read guarded.
+    memory = figures.memory_figure(doc.metrics.memory.get("series") or {}) if doc is not None else None
     if memory is not None:
         figs["memory"] = figures.to_json(memory)
-    timeline = report.get("timeline") or {}
+    timeline = (doc.timeline if doc is not None else None) or {}
     drawn = [s for s in timeline.get("steps") or [] if isinstance(s, dict)]
     shown_step = next((s for s in drawn if s.get("number") == step), drawn[0] if drawn else None)
     if shown_step is not None:
@@ -328,7 +331,7 @@ def trace_page(
     shown = next((j for j in jobs if j.status == "done" and j.result), None)
     if shown is not None and shown.result is not None:
         figs["critical_path"] = figures.to_json(figures.critical_path_figure(shown.result))
-    step_numbers = [s.get("number") for s in report.get("steps") or [] if isinstance(s, dict)]
+    step_numbers = [s.number for s in doc.steps] if doc is not None else []
     return _render(
         request,
         "trace.html",
@@ -336,12 +339,13 @@ def trace_page(
         trace=trace,
         run=run,
         project=project,
-        r=report,
+        r=doc or {},
+        reanalysing=reanalysing,
         figs=figs,
-        facts=_device_facts(report),
+        facts=_device_facts(facts_of(doc) if doc is not None else None),
         drawn=drawn,
         shown_step=shown_step,
-        step_numbers=[n for n in step_numbers if isinstance(n, int)],
+        step_numbers=step_numbers,
         cp_latest=latest,
         cp=shown.result if shown is not None else None,
         can_request=viewer.allows("upload") and _hta_available(),

@@ -17,6 +17,7 @@ from stepdoctor_server import tensorboard_export
 from stepdoctor_server.auth import Principal
 from stepdoctor_server.errors import ApiError, check_id, not_found
 from stepdoctor_server.models import Analysis, Project, Run, Trace
+from stepdoctor_server.reports import ReportFacts, read_facts
 from stepdoctor_server.storage import TraceStore
 
 
@@ -282,9 +283,10 @@ def run_facts(session: Session, run_id: int) -> tuple[int | None, list[str]]:
     return slowest, warnings
 
 
-def facts_report(session: Session, trace_id: int) -> dict[str, Any]:
+def facts_report(session: Session, trace_id: int) -> ReportFacts | None:
     """The parts of a report the run page shows (device, GPU and memory metrics, tables), read as
-    JSON fields: the whole report also holds the drawn steps, which only the trace page needs."""
+    JSON fields and typed (``reports.read_facts``; None before the analysis or when outdated): the
+    whole report also holds the drawn steps, which only the trace page needs."""
     metrics = Analysis.report["metrics"]
     row = session.execute(
         select(
@@ -295,14 +297,9 @@ def facts_report(session: Session, trace_id: int) -> dict[str, Any]:
         ).where(Analysis.trace_id == trace_id)
     ).first()
     if row is None:
-        return {}
+        return None
     device, gpu, memory, tables = row
-    return {
-        "device": device,
-        "metrics": {"gpu": gpu, "memory": {"devices": memory}},
-        "tables": tables,
-        "analysed": True,
-    }
+    return read_facts(device, gpu, memory, tables)
 
 
 def comparison_context(session: Session, run: Run) -> dict[str, Any]:

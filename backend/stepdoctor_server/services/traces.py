@@ -8,10 +8,12 @@ from fastapi import Request, Response
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from stepdoctor_analysis.contract import ReportDoc
 from stepdoctor_server.auth import Principal
 from stepdoctor_server.errors import ApiError, check_id, not_found
 from stepdoctor_server.models import Analysis, Project, Run, Trace
-from stepdoctor_server.queue import requeue_if_stale
+from stepdoctor_server.queue import requeue_if_stale, reset_to_pending
+from stepdoctor_server.reports import read_report
 from stepdoctor_server.storage import TraceStore
 
 
@@ -41,6 +43,20 @@ def stored_report(session: Session, trace_id: int) -> dict[str, Any]:
     """The trace's report as stored ({} before its analysis)."""
     report = session.scalar(select(Analysis.report).where(Analysis.trace_id == trace_id))
     return report if isinstance(report, dict) else {}
+
+
+def readable_report(session: Session, trace: Trace) -> tuple[ReportDoc | None, bool]:
+    """The trace's report typed (``reports.read_report``), and whether it is being re-analysed: a
+    stored report that does not decode is outdated, so, like ``requeue_if_stale``, a finished trace
+    goes back to pending and the page says so instead of failing on it."""
+    stored = stored_report(session, trace.id)
+    doc = read_report(stored)
+    if doc is not None or not stored:
+        return doc, False
+    if trace.status in ("done", "failed"):
+        reset_to_pending(session, [trace.id])
+        session.refresh(trace)
+    return None, True
 
 
 def public_report(report: dict[str, Any], filename: str) -> dict[str, Any]:
