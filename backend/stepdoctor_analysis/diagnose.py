@@ -137,11 +137,16 @@ def _trailing_silence(trace: RankTrace, idle: iv.Intervals) -> iv.Intervals:
     tail = gs >= last
     if not tail.any():
         return iv.EMPTY
-    h = trace.host
-    active = trace.host_kind(HostKind.CPU_OP, HostKind.RUNTIME, HostKind.DRIVER, HostKind.PYTHON_FUNCTION)
-    busy = iv.union(h.ts[active], h.end[active])
+    busy = trace.memo("diagnose.host_active", lambda: _host_active(trace))
     silent = iv.subtract((gs[tail], ge[tail]), busy)
     return silent
+
+
+def _host_active(trace: RankTrace) -> iv.Intervals:
+    """When the host records anything (cached: the accounting and each drawn step ask)."""
+    h = trace.host
+    active = trace.host_kind(HostKind.CPU_OP, HostKind.RUNTIME, HostKind.DRIVER, HostKind.PYTHON_FUNCTION)
+    return iv.union(h.ts[active], h.end[active])
 
 
 def _sync_bubbles(idle: iv.Intervals, sync: SyncStats) -> iv.Intervals:

@@ -121,8 +121,11 @@ def kernel_op_precision(trace: RankTrace) -> I8:
         ops = ops[h.external_id[ops] != NONE]
         if ops.size == 0:
             return out
-        by_dtype = {int(d): op_dtype_precision(trace.strings[int(d)]) for d in np.unique(h.input_dtype[ops])}
-        codes = np.array([_CODE.get(by_dtype[int(d)] or "", -1) for d in h.input_dtype[ops]], np.int8)
+        # Precision code per dtype string id, looked up for every op at once.
+        by_dtype = np.full(len(trace.strings), -1, np.int8)
+        for d in np.unique(h.input_dtype[ops]).tolist():
+            by_dtype[d] = _CODE.get(op_dtype_precision(trace.strings[d]) or "", -1)
+        codes = by_dtype[h.input_dtype[ops]]
         order = h.external_id[ops].argsort(kind="stable")
         ext, codes = h.external_id[ops][order], codes[order]
         call = launching_call(trace)
@@ -144,9 +147,7 @@ def kernel_op_precision(trace: RankTrace) -> I8:
     return trace.memo("precision.kernel_op", evaluate)
 
 
-def _code_of_op_around(
-    trace: RankTrace, ops: np.ndarray, by_dtype: dict[int, str | None], calls: np.ndarray
-) -> I8:
+def _code_of_op_around(trace: RankTrace, ops: np.ndarray, by_dtype: I8, calls: np.ndarray) -> I8:
     """Precision code of the innermost of ``ops`` around each launch call on its thread (-1: none)."""
     h = trace.host
     out = np.full(calls.size, -1, np.int8)
@@ -158,9 +159,7 @@ def _code_of_op_around(
         j = h.ts[mine].searchsorted(at, side="right") - 1
         ok = j >= 0
         ok[ok] = h.end[mine[j[ok]]] >= at[ok]  # the latest op starting before the launch still runs
-        for k in np.flatnonzero(ok).tolist():
-            p = by_dtype[int(h.input_dtype[mine[j[k]]])]
-            out[sel[k]] = _CODE.get(p or "", -1)
+        out[sel[ok]] = by_dtype[h.input_dtype[mine[j[ok]]]]
     return out
 
 

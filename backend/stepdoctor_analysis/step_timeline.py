@@ -162,11 +162,14 @@ def _host_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dic
     h = trace.host
     if not len(h):
         return []
-    by_start, starts = trace.memo("step_timeline.host_shown", lambda: _host_shown(trace))
-    # Shown events starting before the step's end are a prefix of the start-ordered ones; of those,
-    # keep the ones ending after its start, back in event order.
-    head = by_start[: starts.searchsorted(step.end, side="left")]
-    sel = np.sort(head[h.end[head] > step.start])
+    by_start, starts, reach = trace.memo("step_timeline.host_shown", lambda: _host_shown(trace))
+    # Shown events starting before the step's end are a prefix of the start-ordered ones, and none
+    # before the first whose running latest end passes the step's start can end inside it; of that
+    # range, keep the ones ending after its start, back in event order.
+    lo = reach.searchsorted(step.start, side="right")
+    hi = starts.searchsorted(step.end, side="left")
+    cand = by_start[lo:hi]
+    sel = np.sort(cand[h.end[cand] > step.start])
     pids, tids = h.pid[sel], h.tid[sel]
     one_process = bool(pids.size) and bool((pids == pids[0]).all())
     lanes = []
@@ -184,16 +187,16 @@ def _host_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dic
     return lanes
 
 
-def _host_shown(trace: RankTrace) -> tuple[np.ndarray, np.ndarray]:
+def _host_shown(trace: RankTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Host events a lane draws (ops, annotations other than the step marker, runtime calls).
 
-    As (indices ordered by start, their starts), so each drawn step finds its events by a binary
-    search instead of masking the whole host table.
+    As (indices ordered by start, their starts, the running latest end), so each drawn step finds
+    its events by two binary searches instead of masking the whole host table.
     """
     shown = trace.host_kind(HostKind.CPU_OP, HostKind.USER_ANNOTATION, HostKind.RUNTIME, HostKind.DRIVER)
     idx = np.asarray(shown & ~step_marker_mask(trace)).nonzero()[0]
     idx = idx[trace.host.ts[idx].argsort(kind="stable")]
-    return idx, trace.host.ts[idx]
+    return idx, trace.host.ts[idx], np.maximum.accumulate(trace.host.end[idx])
 
 
 def _gpu_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dict[str, Any]]:
