@@ -35,12 +35,22 @@ def test_every_row_generates_both_decoders(arg: Arg) -> None:
     strict, lax = _fields(schema.Args)[arg.attr], _fields(schema.LaxArgs)[arg.attr]
     assert strict.encode_name == lax.encode_name == arg.key
     assert lax.type is Any and lax.default is None
-    if arg.text:  # a string arg (interned) or a list of dtype strings (its first floating one kept)
-        value: Any = "7" if arg.text == "value" else ["int", "c10::BFloat16"]
-        typed = msgspec.json.decode(msgspec.json.encode({arg.key: value}), type=schema.Args)
-        assert getattr(typed, arg.attr) == (value if arg.text == "value" else tuple(value))
-        assert strict.default is None and arg.coerce(value) == getattr(typed, arg.attr)
+    if arg.text == "value":  # a string arg (interned)
+        typed = msgspec.json.decode(msgspec.json.encode({arg.key: "7"}), type=schema.Args)
+        assert getattr(typed, arg.attr) == "7"
+        assert strict.default is None and arg.coerce("7") == "7"
         assert arg.coerce(7) is None
+        return
+    if arg.text:  # a list of dtype strings, kept as its JSON text (its first floating one is read)
+        value = ["int", "c10::BFloat16"]
+        typed = msgspec.json.decode(msgspec.json.encode({arg.key: value}), type=schema.Args)
+        text = getattr(typed, arg.attr)
+        assert isinstance(text, msgspec.Raw) and schema.listed(bytes(text)) == tuple(value)
+        assert strict.default == schema.NO_TEXT and arg.coerce(value) == text
+        assert arg.coerce(7) == arg.coerce(None) == schema.NO_TEXT and arg.coerce(text) is text
+        assert schema.first_floating(schema.listed(bytes(text))) == "c10::BFloat16"
+        assert schema.listed(b'["long", 3, "float"]') == ("long", "float")  # odd items are skipped
+        assert schema.listed(b'"float"') is schema.listed(b"null") is schema.listed(b"") is None
         return
     if arg.absent:
         assert strict.type is Any and strict.default == schema.ABSENT

@@ -19,6 +19,7 @@ from ..model import NONE, GpuKind, HostKind
 
 NAN = float("nan")
 ABSENT = -(2**62)  # stream/device arg missing (distinct from a real -1, e.g. "Event Sync" on stream -1)
+NO_TEXT = msgspec.Raw(b"")  # a "first_float" arg the event lacks
 
 
 def to_int(v: Any) -> int:
@@ -70,7 +71,10 @@ class Arg:
     gpu: str | None = None
     memory: str | None = None
     absent: str | None = None  # loose: "pid" or "tid", the event field a missing value falls back to
-    text: str | None = None  # a string arg, interned: "value" (the string) or "first_float" (see below)
+    # A string arg, interned: "value" (the string) or "first_float": a list of dtypes, of which the
+    # first floating one is kept; the typed decoder leaves that list as its JSON text (``msgspec.Raw``)
+    # and the columns step reads each distinct text once (see ``first_floating``).
+    text: str | None = None
     # Read only on some events (op args): those whose name matches ``on_names`` (tested once per
     # distinct name), else those of host kind ``on_kind``. Everywhere else the column is NONE.
     on_names: str | None = None
@@ -99,7 +103,9 @@ class Arg:
         if self.text == "value":
             return v if isinstance(v, str) else None
         if self.text == "first_float":
-            return tuple(x for x in v if isinstance(x, str)) if isinstance(v, list) else None
+            if isinstance(v, msgspec.Raw):
+                return v
+            return msgspec.Raw(msgspec.json.encode(v)) if isinstance(v, list) else NO_TEXT
         if self.absent and v is None:
             return ABSENT
         return to_float(v) if self.is_float else to_int(v)
@@ -139,13 +145,37 @@ ARGS: tuple[Arg, ...] = (
 _FLOATING = ("float", "half", "double", "bfloat16")
 
 
+class _Floating(dict[str, bool]):
+    """dtype spelling -> whether it is floating, worked out once per spelling (a trace has a few)."""
+
+    def __missing__(self, t: str) -> bool:
+        low = t.lower()
+        v = "complex" not in low and any(f in low for f in _FLOATING)
+        if len(self) < 4096 and len(t) <= 256:  # real spellings are short and few (bounded memory)
+            self[t] = v
+        return v
+
+
+_IS_FLOATING = _Floating()
+
+
 def first_floating(types: tuple[str, ...] | None) -> str | None:
     """The first floating dtype among an op's input types (None when none is floating)."""
-    for t in types or ():
-        low = t.lower()
-        if "complex" not in low and any(f in low for f in _FLOATING):
-            return t
-    return None
+    return next(filter(_IS_FLOATING.__getitem__, types or ()), None)
+
+
+_STRINGS = msgspec.json.Decoder(tuple[str, ...] | None)
+
+
+def listed(text: bytes) -> tuple[str, ...] | None:
+    """A "first_float" arg's JSON text -> its string items; None when it is absent or not a list."""
+    if not text:
+        return None
+    try:
+        return _STRINGS.decode(text)  # the usual list of strings, decoded in C
+    except msgspec.ValidationError:
+        v = msgspec.json.decode(text)
+        return tuple(x for x in v if isinstance(x, str)) if isinstance(v, list) else None
 
 
 def args_struct(args: tuple[Arg, ...], *, lax: bool = False) -> type[msgspec.Struct]:
@@ -155,7 +185,7 @@ def args_struct(args: tuple[Arg, ...], *, lax: bool = False) -> type[msgspec.Str
         kind: Any = Any if lax or a.absent else float if a.is_float else int
         default = None if lax or a.text else a.default
         if a.text and not lax:
-            kind = str | None if a.text == "value" else tuple[str, ...] | None
+            kind, default = (str | None, None) if a.text == "value" else (msgspec.Raw, NO_TEXT)
         name = a.key if a.key != a.attr else None
         fields.append((a.attr, kind, msgspec.field(default=default, name=name)))
     return msgspec.defstruct("LaxArgs" if lax else "Args", fields, gc=False, module=__name__)
