@@ -151,6 +151,18 @@ def test_compare_deltas_speedup_and_findings() -> None:
     assert primary["sentence"] == "The limiter moved from input to compute."
 
 
+def test_a_diagnosis_compare_cannot_read_is_a_409_not_a_crash() -> None:
+    from stepdoctor_server.errors import ApiError
+    from stepdoctor_server.models import Run
+    from stepdoctor_server.services.runs import run_diagnosis
+
+    good = {"traces": 1, "step_time_us": 5.0, "findings": [{"id": "a", "title": "A", "traces": 1}]}
+    assert run_diagnosis(Run(id=7, diagnosis=good)) is good  # returned as stored
+    with pytest.raises(ApiError) as err:
+        run_diagnosis(Run(id=7, diagnosis={"traces": 1, "step_time_us": "fast"}))
+    assert (err.value.status, err.value.code) == (409, "outdated")
+
+
 def test_compare_handles_zero_base() -> None:
     cmp = compare_diagnoses({"step_time_us": 0.0, "breakdown": {"memset": 0.0}}, {"step_time_us": 5.0})
     assert cmp["speedup"] is None and cmp["categories"]["memset"]["delta_pct"] is None

@@ -1,76 +1,116 @@
 """Before/after comparison of two run diagnoses (as built by ``aggregate.aggregate_run``).
 
-Pure. Speedup follows the usual convention: base step time / other step time, so > 1 means the
+Pure, over the typed view of each stored diagnosis (``DiagnosisView``). Speedup follows the usual convention: base step time / other step time, so > 1 means the
 other run is faster. Deltas are other - base (negative = time saved).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import msgspec
 
 from stepdoctor_server.aggregate import CATEGORIES
 
 
-def compare_diagnoses(base: Mapping[str, Any], other: Mapping[str, Any]) -> dict[str, Any]:
+class Card(msgspec.Struct):
+    """A run's merged recommendation or finding, as far as a comparison reads it."""
+
+    id: str
+    title: str = ""
+    kind: str | None = None
+    basis: str | None = None
+    expected_speedup: float | None = None
+
+
+class Primary(msgspec.Struct):
+    kind: str | None = None
+
+
+class DiagnosisView(msgspec.Struct):
+    """The fields of a stored run diagnosis (``aggregate.aggregate_run``) a comparison reads, typed;
+    other fields are ignored, and ``read_diagnosis`` refuses one whose fields have the wrong type."""
+
+    step_time_us: float = 0.0
+    breakdown: dict[str, float] = {}
+    shares: dict[str, float] = {}
+    primary: Primary | None = None
+    recommendations: list[Card] = []
+    findings: list[Card] = []
+
+
+def read_diagnosis(diagnosis: Mapping[str, Any] | DiagnosisView) -> DiagnosisView:
+    """A stored diagnosis as ``DiagnosisView``; ``msgspec.ValidationError`` when it is not one."""
+    if isinstance(diagnosis, DiagnosisView):
+        return diagnosis
+    return msgspec.convert(dict(diagnosis), DiagnosisView)
+
+
+def compare_diagnoses(
+    base: Mapping[str, Any] | DiagnosisView, other: Mapping[str, Any] | DiagnosisView
+) -> dict[str, Any]:
     """Per-category deltas (µs and %), speedup, finding changes and primary-kind change."""
-    base_time = float(base.get("step_time_us") or 0.0)
-    other_time = float(other.get("step_time_us") or 0.0)
+    b, o = read_diagnosis(base), read_diagnosis(other)
     return {
-        "step_time_us": {"base": base_time, "other": other_time, **_delta(base_time, other_time)},
-        "speedup": base_time / other_time if base_time > 0 and other_time > 0 else None,
-        "categories": category_deltas(base.get("breakdown") or {}, other.get("breakdown") or {}),
-        "primary": _primary_change(base, other),
-        "findings": finding_changes(base.get("findings") or [], other.get("findings") or []),
-        "kinds": kind_deltas(base, other),
-        "finding_titles": finding_titles(base.get("findings") or [], other.get("findings") or []),
-        "followed": followed_recommendation(base, other),
+        "step_time_us": {
+            "base": b.step_time_us,
+            "other": o.step_time_us,
+            **_delta(b.step_time_us, o.step_time_us),
+        },
+        "speedup": _speedup(b, o),
+        "categories": category_deltas(b.breakdown, o.breakdown),
+        "primary": _primary_change(b, o),
+        "findings": finding_changes(b.findings, o.findings),
+        "kinds": kind_deltas(b, o),
+        "finding_titles": finding_titles(b.findings, o.findings),
+        "followed": followed_recommendation(b, o),
     }
 
 
-def kind_deltas(base: Mapping[str, Any], other: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+def _speedup(base: DiagnosisView, other: DiagnosisView) -> float | None:
+    b, o = base.step_time_us, other.step_time_us
+    return b / o if b > 0 and o > 0 else None
+
+
+def kind_deltas(base: DiagnosisView, other: DiagnosisView) -> dict[str, dict[str, float]]:
     """µs per step of each bottleneck kind (share × mean step time), before and after, largest change first."""
-    b_time, o_time = float(base.get("step_time_us") or 0.0), float(other.get("step_time_us") or 0.0)
-    b_shares, o_shares = base.get("shares") or {}, other.get("shares") or {}
     out = {}
-    for kind in {*b_shares, *o_shares}:
-        b = float(b_shares.get(kind) or 0.0) * b_time
-        o = float(o_shares.get(kind) or 0.0) * o_time
-        out[str(kind)] = {"base_us": b, "other_us": o, "delta_us": o - b}
+    for kind in {*base.shares, *other.shares}:
+        b = base.shares.get(kind, 0.0) * base.step_time_us
+        o = other.shares.get(kind, 0.0) * other.step_time_us
+        out[kind] = {"base_us": b, "other_us": o, "delta_us": o - b}
     return dict(sorted(out.items(), key=lambda kv: -abs(kv[1]["delta_us"])))
 
 
-def finding_titles(base: list[Any], other: list[Any]) -> dict[str, str]:
+def finding_titles(base: Sequence[Card], other: Sequence[Card]) -> dict[str, str]:
     """Finding id -> its title, so pages name findings as people read them, never by internal id."""
     titles: dict[str, str] = {}
     for f in [*base, *other]:
-        if isinstance(f, Mapping) and f.get("id"):
-            titles.setdefault(str(f["id"]), str(f.get("title") or f["id"]))
+        if f.id:
+            titles.setdefault(f.id, f.title or f.id)
     return titles
 
 
-def followed_recommendation(base: Mapping[str, Any], other: Mapping[str, Any]) -> dict[str, Any] | None:
+def followed_recommendation(base: DiagnosisView, other: DiagnosisView) -> dict[str, Any] | None:
     """The base run's next optimization, its predicted speedup, and what the other run measured.
 
     "Followed" means the recommendation no longer fires on the other run; either way the measured
     speedup is shown next to the prediction, which closes the loop on the advice.
     """
-    recs = [r for r in base.get("recommendations") or [] if isinstance(r, Mapping) and r.get("id")]
+    recs = [r for r in base.recommendations if r.id]
     if not recs:
         return None
     rec = recs[0]
-    still = {str(r.get("id")) for r in other.get("recommendations") or [] if isinstance(r, Mapping)}
-    still |= {str(f.get("id")) for f in other.get("findings") or [] if isinstance(f, Mapping)}
-    b_time, o_time = float(base.get("step_time_us") or 0.0), float(other.get("step_time_us") or 0.0)
-    predicted = rec.get("expected_speedup")
+    still = {r.id for r in [*other.recommendations, *other.findings]}
     return {
-        "id": str(rec["id"]),
-        "title": str(rec.get("title") or rec["id"]),
-        "kind": rec.get("kind"),
-        "basis": rec.get("basis"),
-        "predicted_speedup": predicted if isinstance(predicted, int | float) else None,
-        "measured_speedup": b_time / o_time if b_time > 0 and o_time > 0 else None,
-        "followed": str(rec["id"]) not in still,
+        "id": rec.id,
+        "title": rec.title or rec.id,
+        "kind": rec.kind,
+        "basis": rec.basis,
+        "predicted_speedup": rec.expected_speedup,
+        "measured_speedup": _speedup(base, other),
+        "followed": rec.id not in still,
     }
 
 
@@ -86,20 +126,20 @@ def context_differences(base: Mapping[str, Any], other: Mapping[str, Any]) -> li
     return out
 
 
-def category_deltas(base: Mapping[str, Any], other: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+def category_deltas(base: Mapping[str, float], other: Mapping[str, float]) -> dict[str, dict[str, Any]]:
     keys = [k for k in CATEGORIES if k in base or k in other]
     keys += sorted(k for k in {*base, *other} if k not in CATEGORIES)
     out = {}
     for key in keys:
-        b, o = float(base.get(key) or 0.0), float(other.get(key) or 0.0)
+        b, o = base.get(key, 0.0), other.get(key, 0.0)
         out[key] = {"base_us": b, "other_us": o, **_delta(b, o)}
     return out
 
 
-def finding_changes(base: list[Any], other: list[Any]) -> dict[str, list[str]]:
+def finding_changes(base: Sequence[Card], other: Sequence[Card]) -> dict[str, list[str]]:
     """Finding ids resolved (only in base), appeared (only in other) and persisting (in both)."""
-    b = {str(f["id"]) for f in base if isinstance(f, Mapping) and f.get("id")}
-    o = {str(f["id"]) for f in other if isinstance(f, Mapping) and f.get("id")}
+    b = {f.id for f in base if f.id}
+    o = {f.id for f in other if f.id}
     return {"resolved": sorted(b - o), "appeared": sorted(o - b), "persisting": sorted(b & o)}
 
 
@@ -108,18 +148,18 @@ def _delta(base: float, other: float) -> dict[str, float | None]:
     return {"delta_us": other - base, "delta_pct": (other - base) / base * 100.0 if base else None}
 
 
-def _primary_change(base: Mapping[str, Any], other: Mapping[str, Any]) -> dict[str, Any]:
+def _primary_change(base: DiagnosisView, other: DiagnosisView) -> dict[str, Any]:
     """The limiter before and after, with how much of the base limiter's time is left.
 
     Both kinds come from each run's aggregate (``aggregate.aggregate_run``), the same verdict the
     run pages show, so "input → compute" here is what the two run pages say.
     """
-    b = (base.get("primary") or {}).get("kind")
-    o = (other.get("primary") or {}).get("kind")
+    b = base.primary.kind if base.primary else None
+    o = other.primary.kind if other.primary else None
     out: dict[str, Any] = {"base": b, "other": o, "changed": b != o}
     if b:
-        b_us = float((base.get("shares") or {}).get(b) or 0.0) * float(base.get("step_time_us") or 0.0)
-        o_us = float((other.get("shares") or {}).get(b) or 0.0) * float(other.get("step_time_us") or 0.0)
+        b_us = base.shares.get(b, 0.0) * base.step_time_us
+        o_us = other.shares.get(b, 0.0) * other.step_time_us
         out |= {"base_kind_us": {"base": b_us, "other": o_us, **_delta(b_us, o_us)}}
         if b != o and o:
             pct = out["base_kind_us"]["delta_pct"]

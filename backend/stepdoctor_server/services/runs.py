@@ -8,12 +8,13 @@ import re
 from datetime import datetime
 from typing import Any
 
+import msgspec
 from fastapi.responses import StreamingResponse
 from sqlalchemy import ColumnElement, cast, exists, func, select
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 
-from stepdoctor_server import tensorboard_export
+from stepdoctor_server import compare, tensorboard_export
 from stepdoctor_server.auth import Principal
 from stepdoctor_server.errors import ApiError, check_id, not_found
 from stepdoctor_server.models import Analysis, Project, Run, Trace
@@ -49,6 +50,14 @@ def run_diagnosis(run: Run) -> dict[str, Any]:
     """
     if not run.diagnosis or not run.diagnosis.get("traces"):
         raise ApiError(409, "not_analyzed", f"run {run.id} has no analysed traces yet")
+    try:
+        compare.read_diagnosis(run.diagnosis)  # what compare reads must be typed right
+    except msgspec.ValidationError as exc:
+        raise ApiError(
+            409,
+            "outdated",
+            f"run {run.id}'s stored diagnosis is outdated ({exc}); it is rebuilt as its traces are analysed",
+        ) from None
     return run.diagnosis
 
 
