@@ -335,8 +335,22 @@ _ARCH_PREFIXES = {
     "turing_": (7, 5),
     "ampere_": (8, 0),
 }
-# A lookbehind, not ``(?:^|[^a-z0-9])``: the search then starts only where ``sm``/``cutlass_`` does.
-_ARCH_RE = re.compile(r"(?<![a-z0-9])(?:sm|cutlass_)(\d)(\d)_")
+# ``(?:^|[^a-z0-9])(?:sm|cutlass_)(\d)(\d)_``, searched as its literal part with the boundary checked
+# per hit (``_arch_match``): a pattern that starts with a literal is scanned far faster.
+_ARCH_RE = re.compile(r"(?:sm|cutlass_)(\d)(\d)_")
+_ALNUM = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
+_ARCH_TESTS = tuple((p, f" {p}", v) for p, v in _ARCH_PREFIXES.items())
+
+
+def _arch_match(low: str) -> re.Match[str] | None:
+    """The leftmost ``_ARCH_RE`` hit at the start of ``low`` or after a character other than [a-z0-9]."""
+    m = _ARCH_RE.search(low)
+    while m is not None:
+        at = m.start()
+        if at == 0 or low[at - 1] not in _ALNUM:
+            return m
+        m = _ARCH_RE.search(low, at + 1)
+    return None
 
 
 def _kernel_arch_floor(trace: RankTrace) -> tuple[int, int] | None:
@@ -348,8 +362,8 @@ def _kernel_arch_floor(trace: RankTrace) -> tuple[int, int] | None:
     for i in np.unique(trace.gpu.name[kernels]).tolist():
         name = trace.strings[i]
         low = name.lower()
-        found = [v for p, v in _ARCH_PREFIXES.items() if low.startswith(p) or f" {p}" in low]
-        m = _ARCH_RE.search(low)
+        found = [v for p, spaced, v in _ARCH_TESTS if low.startswith(p) or spaced in low]
+        m = _arch_match(low)
         if m:
             found.append((int(m.group(1)), int(m.group(2))))
         for v in found:

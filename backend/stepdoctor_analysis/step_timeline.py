@@ -112,40 +112,44 @@ def _charged_boxes(parts: list[tuple[str, iv.Intervals]], step: Step) -> list[li
     each given to the kind owning most of it, so no time disappears from the picture.
     """
     if sum(ivs[0].size for _, ivs in parts) > 2 * MAX_BOXES:
-        pieces = _dominant_bins(parts, step, 2 * MAX_BOXES)
+        kinds, lo, hi, code = _dominant_bins(parts, step, 2 * MAX_BOXES)
     else:
-        kinds = [kind for kind, ivs in parts for _ in range(ivs[0].size)]
+        codes: dict[str, int] = {}
+        of_part = [codes.setdefault(kind, len(codes)) for kind, _ in parts]
+        kinds = list(codes)
+        code = np.repeat(np.array(of_part, np.int64), [ivs[0].size for _, ivs in parts])
         starts = np.concatenate([ivs[0] for _, ivs in parts])
         ends = np.concatenate([ivs[1] for _, ivs in parts])
-        order = starts.argsort(kind="stable").tolist()
-        lo, hi = starts.tolist(), ends.tolist()
-        pieces = [(lo[i], hi[i], kinds[i]) for i in order if hi[i] > lo[i]]
-    merged: list[list[Any]] = []
-    for lo, hi, kind in pieces:
-        if merged and merged[-1][2] == kind and merged[-1][1] == lo:
-            merged[-1][1] = hi
-            merged[-1][3] += 1
-        else:
-            merged.append([lo, hi, kind, 1])
-    if not merged:
+        order = starts.argsort(kind="stable")
+        lo, hi, code = starts[order], ends[order], code[order]
+        keep = hi > lo
+        lo, hi, code = lo[keep], hi[keep], code[keep]
+    if lo.size == 0:
         return []
-    lo_us = _us_list(np.array([m[0] for m in merged], np.int64) - step.start)
-    hi_us = _us_list(np.array([m[1] for m in merged], np.int64) - step.start)
-    return [[a, b, m[2], m[3]] for a, b, m in zip(lo_us, hi_us, merged, strict=True)]
+    # A box starts where the kind changes or the previous stretch does not end where this one starts.
+    first = np.ones(lo.size, np.bool_)
+    first[1:] = (code[1:] != code[:-1]) | (lo[1:] != hi[:-1])
+    firsts = first.nonzero()[0]
+    bounds = np.append(firsts, lo.size)
+    lo_us = _us_list(lo[firsts].astype(np.int64) - step.start)
+    hi_us = _us_list(hi[bounds[1:] - 1].astype(np.int64) - step.start)
+    return [
+        [a, b, kinds[c], n]
+        for a, b, c, n in zip(lo_us, hi_us, code[firsts].tolist(), np.diff(bounds).tolist(), strict=True)
+    ]
 
 
 def _dominant_bins(
     parts: list[tuple[str, iv.Intervals]], step: Step, bins: int
-) -> list[tuple[int, int, str]]:
+) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """(kinds, bin starts, bin ends, index into kinds of each bin's owner)."""
     edges = np.linspace(step.start, step.end, bins + 1).astype(np.int64)
     names = sorted({kind for kind, _ in parts})
     owned = np.zeros((len(names), bins), np.int64)
     for kind, (s, e) in parts:
         if s.size:
             owned[names.index(kind)] += np.diff(_covered_until(s, e, edges))
-    best = owned.argmax(axis=0)
-    at, owner = edges.tolist(), best.tolist()
-    return [(at[i], at[i + 1], names[owner[i]]) for i in range(bins)]
+    return names, edges[:-1], edges[1:], owned.argmax(axis=0)
 
 
 def _covered_until(s: np.ndarray, e: np.ndarray, t: np.ndarray) -> np.ndarray:
