@@ -14,6 +14,7 @@ disagree (both are kept in the evidence, ``matmul_precision_evidence``).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import re
 from dataclasses import dataclass
@@ -335,40 +336,47 @@ _ARCH_PREFIXES = {
     "turing_": (7, 5),
     "ampere_": (8, 0),
 }
-# ``(?:^|[^a-z0-9])(?:sm|cutlass_)(\d)(\d)_``, searched as its literal part with the boundary checked
-# per hit (``_arch_match``): a pattern that starts with a literal is scanned far faster.
+# A name's arch is its leftmost ``(?:^|[^a-z0-9])(?:sm|cutlass_)(\d)(\d)_`` match; it is found as the
+# literal part with the boundary checked per hit, over all names joined (``_kernel_arch_floor``).
 _ARCH_RE = re.compile(r"(?:sm|cutlass_)(\d)(\d)_")
 _ALNUM = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
-_ARCH_TESTS = tuple((p, f" {p}", v) for p, v in _ARCH_PREFIXES.items())
-
-
-def _arch_match(low: str) -> re.Match[str] | None:
-    """The leftmost ``_ARCH_RE`` hit at the start of ``low`` or after a character other than [a-z0-9]."""
-    m = _ARCH_RE.search(low)
-    while m is not None:
-        at = m.start()
-        if at == 0 or low[at - 1] not in _ALNUM:
-            return m
-        m = _ARCH_RE.search(low, at + 1)
-    return None
 
 
 def _kernel_arch_floor(trace: RankTrace) -> tuple[int, int] | None:
-    """The newest architecture the trace's library kernels were built for (None when none say)."""
+    """The newest architecture the trace's library kernels were built for (None when none say).
+
+    One scan over the distinct kernel names joined by newlines, not one per name: a name says
+    an architecture by starting with a prefix or having it after a space, and by the leftmost
+    ``_ARCH_RE`` hit at its start or after a character other than [a-z0-9]; the newest one any
+    name says wins.
+    """
     kernels = trace.gpu_kind(GpuKind.KERNEL)
     if not kernels.any():
         return None
-    best: tuple[int, int] | None = None
-    for i in np.unique(trace.gpu.name[kernels]).tolist():
-        name = trace.strings[i]
-        low = name.lower()
-        found = [v for p, spaced, v in _ARCH_TESTS if low.startswith(p) or spaced in low]
-        m = _arch_match(low)
-        if m:
-            found.append((int(m.group(1)), int(m.group(2))))
-        for v in found:
-            best = v if best is None or v > best else best
-    return best
+    lows = [trace.strings[i].lower() for i in np.unique(trace.gpu.name[kernels]).tolist()]
+    text = "\n".join(lows)
+    first: list[int] = []  # where each name starts in ``text``
+    at = 0
+    for low in lows:
+        first.append(at)
+        at += len(low) + 1
+    starts = set(first)
+    found: list[tuple[int, int]] = []
+    for prefix, arch in _ARCH_PREFIXES.items():
+        at = text.find(prefix)
+        while at >= 0 and not (at in starts or text[at - 1] == " "):
+            at = text.find(prefix, at + 1)
+        if at >= 0:
+            found.append(arch)
+    named: set[int] = set()
+    for m in _ARCH_RE.finditer(text):  # no match can start inside another ("sm", "cutlass_" shapes)
+        at = m.start()
+        if at in starts or text[at - 1] not in _ALNUM:
+            owner = bisect.bisect_right(first, at) - 1
+            if owner not in named:
+                named.add(owner)
+                found.append((int(m.group(1)), int(m.group(2))))
+    return max(found) if found else None
 
 
 def _launched_via_hip(trace: RankTrace) -> bool:
