@@ -18,6 +18,7 @@ from stepdoctor_server.aggregate import TraceReport, aggregate_run
 from support import synthetic_dist as sd
 from support.cpu_loops import _record
 from support.fixtures import HTA_TRACES, TRACELENS_TRACES
+from support.reports import report as valid_report
 
 TRAINING_ADVICE = {
     "memory.zero_grad_set_to_none",
@@ -175,7 +176,7 @@ def test_symmetric_job_verdict_agrees_on_both_paths(tmp_path: Path) -> None:
 
 def test_ranks_at_100_and_120_us_agree_on_both_paths() -> None:
     times = {0: 100.0, 1: 120.0}
-    reports = {r: {"rank": r, "step_time_us": t, "source": f"r{r}"} for r, t in times.items()}
+    reports = {r: valid_report(rank=r, step_time_us=t, source=f"r{r}") for r, t in times.items()}
     direct = rank_verdict([TraceEntry(rep) for rep in reports.values()])
     server = aggregate_run([TraceReport(r, r, 0, rep) for r, rep in reports.items()])
     assert direct.straggler_ranks() == [1]
