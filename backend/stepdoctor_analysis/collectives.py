@@ -44,7 +44,6 @@ _HOST_NOT_COLLECTIVE = re.compile(r"wait|barrier_init|work", re.IGNORECASE)
 
 # GPU kernels of collective libraries (case-sensitive library prefixes, then lower-cased families).
 _KERNEL_LIB_PREFIXES = ("nccl", "rccl", "msccl", "void nccl", "void rccl", "void msccl")
-_KERNEL_LIB_WORDS = ("mscclKernel", "nvshmem", "dpsk::ep::", "deep_ep::", "pplx::")
 _CUSTOM_ALL_REDUCE_RE = re.compile(
     r"cross_device_reduce|multimem_?all_?(?:reduce|gather)|multimem_(?:ld_)?reduce|"
     r"(?:one|two)_shot_all_?reduce|all_?reduce_fusion|custom_?all_?reduce|quick_?reduce|lamport"
@@ -84,7 +83,13 @@ def is_collective_kernel_name(name: str) -> bool:
     unanchored alternation is tried at every position of long templated kernel names, and most
     names contain none of the words any alternative needs.
     """
-    if name.startswith(_KERNEL_LIB_PREFIXES) or any(word in name for word in _KERNEL_LIB_WORDS):
+    if name.startswith(_KERNEL_LIB_PREFIXES) or (
+        "mscclKernel" in name
+        or "nvshmem" in name
+        or "dpsk::ep::" in name
+        or "deep_ep::" in name
+        or "pplx::" in name
+    ):
         return True
     low = name.lower()
     if "reduce" not in low and "gather" not in low and "lamport" not in low:
