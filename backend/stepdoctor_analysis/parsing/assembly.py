@@ -181,12 +181,25 @@ def repair_correlation(
 
 
 def concat(parts: list[dict[str, np.ndarray]], dtypes: dict[str, Any]) -> dict[str, np.ndarray]:
-    """One table's chunks joined (the list is emptied to free them early); empty columns when none."""
+    """One table's chunks joined (the list is emptied to free them early); empty columns when none.
+
+    A chunk may leave out a column none of its events has (an op arg): it reads as NONE there, and a
+    column no chunk has is one ``full`` instead of a join of many.
+    """
     if not parts:
         return {k: np.empty(0, dt) for k, dt in dtypes.items()}
-    if len(parts) == 1:
-        return parts[0]
-    out = {k: np.concatenate([p[k] for p in parts]) for k in dtypes}
+    sizes = [len(next(iter(p.values()))) for p in parts]
+    out: dict[str, np.ndarray] = {}
+    for k, dt in dtypes.items():
+        cols = [p.get(k) for p in parts]
+        if all(c is None for c in cols):
+            out[k] = np.full(sum(sizes), NONE, dt)
+        elif len(cols) == 1:
+            out[k] = cols[0]  # type: ignore[assignment]
+        else:
+            out[k] = np.concatenate(
+                [np.full(n, NONE, dt) if c is None else c for c, n in zip(cols, sizes, strict=True)]
+            )
     parts.clear()
     return out
 

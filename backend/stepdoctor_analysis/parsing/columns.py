@@ -167,6 +167,10 @@ def _type_codes(events: list[Event]) -> np.ndarray:
     return np.fromiter(map(TYPE_CODES.__getitem__, map(type, events)), np.int8, len(events))
 
 
+# Each table's op args (``Arg.sparse``) with the column each fills and its dtype, worked out once.
+_SPARSE = {t.name: tuple((a, t.column(a), t.dtypes[t.column(a)]) for a in t.sparse) for t in (HOST, GPU)}
+
+
 def _texts(raws: Sequence[msgspec.Raw]) -> list[bytes]:
     """JSON texts as bytes (hashable): one join and one split, ~2x cheaper than ``bytes()`` on each.
     Valid JSON holds no NUL byte (a string escapes it), so the split gives back each text."""
@@ -373,12 +377,9 @@ class Builder:
     ) -> dict[str, np.ndarray]:
         """Op args, read on the few events that can carry them (NONE elsewhere); strings as value ids."""
         n = len(evs)
-        nothing = {dt: np.full(n, NONE, dt) for dt in {table.dtypes[table.column(a)] for a in table.sparse}}
         out: dict[str, np.ndarray] = {}
         carriers: dict[Any, np.ndarray] = {}
-        for arg in table.sparse:
-            dtype = table.dtypes[table.column(arg)]
-            out[table.column(arg)] = nothing[dtype]  # shared until filled: concat copies the columns
+        for arg, column, dtype in _SPARSE[table.name]:
             if self._absent.get(arg.attr, 0) >= ABSENT_AFTER:
                 continue
             key = arg.on_names or arg.on_kind
@@ -386,13 +387,13 @@ class Builder:
             if idx is None:
                 idx = carriers[key] = self._carriers(cols, arg)
             if idx.size:
-                col = out[table.column(arg)] = np.full(n, NONE, dtype)
+                col = out[column] = np.full(n, NONE, dtype)
                 got = col[idx] = self._sparse_values(pick(evs, idx), arg, dtype)
                 missing = self._absent.get(arg.attr, 0)
                 if missing >= 0:  # still unseen in this trace: count the events that lacked it
                     found = (got != NONE).any() or self._carried(pick(evs, idx), arg)
                     self._absent[arg.attr] = -1 if found else missing + idx.size
-        return out
+        return out  # the columns no event here has are left out (``assembly.concat`` fills them)
 
     def _carriers(self, cols: dict[str, np.ndarray], arg: Arg) -> np.ndarray:
         """Positions of the events that may carry ``arg``: by name pattern (once per name), else kind."""

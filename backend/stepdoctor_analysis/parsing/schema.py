@@ -78,7 +78,7 @@ class Arg:
     # Read only on some events (op args): those whose name matches ``on_names`` (tested once per
     # distinct name), else those of host kind ``on_kind``. Everywhere else the column is NONE.
     on_names: str | None = None
-    on_kind: int | None = None
+    on_kind: int | None = None  # a plain int: numpy compares against an IntEnum member far slower
 
     @property
     def sparse(self) -> bool:
@@ -138,7 +138,7 @@ ARGS: tuple[Arg, ...] = (
     Arg("collective",         "Collective name",             "i4",  host="collective", text="value", on_names=COMM_OPS),
     Arg("msg_dtype",          "dtype",                       "i4",  host="msg_dtype", text="value", on_names=COMM_OPS),
     # record_shapes (#9): the dtype of an op's first floating input; the list itself is not kept.
-    Arg("input_types",        "Input type",                  "i4",  host="input_dtype", text="first_float", on_kind=HostKind.CPU_OP),
+    Arg("input_types",        "Input type",                  "i4",  host="input_dtype", text="first_float", on_kind=int(HostKind.CPU_OP)),
 )  # fmt: skip
 
 # Floating dtypes as ``Input type`` spells them ("float", "c10::BFloat16", "c10::Half", "float8_e4m3fn").
