@@ -81,6 +81,11 @@ def test_every_row_generates_its_columns_and_each_column_is_in_the_model() -> No
         assert set(tab.arg_columns) <= model_fields, f"{name}: an arg column the model lacks"
     assert {a.attr for a in ARGS} == set(_fields(schema.Args)) == set(_fields(schema.LaxArgs))
     assert {a.absent for a in ARGS if a.absent} <= set(columns.FALLBACKS)
+    # Each event type decodes just the args its tables read (fewer fields: faster decoding).
+    assert set(_fields(schema.CompleteArgs)) == {a.attr for a in ARGS if a.host or a.gpu}
+    assert set(_fields(schema.InstantArgs)) == {a.attr for a in ARGS if a.memory}
+    assert _fields(schema.Complete)["args"].type is schema.CompleteArgs
+    assert _fields(schema.Instant)["args"].type is schema.InstantArgs
 
 
 def test_a_new_kernel_argument_is_one_row() -> None:
