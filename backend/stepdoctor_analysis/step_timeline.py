@@ -169,22 +169,20 @@ def _host_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dic
     by_start, starts, reach = trace.memo("step_timeline.host_shown", lambda: _host_shown(trace))
     # Shown events starting before the step's end are a prefix of the start-ordered ones, and none
     # before the first whose running latest end passes the step's start can end inside it; of that
-    # range, keep the ones ending after its start, back in event order.
+    # range, keep the ones ending after its start (still by start, longest first).
     lo = reach.searchsorted(step.start, side="right")
     hi = starts.searchsorted(step.end, side="left")
     cand = by_start[lo:hi]
-    sel = np.sort(cand[h.end[cand] > step.start])
+    sel = cand[h.end[cand] > step.start]
     pids, tids = h.pid[sel], h.tid[sel]
     one_process = bool(pids.size) and bool((pids == pids[0]).all())
     lanes = []
     for pid, tid in _busiest(pids, tids, h.dur[sel], MAX_THREADS):
         idx = sel[(pids == pid) & (tids == tid)]
-        idx = idx[np.lexsort((-h.dur[idx], h.ts[idx]))]
         # Outermost events only: one that starts after every earlier one ended.
-        ends = h.end[idx]
-        reach = np.maximum.accumulate(ends)
+        latest = np.maximum.accumulate(h.end[idx])
         top = np.ones(idx.size, np.bool_)
-        top[1:] = h.ts[idx][1:] >= reach[:-1]
+        top[1:] = h.ts[idx][1:] >= latest[:-1]
         idx = idx[top]
         label = f"host thread {tid}" if one_process else f"host {pid}/{tid}"
         lanes.append(_lane(trace, label, "host", h.ts[idx], h.end[idx], h.name[idx], step, names))
@@ -194,12 +192,21 @@ def _host_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dic
 def _host_shown(trace: RankTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Host events a lane draws (ops, annotations other than the step marker, runtime calls).
 
-    As (indices ordered by start, their starts, the running latest end), so each drawn step finds
-    its events by two binary searches instead of masking the whole host table.
+    As (indices ordered by start, longest first among equal starts, then by index; their starts;
+    the running latest end): each drawn step finds its events by two binary searches instead of
+    masking the whole host table, and a thread's events come out in the order nesting needs.
     """
     shown = trace.host_kind(HostKind.CPU_OP, HostKind.USER_ANNOTATION, HostKind.RUNTIME, HostKind.DRIVER)
     idx = np.asarray(shown & ~step_marker_mask(trace)).nonzero()[0]
-    idx = idx[trace.host.ts[idx].argsort(kind="stable")]
+    ts, dur = trace.host.ts, trace.host.dur
+    idx = idx[ts[idx].argsort(kind="stable")]  # fast: events mostly come in start order
+    at = ts[idx]
+    tied = np.zeros(idx.size, np.bool_)
+    tied[1:] = at[1:] == at[:-1]
+    tied[:-1] |= tied[1:]
+    if tied.any():  # equal starts: longest first (a lexsort over the few tied ones only)
+        pos = tied.nonzero()[0]
+        idx[pos] = idx[pos][np.lexsort((-dur[idx[pos]], at[pos]))]
     return idx, trace.host.ts[idx], np.maximum.accumulate(trace.host.end[idx])
 
 
@@ -207,15 +214,25 @@ def _gpu_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dict
     g = trace.gpu
     if not len(g):
         return []
-    ops = trace.gpu_kind(GpuKind.KERNEL, GpuKind.MEMCPY, GpuKind.MEMSET)
-    sel = (ops & (g.ts < step.end) & (g.end > step.start)).nonzero()[0]
+    by_start, starts, reach = trace.memo("step_timeline.gpu_shown", lambda: _gpu_shown(trace))
+    lo = reach.searchsorted(step.start, side="right")  # as in _host_lanes
+    cand = by_start[lo : starts.searchsorted(step.end, side="left")]
+    sel = cand[g.end[cand] > step.start]  # by start, then index
+    devices, streams = g.device[sel], g.stream[sel]
     lanes = []
-    for device, stream in _busiest(g.device[sel].astype(np.int64), g.stream[sel], g.dur[sel], MAX_STREAMS):
-        idx = sel[(g.device[sel] == device) & (g.stream[sel] == stream)]
-        idx = idx[g.ts[idx].argsort(kind="stable")]
+    for device, stream in _busiest(devices.astype(np.int64), streams, g.dur[sel], MAX_STREAMS):
+        idx = sel[(devices == device) & (streams == stream)]
         label = f"GPU {device} stream {stream}"
         lanes.append(_lane(trace, label, "gpu", g.ts[idx], g.end[idx], g.name[idx], step, names))
     return lanes
+
+
+def _gpu_shown(trace: RankTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GPU ops a lane draws (kernels, copies, memsets) as ``_host_shown`` gives host events."""
+    g = trace.gpu
+    idx = trace.gpu_kind(GpuKind.KERNEL, GpuKind.MEMCPY, GpuKind.MEMSET).nonzero()[0]
+    idx = idx[g.ts[idx].argsort(kind="stable")]
+    return idx, g.ts[idx], np.maximum.accumulate(g.end[idx])
 
 
 def _busiest(a: np.ndarray, b: np.ndarray, dur: np.ndarray, k: int) -> list[tuple[int, int]]:
