@@ -169,11 +169,9 @@ def _split_idle(trace: RankTrace, idle: iv.Intervals) -> tuple[iv.Intervals, iv.
     gs, ge = idle
     if gs.size == 0 or not len(trace.host):
         return idle, iv.EMPTY
-    g = trace.gpu
-    act = device_op_mask(trace).nonzero()[0]
-    order = act[g.ts[act].argsort(kind="stable")]
+    order, order_ts = trace.memo("diagnose.device_ops_by_start", lambda: _device_ops_by_start(trace))
     launcher = launching_call(trace)
-    k = g.ts[order].searchsorted(ge, side="left")  # the first GPU op starting at/after the gap's end
+    k = order_ts.searchsorted(ge, side="left")  # the first GPU op starting at/after the gap's end
     host_wait = np.ones(gs.size, dtype=np.bool_)
     has_next = k < order.size
     nxt = order[k[has_next]]
@@ -181,6 +179,14 @@ def _split_idle(trace: RankTrace, idle: iv.Intervals) -> tuple[iv.Intervals, iv.
     issued = np.where(li >= 0, trace.host.ts[np.maximum(li, 0)], INT64_MIN)
     host_wait[has_next] = issued >= gs[has_next]
     return (gs[host_wait], ge[host_wait]), (gs[~host_wait], ge[~host_wait])
+
+
+def _device_ops_by_start(trace: RankTrace) -> tuple[np.ndarray, np.ndarray]:
+    """Device ops in start order, with their starts (cached: the accounting and each drawn step ask)."""
+    g = trace.gpu
+    act = device_op_mask(trace).nonzero()[0]
+    order = act[g.ts[act].argsort(kind="stable")]
+    return order, g.ts[order]
 
 
 def _account_cpu(
