@@ -80,7 +80,7 @@ def analyze_stored(
     ``aws_env`` is the worker's ``AWS_*`` environment: the child descends from a forkserver
     started earlier, whose environment may predate the worker's.
     """
-    from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION, parse, pipeline
+    from stepdoctor_analysis import contract, parse, pipeline
 
     if aws_env is not None:
         for name in [n for n in os.environ if n.startswith("AWS_")]:
@@ -93,14 +93,14 @@ def analyze_stored(
     # The run metadata (loader settings, world size, host RAM) lets recommendations name exact values.
     host_memory = pipeline._host_memory(metadata)
     report = pipeline.analyze_trace(trace, metadata=metadata or None, host_memory=host_memory).to_dict()
+    # Stored as the engine wrote it, once it decoded as the contract: readers decode it typed too.
+    doc = contract.decode(report)
     duration_ms = int((time.perf_counter() - start) * 1000)
-    primary = report.get("primary") or {}
-    share = primary.get("share")
     return AnalysisResult(
-        engine_version=str(report.get("engine_version") or ENGINE_VERSION),
-        schema_version=int(report.get("schema_version") or SCHEMA_VERSION),
-        primary_kind=primary.get("kind"),
-        primary_share=float(share) if isinstance(share, int | float) else None,
+        engine_version=doc.engine_version,
+        schema_version=doc.schema_version,
+        primary_kind=doc.primary.kind,
+        primary_share=doc.primary.share,
         report=report,
         duration_ms=duration_ms,
     )
