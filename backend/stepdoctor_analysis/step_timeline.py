@@ -287,7 +287,8 @@ def _merge_close(
     firsts = new.nonzero()[0]
     g_start = s[firsts]
     g_end = np.maximum.reduceat(e, firsts)
-    longest = np.lexsort((-d, group))  # by group, longest first
+    # Each group's label: its first member of the group's greatest duration (groups are runs).
+    longest = (d == np.maximum.reduceat(d, firsts)[group]).nonzero()[0]
     first_of_group = np.ones(longest.size, np.bool_)
     first_of_group[1:] = group[longest][1:] != group[longest][:-1]
     g_label = labels[longest[first_of_group]]
