@@ -219,7 +219,8 @@ def message_bytes(trace: RankTrace) -> I64:
 def _recorded_bytes(trace: RankTrace, starts: I64, ends: I64) -> dict[str, tuple[int, int, int]]:
     """Per recorded type, over the steps: (calls, calls with a known size, their total bytes)."""
     codes = recorded_types(trace)
-    ops = np.flatnonzero((codes >= 0) & tl.in_windows(trace.host.ts, starts, ends))
+    ops = np.flatnonzero(codes >= 0)
+    ops = ops[tl.in_windows(trace.host.ts[ops], starts, ends)]
     size = message_bytes(trace)[ops]
     out = {}
     for c in np.unique(codes[ops]).tolist():

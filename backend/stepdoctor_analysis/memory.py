@@ -101,9 +101,11 @@ def analyze_memory(trace: RankTrace, steps: list[Step], *, host_memory: int = 0)
     steady = calls
     if len(h) and steps:
         api = tl.host_name_mask(trace, _ALLOC_API_RE, "alloc_api", HostKind.RUNTIME, HostKind.DRIVER)
-        calls = api & tl.in_windows(h.ts, starts, ends)
-        if len(steps) > 1:
-            steady = api & tl.in_windows(h.ts, starts[1:], ends[1:])
+        calls = api & tl.host_in_steps(trace, steps)
+        if len(steps) > 1:  # only the API calls' times are looked up, not every host event's
+            at = api.nonzero()[0]
+            steady = np.zeros(len(h), dtype=np.bool_)
+            steady[at] = tl.in_windows(h.ts[at], starts[1:], ends[1:])
     steady_steps = max(1, len(steps) - 1)
     per_step = int(np.count_nonzero(calls)) / n
     steady_per_step = int(np.count_nonzero(steady)) / steady_steps
