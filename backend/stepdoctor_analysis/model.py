@@ -90,7 +90,9 @@ class HostEvents:
     out_nelems: I64  # "Out msg nelems"
     collective: I32  # "Collective name" ("allreduce", "_allgather_base", ...): index into strings
     msg_dtype: I32  # "dtype" of the message ("Float", "BFloat16", ...): index into strings
-    input_dtype: I32  # record_shapes: the op's first floating "Input type" ("c10::BFloat16"): strings index
+    input_dtype: (
+        I32  # record_shapes: a matmul-class op's first floating "Input type" ("c10::BFloat16"): strings index
+    )
 
     def __len__(self) -> int:
         return int(self.ts.shape[0])

@@ -24,6 +24,7 @@ import numpy as np
 
 from . import intervals as iv
 from .model import I8, NONE, DeviceInfo, GpuKind, HostKind, RankTrace
+from .parsing.schema import MATMUL_OPS
 from .steps import launching_call
 
 # Kernels doing matmul-class arithmetic, where precision decides speed (substrings of the
@@ -79,12 +80,9 @@ PRECISIONS = ("fp8", "int8", "bf16", "fp16", "tf32", "fp64", "fp32", "unknown")
 _CODE = {p: i for i, p in enumerate(PRECISIONS)}
 _TF32, _FP32, _UNKNOWN = _CODE["tf32"], _CODE["fp32"], _CODE["unknown"]
 
-# Host ops doing matmul-class work, whose input dtype is the precision of the kernels they launch.
-_MATMUL_OP_RE = re.compile(
-    r"^aten::(?:mm|addmm|bmm|baddbmm|addbmm|matmul|linear|_addmm_activation|_scaled_mm|"
-    r"(?:cudnn_|miopen_|mkldnn_|_)?conv\w*|(?:_|cudnn_|miopen_)?convolution\w*|"
-    r"_?scaled_dot_product\w*|_flash_attention\w*|_efficient_attention\w*)$"
-)
+# Host ops doing matmul-class work, whose input dtype is the precision of the kernels they launch
+# (the parser reads ``Input type`` on these ops only).
+_MATMUL_OP_RE = re.compile(MATMUL_OPS)
 
 
 def op_dtype_precision(dtype: str) -> str | None:

@@ -113,6 +113,13 @@ class Arg:
 
 # Host ops that carry a collective's args (``record_param_comms``; c10d and backend ranges in some builds).
 COMM_OPS = r"^(?:record_param_comms|c10d::|_?c10d_functional::|(?:nccl|rccl|gloo|xccl):)"
+# Host ops doing matmul-class work: the ops whose input dtype is the precision of the kernels they
+# launch (``precision.kernel_op_precision``), and so the only ops whose ``Input type`` is read.
+MATMUL_OPS = (
+    r"^aten::(?:mm|addmm|bmm|baddbmm|addbmm|matmul|linear|_addmm_activation|_scaled_mm|"
+    r"(?:cudnn_|miopen_|mkldnn_|_)?conv\w*|(?:_|cudnn_|miopen_)?convolution\w*|"
+    r"_?scaled_dot_product\w*|_flash_attention\w*|_efficient_attention\w*)$"
+)
 
 ARGS: tuple[Arg, ...] = (
     #   attribute             JSON key                       dtype  column(s) it fills
@@ -137,8 +144,8 @@ ARGS: tuple[Arg, ...] = (
     Arg("out_nelems",         "Out msg nelems",              "i8",  host="out_nelems", on_names=COMM_OPS),
     Arg("collective",         "Collective name",             "i4",  host="collective", text="value", on_names=COMM_OPS),
     Arg("msg_dtype",          "dtype",                       "i4",  host="msg_dtype", text="value", on_names=COMM_OPS),
-    # record_shapes (#9): the dtype of an op's first floating input; the list itself is not kept.
-    Arg("input_types",        "Input type",                  "i4",  host="input_dtype", text="first_float", on_kind=int(HostKind.CPU_OP)),
+    # record_shapes (#9): the dtype of a matmul-class op's first floating input; the list is not kept.
+    Arg("input_types",        "Input type",                  "i4",  host="input_dtype", text="first_float", on_names=MATMUL_OPS),
 )  # fmt: skip
 
 # Floating dtypes as ``Input type`` spells them ("float", "c10::BFloat16", "c10::Half", "float8_e4m3fn").
