@@ -184,22 +184,12 @@ def _inference_graphs(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
 
 
 def _inference_cpu_overhead(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
+    from .rules import overhead_hit  # rules.py imports this module: resolve at call time
+
     w = ctx.workload
     if ctx.has_gpu or w is None or not w.inference:
         return None
-    o = ctx.ops
-    evidence = {
-        "overhead_us_per_step": _us(ctx.ns("launch")),
-        "ops_per_step": round(o.ops_per_step, 1),
-        "median_op_us": _us(o.median_op_ns),
-    }
-    conf = (
-        0.85
-        if o.median_op_ns < lim["small_median_op_ns"] and o.ops_per_step >= lim["many_ops_per_step"]
-        else 0.5
-    )
-    params = {"ops": o.ops_per_step, "median_us": o.median_op_ns / 1e3}
-    return _hit(ctx.share("launch"), ctx.ns("launch"), evidence, params, conf)
+    return overhead_hit(ctx, lim, 0.5)
 
 
 def _inference_sync(ctx: Context, lim: Mapping[str, float]) -> Hit | None:

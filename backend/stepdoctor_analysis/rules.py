@@ -244,23 +244,24 @@ def _gpu_launch(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     return Hit(ctx.share("launch"), ctx.ns("launch"), evidence, params)
 
 
-def _cpu_overhead(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
-    if ctx.has_gpu:
-        return None
+def overhead_hit(ctx: Context, lim: Mapping[str, float], weak_confidence: float) -> Hit:
+    """CPU dispatch overhead (training or inference): confident only for many tiny ops, not a few
+    big non-matmul ops, so a small median op is required."""
     o = ctx.ops
     evidence = {
         "overhead_us_per_step": _us(ctx.ns("launch")),
         "ops_per_step": round(o.ops_per_step, 1),
         "median_op_us": _us(o.median_op_ns),
     }
-    # Overhead from many tiny ops, not a few big non-matmul ops: require a small median op.
-    conf = (
-        0.85
-        if o.median_op_ns < lim["small_median_op_ns"] and o.ops_per_step >= lim["many_ops_per_step"]
-        else 0.45
-    )
+    many_tiny = o.median_op_ns < lim["small_median_op_ns"] and o.ops_per_step >= lim["many_ops_per_step"]
     params = {"ops": o.ops_per_step, "median_us": o.median_op_ns / 1e3}
-    return Hit(ctx.share("launch"), ctx.ns("launch"), evidence, params, conf)
+    return Hit(
+        ctx.share("launch"), ctx.ns("launch"), evidence, params, 0.85 if many_tiny else weak_confidence
+    )
+
+
+def _cpu_overhead(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
+    return None if ctx.has_gpu else overhead_hit(ctx, lim, 0.45)
 
 
 def _cpu_memory(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
