@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from stepdoctor_server.app import create_app
 from stepdoctor_server.settings import Settings
+from support.dashboard import launch_chromium
 from support.server import serve_subprocess
 
 
@@ -55,15 +56,7 @@ def test_docs_render_in_chromium_with_no_request_leaving_the_server(tmp_path: Pa
     with serve_subprocess(env) as server:
         outside: list[str] = []
         with playwright.sync_playwright() as pw:
-            browser = pw.chromium.launch(
-                executable_path="/usr/bin/chromium",
-                args=[
-                    "--no-sandbox",
-                    "--disable-gpu",
-                    "--disable-background-networking",
-                    "--disable-component-update",
-                ],
-            )
+            browser = launch_chromium(pw)
             page = browser.new_page()
             # blob: URLs of the page's own origin (ReDoc's web worker) never touch the network.
             local = (server.url, f"blob:{server.url}/", "data:")

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +11,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from stepdoctor_dashboard import figures
+from support.dashboard import launch_chromium, page_plots
 from support.reports import steps, typed
-from support.server import FIXTURE_TRACES, drain, serve_subprocess, upload
+from support.server import FIXTURE_TRACES, cli_token, drain, serve_subprocess, upload
 
 # A trace with a clear verdict (host synchronisation) and one with almost nothing in it.
 BASE = (
@@ -119,7 +117,7 @@ def test_run_trace_and_compare_pages(app: FastAPI, analysed_runs: dict[str, Any]
         assert f">{kind}</strong>:" in page.text.split('id="verdict"', 1)[1]
         first = api_run["diagnosis"]["recommendations"][0]["title"]
         assert "Next optimization" in page.text and first.split()[0] in page.text
-        plots = _plots(page.text)
+        plots = page_plots(page.text)
         assert "plot-breakdown" in plots
         shown = {t["name"]: t["x"][0] for t in plots["plot-breakdown"]["data"]}
         for category, us in api_run["diagnosis"]["breakdown"].items():
@@ -159,15 +157,6 @@ def test_names_are_escaped(client: TestClient, app: FastAPI, read_token: str) ->
         assert "&lt;script&gt;" in page.text
 
 
-def _plots(html: str) -> dict[str, Any]:
-    out = {}
-    marker = 'type="application/json" data-plot="'
-    for chunk in html.split(marker)[1:]:
-        name, rest = chunk.split('">', 1)
-        out[name] = json.loads(rest.split("</script>", 1)[0])
-    return out
-
-
 # -- a real browser ------------------------------------------------------------------------------
 
 
@@ -178,7 +167,7 @@ def test_dashboard_in_chromium(tmp_path: Path) -> None:
     env = {"STEPDOCTOR_DATA_DIR": str(tmp_path / "data"), "STEPDOCTOR_WORKERS": "1"}
     env.pop("STEPDOCTOR_DATABASE_URL", None)
     with serve_subprocess({**env, "STEPDOCTOR_DATABASE_URL": ""}) as server:
-        token = _cli_token(env, "admin")
+        token = cli_token(env, "admin")
         with httpx.Client(base_url=server.url, timeout=30) as api:
             resp = upload(api, BASE.read_bytes(), token=token, project="vision", run="before")
             assert resp.status_code == 201, resp.text
@@ -186,15 +175,7 @@ def test_dashboard_in_chromium(tmp_path: Path) -> None:
             _wait_done(api, token, trace_id)
         outside: list[str] = []
         with playwright.sync_playwright() as pw:
-            browser = pw.chromium.launch(
-                executable_path="/usr/bin/chromium",
-                args=[
-                    "--no-sandbox",
-                    "--disable-gpu",
-                    "--disable-background-networking",
-                    "--disable-component-update",
-                ],
-            )
+            browser = launch_chromium(pw)
             page = browser.new_page()
             page.on("request", lambda r: None if r.url.startswith(server.url) else outside.append(r.url))
             page.goto(f"{server.url}/runs/{run_id}")
@@ -210,18 +191,6 @@ def test_dashboard_in_chromium(tmp_path: Path) -> None:
             browser.close()
         assert not outside, f"the dashboard fetched from outside the server: {outside}"
         assert (tmp_path / "run.png").stat().st_size > 10_000
-
-
-def _cli_token(env: dict[str, str], scope: str) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "stepdoctor", "token", "create", "--team", "default", "--scope", scope],
-        env={**__import__("os").environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return out.stdout.strip().splitlines()[-1]
 
 
 def _wait_done(api: httpx.Client, token: str, trace_id: int, timeout: float = 120.0) -> None:
@@ -250,7 +219,7 @@ def test_trace_page_draws_the_memory_curve(
     with TestClient(app) as browser:
         _login(browser, read_token)
         page = browser.get(f"/traces/{trace_id}")
-    plots = _plots(page.text)
+    plots = page_plots(page.text)
     assert {"plot-breakdown", "plot-steps", "plot-memory"} <= set(plots)
     allocated = next(t for t in plots["plot-memory"]["data"] if t["name"].endswith("allocated"))
     # The builder's peak total is 90% of an A100's memory; the figure is in MiB.

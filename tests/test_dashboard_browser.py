@@ -19,26 +19,15 @@ from sqlalchemy.orm import Session
 
 from stepdoctor_analysis import parse, steps
 from stepdoctor_server.models import Project, Run, Team
+from support.dashboard import launch_chromium
 from support.fixtures import HTA_TRACES
-from support.server import drain, serve_subprocess, upload
+from support.server import cli_token, drain, serve_subprocess, upload
 
 TWO_STEPS = HTA_TRACES / "trace_filter" / "sampled_rank-0.json.gz"
 FAST = HTA_TRACES / "trace_compare" / "test" / "test.json.gz"
 NO_MARKERS = HTA_TRACES / "critical_path" / "simple_add" / "benchmark_result_493459_1694039959_trace.json.gz"
 KIND_COLOURS = {"rgb(238, 202, 59)", "rgb(245, 133, 24)", "rgb(84, 162, 75)", "rgb(228, 87, 86)",
                 "rgb(157, 117, 93)", "rgb(114, 183, 178)", "rgb(76, 120, 168)", "rgb(186, 176, 172)"}  # fmt: skip
-
-
-def _token(env: dict[str, str]) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "stepdoctor", "token", "create", "--team", "default", "--scope", "admin"],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return out.stdout.strip().splitlines()[-1]
 
 
 def _analyse(data_dir: Path) -> None:
@@ -88,7 +77,7 @@ def test_dashboard_pages_in_chromium(tmp_path: Path) -> None:
         timeout=120,
     )
     with serve_subprocess(env) as server:
-        token = _token(env)
+        token = cli_token(env, "admin")
         with httpx.Client(base_url=server.url, timeout=60) as api:
             slow = upload(api, TWO_STEPS.read_bytes(), token=token, project="vision", run="slow").json()
             fast = upload(api, FAST.read_bytes(), token=token, project="vision", run="fast").json()
@@ -102,15 +91,7 @@ def test_dashboard_pages_in_chromium(tmp_path: Path) -> None:
         pid = _thousand_runs(tmp_path / "data" / "stepdoctor.sqlite3")
         outside: list[str] = []
         with playwright.sync_playwright() as pw:
-            browser = pw.chromium.launch(
-                executable_path="/usr/bin/chromium",
-                args=[
-                    "--no-sandbox",
-                    "--disable-gpu",
-                    "--disable-background-networking",
-                    "--disable-component-update",
-                ],
-            )
+            browser = launch_chromium(pw)
             page = browser.new_page(viewport={"width": 1280, "height": 900}, accept_downloads=True)
             page.on("request", lambda r: None if r.url.startswith(server.url) else outside.append(r.url))
 

@@ -3,40 +3,28 @@
 from __future__ import annotations
 
 import gzip
-import json
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from stepdoctor_analysis import parse, steps
+from stepdoctor_analysis import BOTTLENECK_KINDS, parse, steps
 from stepdoctor_server.models import Project, Run
+from support.dashboard import page_plots
 from support.fixtures import HTA_TRACES
-from support.server import drain, upload
+from support.server import drain, logged_in, upload
 
 SIMPLE_ADD = HTA_TRACES / "critical_path" / "simple_add" / "benchmark_result_493459_1694039959_trace.json.gz"
 TWO_STEPS = HTA_TRACES / "trace_filter" / "sampled_rank-0.json.gz"
 FAST = HTA_TRACES / "trace_compare" / "test" / "test.json.gz"
 
 
-def _browser(app: FastAPI, token: str) -> TestClient:
-    client = TestClient(app)
-    resp = client.post(
-        "/login",
-        content=f"token={token}&next=/",
-        headers={"Content-Type": "application/x-www-form-urlencoded"},
-        follow_redirects=False,
-    )
-    assert resp.status_code == 303
-    return client
-
-
 def test_run_page_verdict_facts_tables_and_steps(client: TestClient, app: FastAPI, read_token: str) -> None:
     made = upload(client, TWO_STEPS.read_bytes(), project="p", run="r").json()
     drain(app)
     api = client.get(f"/api/v1/runs/{made['run_id']}").json()["diagnosis"]
-    with _browser(app, read_token) as browser:
+    with logged_in(app, read_token) as browser:
         page = browser.get(f"/runs/{made['run_id']}").text
     verdict = page.split('id="verdict"', 1)[1].split("</div>\n</div>", 1)[0]
     assert f">{api['primary']['kind']}</strong>:" in verdict
@@ -52,22 +40,13 @@ def test_trace_page_draws_one_step_and_offers_a_step_download(
 ) -> None:
     made = upload(client, TWO_STEPS.read_bytes(), project="p", run="r").json()
     drain(app)
-    with _browser(app, read_token) as browser:
+    with logged_in(app, read_token) as browser:
         page = browser.get(f"/traces/{made['id']}?step=552").text
         assert 'id="trim-form"' in page
-        plots = _plots(page)
+        plots = page_plots(page)
         step = plots["plot-step"]
         charged = {t["name"] for t in step["data"] if t.get("showlegend") is not False}
-        assert charged and charged <= {
-            "input",
-            "transfer",
-            "launch",
-            "memory",
-            "sync",
-            "communication",
-            "compute",
-            "other",
-        }
+        assert charged and charged <= {*BOTTLENECK_KINDS, "other"}
         assert "Step 552" in step["layout"]["title"]["text"]
         cut = browser.get(f"/traces/{made['id']}/download?steps=552")
         assert cut.status_code == 200
@@ -92,7 +71,7 @@ def test_warnings_and_a_failed_trace_reason_are_shown(
         client, gzip.compress(b'{"traceEvents": [{"ph": "X"}]}'), project="p", run="broken"
     ).json()
     drain(app)
-    with _browser(app, read_token) as browser:
+    with logged_in(app, read_token) as browser:
         page = browser.get(f"/runs/{made['run_id']}").text
         assert 'id="warnings"' in page and "no ProfilerStep markers" in page
         failed = browser.get(f"/traces/{broken['id']}").text
@@ -105,13 +84,13 @@ def test_compare_reads_slower_with_a_factor_above_one(
     fast = upload(client, FAST.read_bytes(), project="p", run="fast").json()
     slow = upload(client, TWO_STEPS.read_bytes(), project="p", run="slow").json()
     drain(app)
-    with _browser(app, read_token) as browser:
+    with logged_in(app, read_token) as browser:
         page = browser.get(f"/compare?base={fast['run_id']}&other={slow['run_id']}").text
     factor = page.split('class="factor">', 1)[1].split("</strong>", 1)[0]
     number, word = factor.split("× ")
     assert word == "slower" and float(number) > 1.0
     assert 'id="kinds"' in page and "per step" in page
-    with _browser(app, read_token) as browser:
+    with logged_in(app, read_token) as browser:
         back = browser.get(f"/compare?base={slow['run_id']}&other={fast['run_id']}").text
     assert "faster</strong>" in back
     assert 'id="prediction"' in back and "Predicted vs measured" in back
@@ -138,7 +117,7 @@ def test_a_thousand_run_project_is_paged_searchable_and_filtered(
         )
         session.commit()
         pid = project.id
-    with _browser(app, read_token) as browser:
+    with logged_in(app, read_token) as browser:
         first = browser.get(f"/projects/{pid}").text
         assert "Runs 1–50 of 1,000" in first and "page 1 of 20" in first
         assert first.count('href="/runs/') == 50 and "run-0000" in first
@@ -154,7 +133,7 @@ def test_a_thousand_run_project_is_paged_searchable_and_filtered(
 def test_missing_pages_are_html_and_the_api_stays_json(
     client: TestClient, app: FastAPI, read_token: str
 ) -> None:
-    with _browser(app, read_token) as browser:
+    with logged_in(app, read_token) as browser:
         for path in ("/runs/999999", "/no/such/page", "/traces/424242"):
             resp = browser.get(path)
             assert resp.status_code == 404 and "<html" in resp.text and 'id="error"' in resp.text
@@ -165,7 +144,7 @@ def test_missing_pages_are_html_and_the_api_stays_json(
 def test_static_assets_are_versioned_gzip_and_immutable(app: FastAPI, read_token: str) -> None:
     import plotly
 
-    with _browser(app, read_token) as browser:
+    with logged_in(app, read_token) as browser:
         page = browser.get("/").text
         url = f"/static/v/{plotly.__version__}/plotly.min.js"
         assert url in page
@@ -178,27 +157,18 @@ def test_static_assets_are_versioned_gzip_and_immutable(app: FastAPI, read_token
         assert css.startswith("/static/v/") and browser.get(css).status_code == 200
 
 
-def _plots(html: str) -> dict[str, Any]:
-    out = {}
-    marker = 'type="application/json" data-plot="'
-    for chunk in html.split(marker)[1:]:
-        name, rest = chunk.split('">', 1)
-        out[name] = json.loads(rest.split("</script>", 1)[0])
-    return out
-
-
 def test_pending_pages_refresh_and_deep_analyses_need_hta(
     client: TestClient, app: FastAPI, read_token: str, admin_token: str, monkeypatch: Any
 ) -> None:
     made = upload(client, TWO_STEPS.read_bytes(), project="p", run="waiting").json()  # left pending
-    with _browser(app, read_token) as browser:
+    with logged_in(app, read_token) as browser:
         assert 'http-equiv="refresh"' in browser.get(f"/runs/{made['run_id']}").text
         assert 'http-equiv="refresh"' in browser.get(f"/traces/{made['id']}").text
     drain(app)
     from stepdoctor_analysis import deep
 
     monkeypatch.setattr(deep, "available", lambda: False)
-    with _browser(app, admin_token) as browser:
+    with logged_in(app, admin_token) as browser:
         page = browser.get(f"/traces/{made['id']}").text
         assert 'http-equiv="refresh"' not in page
         assert "critical-path" not in page  # not offered where the server cannot run it
@@ -212,7 +182,7 @@ def test_compare_warns_when_the_setups_differ(client: TestClient, app: FastAPI, 
     base = upload(client, TWO_STEPS.read_bytes(), project="p", run="a100", metadata=a100).json()
     other = upload(client, FAST.read_bytes(), project="p", run="h100", metadata=h100).json()
     drain(app)
-    with _browser(app, read_token) as browser:
+    with logged_in(app, read_token) as browser:
         page = browser.get(f"/compare?base={base['run_id']}&other={other['run_id']}").text
     assert "differ in devices: NVIDIA A100 vs NVIDIA H100" in page
     assert "differ in batch size: 32 vs 64" in page
@@ -239,7 +209,7 @@ def test_a_report_that_does_not_decode_is_shown_as_re_analysing(
         analysis.report = old
     api_before = client.get(f"/api/v1/traces/{made['id']}/report").json()["report"]
     assert api_before["tables"] == {"ops": "not rows"}  # the API returns the stored JSON as it is
-    with _browser(app, read_token) as browser:
+    with logged_in(app, read_token) as browser:
         trace_page = browser.get(f"/traces/{made['id']}")
         run_page = browser.get(f"/runs/{made['run_id']}")
         assert trace_page.status_code == 200 and run_page.status_code == 200

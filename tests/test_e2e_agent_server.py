@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from stepdoctor_analysis import BOTTLENECK_KINDS
-from support.server import serve_subprocess
+from support.server import cli_token, serve_subprocess
 
 pytestmark = pytest.mark.slow
 
@@ -39,18 +39,6 @@ def _train(env: dict[str, str], run: str, *extra: str) -> subprocess.CompletedPr
     cmd = [sys.executable, "-m", "stepdoctor.demo_train", "--run", run, "--steps", "14", "--skip-first", "3"]
     cmd += ["--warmup", "1", "--active", "2", "--repeat", "2", "--sample-ms", "2", *extra]
     return subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
-
-
-def _token(env: dict[str, str], scope: str) -> str:
-    out = subprocess.run(
-        [sys.executable, "-m", "stepdoctor", "token", "create", "--team", "default", "--scope", scope],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return out.stdout.strip().splitlines()[-1]
 
 
 def _wait_analysed(
@@ -100,7 +88,7 @@ def test_agent_uploads_are_analysed_and_download_byte_identical(tmp_path: Path) 
         assert "traceEvents" in json.loads(gzip.decompress(path.read_bytes()))
 
     with serve_subprocess(server_env) as server:
-        upload_token, read_token = _token(server_env, "upload"), _token(server_env, "read")
+        upload_token, read_token = cli_token(server_env, "upload"), cli_token(server_env, "read")
         sync = subprocess.run(
             [
                 sys.executable,

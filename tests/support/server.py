@@ -367,3 +367,16 @@ def logged_in(app: FastAPI, token: str) -> TestClient:
     )
     assert resp.status_code == 303, resp.text
     return client
+
+
+def cli_token(env: Mapping[str, str], scope: str) -> str:
+    """An API token of the default team minted by the real CLI against the server's database in ``env``."""
+    out = subprocess.run(
+        [sys.executable, "-m", "stepdoctor", "token", "create", "--team", "default", "--scope", scope],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return out.stdout.strip().splitlines()[-1]
