@@ -268,19 +268,8 @@ def _kernel_types(
         union = iv.union(g.ts[sel], g.end[sel])
         total = tl.per_step(union, starts, ends)
         hidden = tl.per_step(iv.intersect(union, compute), starts, ends)
-        ids, top = _top_ids(g.name[sel], g.dur[sel])
-        names = [trace.strings[i] for i in ids]
-        out.append(
-            CollectiveStat(
-                type=kind,
-                calls_per_step=int(np.count_nonzero(in_steps[types == kind])) / n,
-                time_ns_per_step=tl.mean_or_zero(total),
-                exposed_ns_per_step=tl.mean_or_zero(total - hidden),
-                overlapped_ns_per_step=tl.mean_or_zero(hidden),
-                libraries=sorted({library(s) for s in set(names)}),
-                top=[trace.strings[i] for i in top],
-            )
-        )
+        calls_per_step = int(np.count_nonzero(in_steps[types == kind])) / n
+        out.append(_stat(trace, kind, calls_per_step, total, hidden, g.name[sel], g.dur[sel]))
     recorded = _recorded_bytes(trace, starts, ends)
     out = [_with_bytes(c, recorded, n) for c in out]
     return sorted(out, key=lambda c: (-c.exposed_ns_per_step, -c.time_ns_per_step, c.type))
@@ -305,22 +294,33 @@ def _host_types(trace: RankTrace, calls: Mask, starts: I64, ends: I64) -> list[C
     for kind in sorted(set(kinds.tolist())):
         sel = idx[kinds == kind]
         total = tl.per_step(iv.union(h.ts[sel], h.end[sel]), starts, ends)
-        ids, top = _top_ids(h.name[sel], h.dur[sel])
-        names = [trace.strings[i] for i in ids]
-        out.append(
-            CollectiveStat(
-                type=kind,
-                calls_per_step=int(np.count_nonzero(counted[kinds == kind])) / n,
-                time_ns_per_step=tl.mean_or_zero(total),
-                exposed_ns_per_step=tl.mean_or_zero(total),
-                overlapped_ns_per_step=0.0,
-                libraries=sorted({library(s) for s in set(names)}),
-                top=[trace.strings[i] for i in top],
-            )
-        )
+        calls_per_step = int(np.count_nonzero(counted[kinds == kind])) / n
+        out.append(_stat(trace, kind, calls_per_step, total, None, h.name[sel], h.dur[sel]))
     recorded = _recorded_bytes(trace, starts, ends)
     out = [_with_bytes(c, recorded, n, timed=not _DEVICE_LIBRARIES & set(c.libraries)) for c in out]
     return sorted(out, key=lambda c: (-c.exposed_ns_per_step, c.type))
+
+
+def _stat(
+    trace: RankTrace,
+    kind: str,
+    calls_per_step: float,
+    total: I64,
+    hidden: I64 | None,
+    names: np.ndarray,
+    durs: np.ndarray,
+) -> CollectiveStat:
+    """One collective type's stat from its per-step time; ``hidden`` None: nothing overlaps it (host)."""
+    ids, top = _top_ids(names, durs)
+    return CollectiveStat(
+        type=kind,
+        calls_per_step=calls_per_step,
+        time_ns_per_step=tl.mean_or_zero(total),
+        exposed_ns_per_step=tl.mean_or_zero(total if hidden is None else total - hidden),
+        overlapped_ns_per_step=0.0 if hidden is None else tl.mean_or_zero(hidden),
+        libraries=sorted({library(trace.strings[i]) for i in set(ids)}),
+        top=[trace.strings[i] for i in top],
+    )
 
 
 def _outermost(trace: RankTrace, ops: I64) -> Mask:
