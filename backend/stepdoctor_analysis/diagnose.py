@@ -56,20 +56,24 @@ SMALL_OP_NS = 20_000  # CPU ops shorter than this are overhead, whatever they co
 BIG_OP_NS = 50_000  # other CPU ops at least this long do real arithmetic (elementwise, reductions)
 
 
-def account(
-    trace: RankTrace,
-    steps: list[Step],
-    inputs: InputStats,
-    sync: SyncStats,
-    memory: MemoryStats,
-    comm_host: bool,
-) -> Accounting:
+@dataclass(frozen=True)
+class Evidence:
+    """What step time is charged by: ``account`` and the drawn step (``step_timeline``) take the
+    same one, so the picture partitions time exactly as the numbers do."""
+
+    inputs: InputStats
+    sync: SyncStats
+    memory: MemoryStats
+    comm_host: bool  # host (gloo) collectives recorded: a CPU step charges them to communication
+
+
+def account(trace: RankTrace, steps: list[Step], ev: Evidence) -> Accounting:
     starts, ends = tl.step_windows(steps)
     step_ns = (ends - starts).astype(np.int64)
     if uses_gpu_timeline(trace, steps):
-        kinds = _account_gpu(trace, starts, ends, inputs, sync, memory)
+        kinds = _account_gpu(trace, starts, ends, ev.inputs, ev.sync, ev.memory)
     else:
-        kinds = _account_cpu(trace, starts, ends, inputs, comm_host)
+        kinds = _account_cpu(trace, starts, ends, ev.inputs, ev.comm_host)
     for k in (*KINDS, "other"):
         if k not in kinds:
             kinds[k] = np.zeros(len(steps), dtype=np.int64)

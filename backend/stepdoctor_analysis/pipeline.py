@@ -75,9 +75,8 @@ def analyze_trace(
     sync = analyze_sync(trace, step_list)
     memory = analyze_memory(trace, step_list, host_memory=host_memory)
     comm = analyze_comm(trace, step_list)
-    acc = diagnose.account(
-        trace, step_list, inputs, sync, memory, comm_host=comm.host_collective_ns_per_step > 0
-    )
+    evidence = diagnose.Evidence(inputs, sync, memory, comm_host=comm.host_collective_ns_per_step > 0)
+    acc = diagnose.account(trace, step_list, evidence)
     ctx = Context(
         has_gpu=bool(trace.has_gpu and len(trace.gpu)),
         device=trace.devices[0] if trace.devices else None,
@@ -128,11 +127,7 @@ def analyze_trace(
         iterations=_iterations(iters, step_list),
         limiter=dx.limiter,
         tables=plain(tables.build_tables(trace, step_list)),
-        timeline=plain(
-            step_timeline.build_timeline(
-                trace, step_list, inputs, sync, memory, comm_host=comm.host_collective_ns_per_step > 0
-            )
-        ),
+        timeline=plain(step_timeline.build_timeline(trace, step_list, evidence)),
     )
 
 

@@ -25,9 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import intervals as iv
-from .diagnose import charge_idle, cpu_layers, gpu_busy_layers, uses_gpu_timeline
-from .inputs import InputStats
-from .memory import MemoryStats
+from .diagnose import Evidence, charge_idle, cpu_layers, gpu_busy_layers, uses_gpu_timeline
 from .model import GpuKind, HostKind, RankTrace, Step
 from .steps import step_marker_mask
 from .sync import SyncStats
@@ -54,26 +52,19 @@ def representative_steps(steps: list[Step]) -> list[tuple[Step, str]]:
     return [(steps[i], chosen[i]) for i in sorted(chosen)[:MAX_STEPS]]
 
 
-def build_timeline(
-    trace: RankTrace,
-    steps: list[Step],
-    inputs: InputStats,
-    sync: SyncStats,
-    memory: MemoryStats,
-    comm_host: bool,
-) -> dict[str, Any]:
+def build_timeline(trace: RankTrace, steps: list[Step], ev: Evidence) -> dict[str, Any]:
     """Lanes of the representative steps (see the module docstring)."""
     names: dict[str, int] = {}
     on_gpu = uses_gpu_timeline(trace, steps)
     layers = (
-        list(gpu_busy_layers(trace, inputs, memory).items())
+        list(gpu_busy_layers(trace, ev.inputs, ev.memory).items())
         if on_gpu
-        else cpu_layers(trace, inputs, comm_host)
+        else cpu_layers(trace, ev.inputs, ev.comm_host)
     )
     out = []
     for step, why in representative_steps(steps):
         lanes = _host_lanes(trace, step, names) + _gpu_lanes(trace, step, names)
-        lanes.append(_charged_lane(trace, step, layers, sync, on_gpu))
+        lanes.append(_charged_lane(trace, step, layers, ev.sync, on_gpu))
         out.append(
             {
                 "number": step.number,
