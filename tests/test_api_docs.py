@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +11,7 @@ from fastapi.testclient import TestClient
 from stepdoctor_server.app import create_app
 from stepdoctor_server.settings import Settings
 from support.dashboard import launch_chromium
-from support.server import serve_subprocess
+from support.server import migrated_sqlite_env, serve_subprocess
 
 
 def test_docs_pages_reference_only_this_server(tmp_path: Path) -> None:
@@ -41,18 +38,7 @@ def test_docs_render_in_chromium_with_no_request_leaving_the_server(tmp_path: Pa
     playwright = pytest.importorskip("playwright.sync_api")
     if not Path("/usr/bin/chromium").exists():
         pytest.skip("Debian chromium not installed (make system-deps)")
-    env = {
-        "STEPDOCTOR_DATA_DIR": str(tmp_path / "data"),
-        "STEPDOCTOR_DATABASE_URL": "",
-        "STEPDOCTOR_WORKERS": "0",
-    }
-    subprocess.run(
-        [sys.executable, "-m", "stepdoctor", "db", "upgrade"],
-        env={**os.environ, **env},
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    env = migrated_sqlite_env(tmp_path / "data")
     with serve_subprocess(env) as server:
         outside: list[str] = []
         with playwright.sync_playwright() as pw:

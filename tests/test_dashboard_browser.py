@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import gzip
 import os
-import subprocess
-import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -21,7 +19,7 @@ from stepdoctor_analysis import parse, steps
 from stepdoctor_server.models import Project, Run, Team
 from support.dashboard import launch_chromium
 from support.fixtures import HTA_TRACES
-from support.server import cli_token, drain, serve_subprocess, upload
+from support.server import cli_token, drain, migrated_sqlite_env, serve_subprocess, upload
 
 TWO_STEPS = HTA_TRACES / "trace_filter" / "sampled_rank-0.json.gz"
 FAST = HTA_TRACES / "trace_compare" / "test" / "test.json.gz"
@@ -65,17 +63,7 @@ def test_dashboard_pages_in_chromium(tmp_path: Path) -> None:
     playwright = pytest.importorskip("playwright.sync_api")
     shots = Path(os.environ.get("STEPDOCTOR_SCREENSHOTS") or tmp_path / "shots")
     shots.mkdir(parents=True, exist_ok=True)
-    env = {
-        "STEPDOCTOR_DATA_DIR": str(tmp_path / "data"),
-        "STEPDOCTOR_WORKERS": "0",
-        "STEPDOCTOR_DATABASE_URL": "",
-    }
-    subprocess.run(
-        [sys.executable, "-m", "stepdoctor", "db", "upgrade"],
-        env={**os.environ, **env},
-        check=True,
-        timeout=120,
-    )
+    env = migrated_sqlite_env(tmp_path / "data")
     with serve_subprocess(env) as server:
         token = cli_token(env, "admin")
         with httpx.Client(base_url=server.url, timeout=60) as api:

@@ -380,3 +380,19 @@ def cli_token(env: Mapping[str, str], scope: str) -> str:
         check=True,
     )
     return out.stdout.strip().splitlines()[-1]
+
+
+def migrated_sqlite_env(data_dir: Path) -> dict[str, str]:
+    """Environment for ``serve_subprocess`` on a fresh SQLite database in ``data_dir`` (no workers),
+    migrated by the real CLI (``stepdoctor db upgrade``) as an operator would."""
+    env = {"STEPDOCTOR_DATA_DIR": str(data_dir), "STEPDOCTOR_DATABASE_URL": "", "STEPDOCTOR_WORKERS": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "stepdoctor", "db", "upgrade"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"stepdoctor db upgrade exited with {done.returncode}:\n{done.stderr}")
+    return env
