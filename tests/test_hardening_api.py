@@ -17,10 +17,10 @@ from sqlalchemy import select, text, update
 from sqlalchemy.exc import ProgrammingError
 
 from stepdoctor_server import cli
-from stepdoctor_server.models import Analysis, Token, Trace, utcnow
+from stepdoctor_server.models import Token, Trace, utcnow
 from stepdoctor_server.queue import REANALYSIS_PRIORITY, claim_row
 from stepdoctor_server.settings import get_settings
-from support.server import bearer, row_counts, store_files, synthetic_trace, upload
+from support.server import bearer, row_counts, store_analysis, store_files, synthetic_trace, upload
 
 BIG_IDS = (0, -1, 2**31, 2**31 + 5, 2**63 - 1, 2**63, 2**64)
 
@@ -208,22 +208,7 @@ def test_a_flooding_team_does_not_delay_another_teams_upload(
 def test_report_source_is_the_file_name_never_a_server_path(app: FastAPI, client: TestClient) -> None:
     trace = _uploaded(client)
     server_path = str(app.state.settings.traces_dir / "team1" / "2026-11" / "abc.json.gz")
-    with app.state.db.session() as session:
-        row = session.get(Trace, trace["id"])
-        assert row is not None
-        row.status = "done"
-        session.add(
-            Analysis(
-                trace_id=trace["id"],
-                engine_version="x",
-                schema_version=1,
-                primary_kind=None,
-                primary_share=None,
-                report={"source": server_path, "primary": {}},
-                duration_ms=1,
-            )
-        )
-        filename = row.filename
+    filename = store_analysis(app, trace["id"], {"source": server_path, "primary": {}}, engine_version="x")
     for path, pick in (
         (f"/api/v1/traces/{trace['id']}", lambda j: j["analysis"]["report"]),
         (f"/api/v1/traces/{trace['id']}/report", lambda j: j["report"]),

@@ -13,7 +13,14 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from stepdoctor_server.models import Project, Run, Trace
-from support.server import row_counts, small_trace_bytes, store_files, synthetic_trace, upload
+from support.server import (
+    row_counts,
+    small_trace_bytes,
+    store_analysis,
+    store_files,
+    synthetic_trace,
+    upload,
+)
 
 
 def _trace_row(app: FastAPI, trace_id: int) -> Trace:
@@ -144,29 +151,13 @@ def test_download_returns_original_bytes_with_viewer_filename(client: TestClient
 
 
 def test_trace_status_includes_analysis_when_done(app: FastAPI, client: TestClient) -> None:
-    from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
-    from stepdoctor_server.models import Analysis
-
     created = upload(client, synthetic_trace()).json()
     pending = client.get(f"/api/v1/traces/{created['id']}").json()
     assert pending["status"] == "pending" and pending["analysis"] is None
 
     report = {"schema_version": 1, "primary": {"kind": "input", "share": 0.6}}
-    with app.state.db.session() as session:
-        trace = session.get(Trace, created["id"])
-        assert trace is not None
-        trace.status = "done"
-        session.add(
-            Analysis(
-                trace_id=trace.id,
-                engine_version=ENGINE_VERSION,  # a current report (an older one would be redone)
-                schema_version=SCHEMA_VERSION,
-                primary_kind="input",
-                primary_share=0.6,
-                report=report,
-                duration_ms=5,
-            )
-        )
+    # The current engine's report (store_analysis's default): an older one would be redone.
+    store_analysis(app, created["id"], report, primary_kind="input", primary_share=0.6, duration_ms=5)
     done = client.get(f"/api/v1/traces/{created['id']}").json()
     assert done["status"] == "done"
     assert done["analysis"]["report"] == report and done["primary_kind"] == "input"

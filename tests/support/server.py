@@ -39,9 +39,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import delete, func, select
 
+from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
 from stepdoctor_server import auth, migrate
 from stepdoctor_server.app import create_app
-from stepdoctor_server.models import Base
+from stepdoctor_server.models import Analysis, Base, Trace
 from stepdoctor_server.settings import Settings
 from support.fixtures import TRACES
 
@@ -396,3 +397,33 @@ def migrated_sqlite_env(data_dir: Path) -> dict[str, str]:
     if done.returncode != 0:
         raise RuntimeError(f"stepdoctor db upgrade exited with {done.returncode}:\n{done.stderr}")
     return env
+
+
+def store_analysis(
+    app: FastAPI,
+    trace_id: int,
+    report: dict[str, Any],
+    *,
+    engine_version: str = ENGINE_VERSION,
+    primary_kind: str | None = None,
+    primary_share: float | None = None,
+    duration_ms: int = 1,
+) -> str:
+    """Mark a trace done with this stored report, as a worker does after the engine, without
+    running it; returns the trace's file name."""
+    with app.state.db.session() as session:
+        trace = session.get(Trace, trace_id)
+        assert trace is not None
+        trace.status = "done"
+        session.add(
+            Analysis(
+                trace_id=trace_id,
+                engine_version=engine_version,
+                schema_version=SCHEMA_VERSION,
+                primary_kind=primary_kind,
+                primary_share=primary_share,
+                report=report,
+                duration_ms=duration_ms,
+            )
+        )
+        return str(trace.filename)
