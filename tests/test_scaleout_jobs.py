@@ -219,31 +219,13 @@ def test_worker_metrics_expose_durations_failures_and_queue_depth(client: TestCl
 
 def test_worker_without_database_logs_the_outage_once(tmp_path: Path) -> None:
     """Unreachable PostgreSQL: backoff and one warning, not a traceback per poll."""
-    import signal
-    import subprocess
-    import sys
+    from support.server import worker_subprocess
 
-    from support.server import REPO_ROOT
-
-    env = {
-        **os.environ,
-        "STEPDOCTOR_DATABASE_URL": "postgresql+psycopg://postgres@127.0.0.1:1/nowhere",
-        "STEPDOCTOR_DATA_DIR": str(tmp_path),
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "stepdoctor", "worker", "-n", "1"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=str(REPO_ROOT),
-    )
-    try:
+    nowhere = "postgresql+psycopg://postgres@127.0.0.1:1/nowhere"
+    with worker_subprocess(nowhere, tmp_path, "-n", "1") as worker:
         time.sleep(6)  # several backoff rounds (0.5, 1, 2 s ...)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, out
+    out = worker.output
+    assert worker.process.returncode == 0, out
     assert out.count("database unreachable") == 1, out
     assert "Traceback" not in out and "psycopg.pool" not in out, out
 

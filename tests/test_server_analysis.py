@@ -29,7 +29,7 @@ from stepdoctor_server.models import Analysis, Trace
 from stepdoctor_server.queue import MAX_ATTEMPTS, SqlJobQueue
 from stepdoctor_server.settings import Settings
 from stepdoctor_server.worker import start_pool
-from support.server import FIXTURE_TRACES, drain, synthetic_trace, upload
+from support.server import FIXTURE_TRACES, drain, synthetic_trace, upload, worker_subprocess
 
 HTA = FIXTURE_TRACES / "hta"
 RANK0 = HTA / "trace_filter" / "sampled_rank-0.json.gz"
@@ -330,25 +330,11 @@ def test_worker_command_analyses_and_stops_on_sigint(
     client: TestClient, app: FastAPI, server_settings: Settings
 ) -> None:
     trace_id = _upload_file(client, RANK1, rank=1)
-    env = {
-        **os.environ,
-        "STEPDOCTOR_DATABASE_URL": server_settings.database_url.get_secret_value(),
-        "STEPDOCTOR_DATA_DIR": str(server_settings.data_dir),
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "stepdoctor", "worker", "--workers", "1"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
+    url = server_settings.database_url.get_secret_value()
+    with worker_subprocess(url, server_settings.data_dir, "--workers", "1") as worker:
         assert _wait_terminal(app, [trace_id]) == {trace_id: "done"}
-    finally:
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, out
-    assert "1 analysis process" in out
+    assert worker.process.returncode == 0, worker.output
+    assert "1 analysis process" in worker.output
 
 
 def test_missing_file_fails_the_job_and_the_queue_moves_on(client: TestClient, app: FastAPI) -> None:

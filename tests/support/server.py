@@ -21,6 +21,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -427,3 +428,31 @@ def store_analysis(
             )
         )
         return str(trace.filename)
+
+
+@dataclass
+class WorkerRun:
+    """A ``stepdoctor worker`` process; ``output`` is its stdout and stderr once it has stopped."""
+
+    process: subprocess.Popen[str]
+    output: str = ""
+
+
+@contextmanager
+def worker_subprocess(database_url: str, data_dir: Path, *args: str) -> Iterator[WorkerRun]:
+    """``stepdoctor worker *args`` on this database and data directory; on exit it gets SIGINT
+    (an operator's Ctrl-C) and its output is kept, so the test can check how it stopped."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "stepdoctor", "worker", *args],
+        env={**os.environ, "STEPDOCTOR_DATABASE_URL": database_url, "STEPDOCTOR_DATA_DIR": str(data_dir)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=str(REPO_ROOT),
+    )
+    run = WorkerRun(process)
+    try:
+        yield run
+    finally:
+        process.send_signal(signal.SIGINT)
+        run.output, _ = process.communicate(timeout=30)
