@@ -1,5 +1,5 @@
-"""The suite needs nothing outside the repository: a fresh ``git clone`` (with no ``../shared`` beside
-it) has every fixture, no test names a path outside the tree, and a representative part of the suite
+"""The suite needs nothing outside the repository: a fresh ``git clone`` (with nothing beside it) has
+every fixture, no test names a path outside the tree, and a representative part of the suite
 passes there while an audit hook records every file it opens or lists outside the clone."""
 
 from __future__ import annotations
@@ -153,13 +153,25 @@ def test_the_checker_sees_an_escape(tmp_path: Path) -> None:
     assert [int(line.split(":")[1]) for line in found] == [3, 4, 5, 6, 6], found
 
 
+def _workspace_siblings(tmp_path: Path, venv: Path) -> list[Path]:
+    """Every folder beside this checkout (whatever the workspace keeps there), except those holding
+    the test's own temporary folder or the interpreter: the clone must read none of them."""
+    keep = (tmp_path.resolve(), venv.resolve())
+    return [
+        p
+        for p in REPO.parent.iterdir()
+        if p.is_dir() and p.resolve() != REPO and not any(k.is_relative_to(p.resolve()) for k in keep)
+    ]
+
+
 @pytest.mark.slow
-def test_a_fresh_clone_without_shared_passes_with_no_access_outside_it(tmp_path: Path) -> None:
+def test_a_fresh_clone_with_nothing_beside_it_passes_with_no_access_outside_it(tmp_path: Path) -> None:
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("needs git and a git checkout")
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True, timeout=300)
-    assert not (clone.parent / "shared").exists() and (clone / "tests" / "fixtures" / "traces").is_dir()
+    assert [p.name for p in tmp_path.iterdir()] == ["clone"]  # nothing beside the clone
+    assert (clone / "tests" / "fixtures" / "traces").is_dir()
     assert outside_references(clone) == []
 
     # The clone's code, not the editable install's: its source folders first on the path, and the
@@ -176,7 +188,7 @@ def test_a_fresh_clone_without_shared_passes_with_no_access_outside_it(tmp_path:
             str(p) for p in (clone / "agent", clone / "backend", clone / "frontend", shim)
         ),
         SD_AUDIT_OUT=str(report),
-        SD_AUDIT_FORBIDDEN=json.dumps([str(REPO), str(REPO.parent / "shared"), str(tmp_path / "shared")]),
+        SD_AUDIT_FORBIDDEN=json.dumps([str(REPO), *map(str, _workspace_siblings(tmp_path, venv))]),
         SD_AUDIT_ALLOWED=json.dumps([str(venv), str(REPO / ".venv")]),
         PYTHONDONTWRITEBYTECODE="1",
     )
