@@ -70,14 +70,15 @@ class Evidence:
 def account(trace: RankTrace, steps: list[Step], ev: Evidence) -> Accounting:
     starts, ends = tl.step_windows(steps)
     step_ns = (ends - starts).astype(np.int64)
+    idle: dict[str, iv.Intervals] = {}
     if uses_gpu_timeline(trace, steps):
-        kinds = _account_gpu(trace, starts, ends, ev.inputs, ev.sync, ev.memory)
+        kinds, idle = _account_gpu(trace, starts, ends, ev.inputs, ev.sync, ev.memory)
     else:
         kinds = _account_cpu(trace, starts, ends, ev.inputs, ev.comm_host)
     for k in (*KINDS, "other"):
         if k not in kinds:
             kinds[k] = np.zeros(len(steps), dtype=np.int64)
-    return Accounting(step_ns=step_ns, kinds=kinds)
+    return Accounting(step_ns=step_ns, kinds=kinds, idle=idle)
 
 
 def _account_gpu(
@@ -87,13 +88,15 @@ def _account_gpu(
     inputs: InputStats,
     sync: SyncStats,
     memory: MemoryStats,
-) -> dict[str, np.ndarray]:
+) -> tuple[dict[str, np.ndarray], dict[str, iv.Intervals]]:
+    """Per-step ns of each kind, and the idle stretches by the kind they were charged to."""
     busy = gpu_busy_layers(trace, inputs, memory)
     claimed = iv.claim_in_order(starts, ends, list(busy.values()))
     out = dict(zip(busy, claimed.per_layer, strict=True))
-    for kind, stretches in charge_idle(trace, claimed.free, sync).items():
+    idle = charge_idle(trace, claimed.free, sync)
+    for kind, stretches in idle.items():
         out[kind] = tl.per_step(stretches, starts, ends)
-    return out
+    return out, idle
 
 
 def uses_gpu_timeline(trace: RankTrace, steps: list[Step]) -> bool:

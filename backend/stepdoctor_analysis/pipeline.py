@@ -127,7 +127,7 @@ def analyze_trace(
         iterations=_iterations(iters, step_list),
         limiter=dx.limiter,
         tables=plain(tables.build_tables(trace, step_list)),
-        timeline=plain(step_timeline.build_timeline(trace, step_list, evidence)),
+        timeline=plain(step_timeline.build_timeline(trace, step_list, evidence, acc)),
     )
 
 

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from . import intervals as iv
-from .diagnose import Evidence, charge_idle, cpu_layers, gpu_busy_layers, uses_gpu_timeline
+from .diagnose import Evidence, cpu_layers, gpu_busy_layers, uses_gpu_timeline
 from .model import GpuKind, HostKind, RankTrace, Step
 from .steps import step_marker_mask
-from .sync import SyncStats
+from .timeline import Accounting
 
 MAX_BOXES = 400
 MAX_THREADS = 3
@@ -52,7 +52,7 @@ def representative_steps(steps: list[Step]) -> list[tuple[Step, str]]:
     return [(steps[i], chosen[i]) for i in sorted(chosen)[:MAX_STEPS]]
 
 
-def build_timeline(trace: RankTrace, steps: list[Step], ev: Evidence) -> dict[str, Any]:
+def build_timeline(trace: RankTrace, steps: list[Step], ev: Evidence, acc: Accounting) -> dict[str, Any]:
     """Lanes of the representative steps (see the module docstring)."""
     names: dict[str, int] = {}
     on_gpu = uses_gpu_timeline(trace, steps)
@@ -64,7 +64,7 @@ def build_timeline(trace: RankTrace, steps: list[Step], ev: Evidence) -> dict[st
     out = []
     for step, why in representative_steps(steps):
         lanes = _host_lanes(trace, step, names) + _gpu_lanes(trace, step, names)
-        lanes.append(_charged_lane(trace, step, layers, ev.sync, on_gpu))
+        lanes.append(_charged_lane(step, layers, acc, on_gpu))
         out.append(
             {
                 "number": step.number,
@@ -77,16 +77,20 @@ def build_timeline(trace: RankTrace, steps: list[Step], ev: Evidence) -> dict[st
 
 
 def _charged_lane(
-    trace: RankTrace, step: Step, layers: list[tuple[str, iv.Intervals]], sync: SyncStats, on_gpu: bool
+    step: Step, layers: list[tuple[str, iv.Intervals]], acc: Accounting, on_gpu: bool
 ) -> dict[str, Any]:
-    """The step partitioned into kinds, claimed in ``diagnose.account``'s order."""
+    """The step partitioned into kinds, claimed in ``diagnose.account``'s order; on a GPU, what the
+    layers leave free is the accounting's charged idle stretches within the step."""
     free: iv.Intervals = (np.array([step.start], np.int64), np.array([step.end], np.int64))
     parts: list[tuple[str, iv.Intervals]] = []
     for kind, layer in layers:
         owned = iv.intersect(free, iv.clip(layer, step.start, step.end))
         free = iv.subtract(free, owned)
         parts.append((kind, owned))
-    parts += list(charge_idle(trace, free, sync).items()) if on_gpu else [("other", free)]
+    if on_gpu:
+        parts += [(kind, iv.clip(ivs, step.start, step.end)) for kind, ivs in acc.idle.items()]
+    else:
+        parts.append(("other", free))
     idle = sum(iv.total(ivs) for kind, ivs in parts if kind not in _BUSY_KINDS)
     return {
         "label": "device time charged to" if on_gpu else "step time charged to",
@@ -157,14 +161,8 @@ def _host_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dic
     h = trace.host
     if not len(h):
         return []
-    by_start, starts, reach = trace.memo("step_timeline.host_shown", lambda: _host_shown(trace))
-    # Shown events starting before the step's end are a prefix of the start-ordered ones, and none
-    # before the first whose running latest end passes the step's start can end inside it; of that
-    # range, keep the ones ending after its start (still by start, longest first).
-    lo = reach.searchsorted(step.start, side="right")
-    hi = starts.searchsorted(step.end, side="left")
-    cand = by_start[lo:hi]
-    sel = cand[h.end[cand] > step.start]
+    shown = trace.memo("step_timeline.host_shown", lambda: _host_shown(trace))
+    sel = _by_start_longest_first(_overlapping(shown, h.ts, h.end, step), h.ts, h.dur)
     pids, tids = h.pid[sel], h.tid[sel]
     one_process = bool(pids.size) and bool((pids == pids[0]).all())
     lanes = []
@@ -180,35 +178,42 @@ def _host_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dic
     return lanes
 
 
-def _host_shown(trace: RankTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Host events a lane draws (ops, annotations other than the step marker, runtime calls).
-
-    As (indices ordered by start, longest first among equal starts, then by index; their starts;
-    the running latest end): each drawn step finds its events by two binary searches instead of
-    masking the whole host table, and a thread's events come out in the order nesting needs.
-    """
+def _host_shown(trace: RankTrace) -> np.ndarray:
+    """Host events a lane draws: ops, annotations other than the step marker, runtime calls."""
     shown = trace.host_kind(HostKind.CPU_OP, HostKind.USER_ANNOTATION, HostKind.RUNTIME, HostKind.DRIVER)
-    idx = np.asarray(shown & ~step_marker_mask(trace)).nonzero()[0]
-    ts, dur = trace.host.ts, trace.host.dur
-    idx = idx[ts[idx].argsort(kind="stable")]  # fast: events mostly come in start order
+    return np.asarray(shown & ~step_marker_mask(trace))
+
+
+def _by_start_longest_first(idx: np.ndarray, ts: np.ndarray, dur: np.ndarray) -> np.ndarray:
+    """``idx`` ordered by start, longest first among equal starts, then by index: the order
+    nesting needs. A stable sort of nearly sorted starts is cheap; only the tied few are lexsorted."""
+    idx = idx[ts[idx].argsort(kind="stable")]
     at = ts[idx]
     tied = np.zeros(idx.size, np.bool_)
     tied[1:] = at[1:] == at[:-1]
     tied[:-1] |= tied[1:]
-    if tied.any():  # equal starts: longest first (a lexsort over the few tied ones only)
+    if tied.any():
         pos = tied.nonzero()[0]
         idx[pos] = idx[pos][np.lexsort((-dur[idx[pos]], at[pos]))]
-    return idx, trace.host.ts[idx], np.maximum.accumulate(trace.host.end[idx])
+    return idx
+
+
+def _overlapping(shown: np.ndarray, ts: np.ndarray, end: np.ndarray, step: Step) -> np.ndarray:
+    """Indices of the shown events overlapping the step, in index order.
+
+    Three passes over the table per drawn step (at most ``MAX_STEPS``) instead of sorting every
+    event once: only the few drawn steps' events need an order.
+    """
+    return np.flatnonzero(shown & (ts < step.end) & (end > step.start))
 
 
 def _gpu_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dict[str, Any]]:
     g = trace.gpu
     if not len(g):
         return []
-    by_start, starts, reach = trace.memo("step_timeline.gpu_shown", lambda: _gpu_shown(trace))
-    lo = reach.searchsorted(step.start, side="right")  # as in _host_lanes
-    cand = by_start[lo : starts.searchsorted(step.end, side="left")]
-    sel = cand[g.end[cand] > step.start]  # by start, then index
+    shown = trace.gpu_kind(GpuKind.KERNEL, GpuKind.MEMCPY, GpuKind.MEMSET)
+    sel = _overlapping(shown, g.ts, g.end, step)
+    sel = sel[g.ts[sel].argsort(kind="stable")]  # by start, then index
     devices, streams = g.device[sel], g.stream[sel]
     lanes = []
     for device, stream in _busiest(devices.astype(np.int64), streams, g.dur[sel], MAX_STREAMS):
@@ -216,14 +221,6 @@ def _gpu_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dict
         label = f"GPU {device} stream {stream}"
         lanes.append(_lane(trace, label, "gpu", g.ts[idx], g.end[idx], g.name[idx], step, names))
     return lanes
-
-
-def _gpu_shown(trace: RankTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """GPU ops a lane draws (kernels, copies, memsets) as ``_host_shown`` gives host events."""
-    g = trace.gpu
-    idx = trace.gpu_kind(GpuKind.KERNEL, GpuKind.MEMCPY, GpuKind.MEMSET).nonzero()[0]
-    idx = idx[g.ts[idx].argsort(kind="stable")]
-    return idx, g.ts[idx], np.maximum.accumulate(g.end[idx])
 
 
 def _busiest(a: np.ndarray, b: np.ndarray, dur: np.ndarray, k: int) -> list[tuple[int, int]]:

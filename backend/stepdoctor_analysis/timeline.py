@@ -93,6 +93,10 @@ class Accounting:
 
     step_ns: np.ndarray
     kinds: dict[str, np.ndarray]
+    # GPU traces: the device's idle stretches over all steps, by the kind they were charged to
+    # (``diagnose.charge_idle``). The drawn step clips these instead of charging its idle time again,
+    # so a stretch crossing a step boundary is charged once, the same way in picture and numbers.
+    idle: dict[str, iv.Intervals] = field(default_factory=dict, repr=False, compare=False)
     # Rules and the report ask for these dozens of times: each is computed once, on construction.
     means: dict[str, float] = field(init=False, repr=False, compare=False)
     shares: dict[str, float] = field(init=False, repr=False, compare=False)
