@@ -18,7 +18,7 @@ import numpy as np
 
 from . import timeline as tl
 from .model import GpuKind, HostKind, RankTrace, Step
-from .precision import matmul_ns_by_precision, matmul_precision, matmul_precision_evidence, trace_caps
+from .precision import MatmulPrecision, matmul_precisions, trace_caps
 from .steps import launching_call
 from .transfers import small_htod_copies
 
@@ -108,6 +108,7 @@ def analyze_ops(trace: RankTrace, steps: list[Step], minimums: Mapping[str, floa
     kernels = (
         trace.gpu_kind(GpuKind.KERNEL) & tl.gpu_in_steps(trace, steps) if len(g) else np.zeros(0, np.bool_)
     )
+    precision = matmul_precisions(trace, kernels, n)
     stats = {
         "top_kernels": _top(trace, g.name[kernels], g.dur[kernels]) if len(g) else [],
         "top_ops": _top(trace, h.name[ops], h.dur[ops]),
@@ -115,18 +116,16 @@ def analyze_ops(trace: RankTrace, steps: list[Step], minimums: Mapping[str, floa
         "median_op_ns": float(np.median(h.dur[ops])) if ops.any() else 0.0,
         "kernels_per_step": int(np.count_nonzero(kernels)) / n,
         "median_kernel_ns": float(np.median(g.dur[kernels])) if kernels.any() else 0.0,
-        "matmul_ns_by_precision": {
-            k: v / n for k, v in (matmul_ns_by_precision(trace, kernels) if len(g) else {}).items()
-        },
+        "matmul_ns_by_precision": {k: v / n for k, v in precision.ns_by_precision.items()},
         "kernel_ns_per_step": float(g.dur[kernels].sum()) / n if len(g) else 0.0,
-        "matmul_precision_evidence": matmul_precision_evidence(trace, kernels, n) if len(g) else {},
+        "matmul_precision_evidence": precision.evidence,
     }
     patterns = [
         p
         for p in (
             _single_tensor_optimizer(trace, in_steps, n),
             _zero_grad_fill(trace, in_steps, n),
-            _fp32_gemm(trace, kernels, n),
+            _fp32_gemm(trace, kernels, precision, n),
             _select_loop(trace, ops, n),
             _small_htod(trace, steps),
         )
@@ -240,14 +239,16 @@ def _zero_grad_fill(trace: RankTrace, in_steps: np.ndarray, n: int) -> AntiPatte
     return AntiPattern("zero_grad_fill", ns, {"zero_calls_per_step": int(np.count_nonzero(zero)) / n})
 
 
-def _fp32_gemm(trace: RankTrace, kernels: np.ndarray, n: int) -> AntiPattern | None:
-    """FP32 matmul kernels on a GPU with TF32 tensor cores (NVIDIA sm_80+)."""
+def _fp32_gemm(
+    trace: RankTrace, kernels: np.ndarray, precision: MatmulPrecision, n: int
+) -> AntiPattern | None:
+    """FP32 matmul kernels (by name) on a GPU with TF32 tensor cores (NVIDIA sm_80+)."""
     caps = trace_caps(trace)
     if caps is None or not caps.tf32 or not kernels.any():
         return None
     g = trace.gpu
-    m = kernels & trace.gpu_named(_is_fp32_gemm, "fp32_gemm")
-    if not m.any():
+    m = precision.fp32_by_name
+    if not m.size:
         return None
     ns = int(g.dur[m].sum())
     total = int(g.dur[kernels].sum())
@@ -261,10 +262,6 @@ def _fp32_gemm(trace: RankTrace, kernels: np.ndarray, n: int) -> AntiPattern | N
             "device_arch": caps.arch,
         },
     )
-
-
-def _is_fp32_gemm(name: str) -> bool:
-    return matmul_precision(name) == "fp32"
 
 
 def _select_loop(trace: RankTrace, ops: np.ndarray, n: int) -> AntiPattern | None:

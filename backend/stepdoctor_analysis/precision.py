@@ -9,7 +9,7 @@ versions as 9.x, old traces have no properties at all) the device name and the l
 With ``record_shapes`` the op that launched a kernel also says it: ``aten::mm`` with ``Input type``
 ``["float", "float"]`` is FP32 work whatever its kernel is called (Triton, CUTLASS, a fused kernel
 with no dtype token). That op dtype decides where the name says nothing, and wins where the two
-disagree (both are kept in the evidence, ``matmul_precision_evidence``).
+disagree (both are kept in the evidence, ``MatmulPrecision.evidence``).
 """
 
 from __future__ import annotations
@@ -189,29 +189,49 @@ def _ns_by_code(codes: np.ndarray, durs: np.ndarray) -> dict[str, float]:
     return {PRECISIONS[i]: float(sums[i]) for i in sums.nonzero()[0].tolist()}
 
 
-def matmul_ns_by_precision(trace: RankTrace, kernels: np.ndarray) -> dict[str, float]:
-    """Total kernel time (ns) of the selected kernels per matmul precision (non-matmul kernels left out)."""
-    if not kernels.any():
-        return {}
-    return _ns_by_code(_kernel_precisions(trace, kernels)[2], trace.gpu.dur[kernels])
+@dataclass(frozen=True)
+class MatmulPrecision:
+    """The selected kernels' matmul precision, decided once for every reader (``_kernel_precisions``)."""
+
+    ns_by_precision: dict[str, float]  # total kernel ns per matmul precision (non-matmul left out)
+    # Where it came from, µs per step: kernel names, launching ops' input dtypes, and the kernels
+    # where they disagree (the op dtype was used). Empty without op dtypes.
+    evidence: dict[str, Any]
+    fp32_by_name: np.ndarray  # the selected kernels (indices) whose name says FP32
 
 
-def matmul_precision_evidence(trace: RankTrace, kernels: np.ndarray, n_steps: int) -> dict[str, Any]:
-    """Where the matmul precision came from, µs per step: kernel names, launching ops' input dtypes,
-    and the kernels where they disagree (the op dtype was used). Empty without op dtypes."""
+def matmul_precisions(trace: RankTrace, kernels: np.ndarray, n_steps: int) -> MatmulPrecision:
+    """Precision of the selected kernels' matmul-class work, by name and by launching op."""
     if not kernels.any():
-        return {}
+        return MatmulPrecision({}, {}, np.zeros(0, np.int64))
     name_code, op_code, used = _kernel_precisions(trace, kernels)
+    idx = kernels.nonzero()[0]
+    durs = trace.gpu.dur[idx]
+    return MatmulPrecision(
+        _ns_by_code(used, durs),
+        _evidence(trace, idx, durs, name_code, op_code, used, n_steps),
+        idx[name_code == _FP32],
+    )
+
+
+def _evidence(
+    trace: RankTrace,
+    idx: np.ndarray,
+    durs: np.ndarray,
+    name_code: np.ndarray,
+    op_code: np.ndarray,
+    used: np.ndarray,
+    n_steps: int,
+) -> dict[str, Any]:
     if not (op_code >= 0).any():
         return {}
-    durs = trace.gpu.dur[kernels]
     per_step = max(1, n_steps) * 1e3
 
     def us(by: dict[str, float]) -> dict[str, float]:
         return {k: round(v / per_step, 1) for k, v in by.items()}
 
     differ = (op_code >= 0) & (name_code >= 0) & (name_code != _UNKNOWN) & (used != name_code)
-    names = trace.gpu.name[kernels]
+    names = trace.gpu.name[idx]
     disagreements = [
         {
             "kernel": trace.strings[int(i)],
