@@ -12,7 +12,12 @@ imports included) and how far that peak rose above what the imports alone reache
   (the lower bound of our design: ours/stream is what the columnar model costs).
 Targets: ≥ 10× faster than HTA at ≤ 1/4 of its memory; the large trace in ≤ 15 s under 1.5 GB.
 
-Run: ``.venv/bin/python bench/analysis_speed.py [--skip-large] [--only NAME]``.
+``--baseline REV`` adds our own engine at git revision REV (default ``86a9f11``, the engine before the
+verdict work of issue #9) as a contender: its ``pipeline`` runs alternate with ours in fresh processes,
+and the table gains the ratio of our time to its, for the analysis and for the whole process (imports
+included: what ``stepdoctor analyze`` makes a user wait). Target: ≤ 1.10 on every trace.
+
+Run: ``.venv/bin/python bench/analysis_speed.py [--skip-large] [--only NAME] [--baseline [REV]]``.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from support.fixtures import HTA_TRACES as FIXTURES  # noqa: E402
 LARGE_SOURCE = "df_index_resolver/df_index_resolver.json.gz"
 LARGE_TARGET_BYTES = 820 * 2**20
 HTA_MAX_SECONDS = 180
+BASELINE = "86a9f11"  # the engine before issue #9's verdict work; the slowdown it allows is 10%
 
 # Each child prints one JSON line: {"seconds": ..., "rss_mb": ...}.
 CHILD = r"""
@@ -62,6 +68,7 @@ elif mode == "pipeline":
     imported_mb = status_mb("VmHWM")
     t = time.perf_counter()
     pipeline.analyze_path(path).to_dict()
+    print(json.dumps({"engine": pipeline.__file__}))
 elif mode == "floor":
     import zlib, msgspec
     from stepdoctor_analysis.parse import _Event
@@ -100,8 +107,13 @@ print(json.dumps({"seconds": seconds, "rss_mb": status_mb("VmHWM"), "import_mb":
 """
 
 
-def run_child(mode: str, path: Path, rank: int = 0, timeout: float = 900) -> dict[str, float] | None:
+def run_child(
+    mode: str, path: Path, rank: int = 0, timeout: float = 900, engine: Path | None = None
+) -> dict[str, float] | None:
+    """One fresh process; ``engine``: a checkout's ``backend`` folder imported instead of ours."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if engine is not None:
+        env["PYTHONPATH"] = str(engine)
     started = time.perf_counter()
     try:
         out = subprocess.run(
@@ -114,11 +126,15 @@ def run_child(mode: str, path: Path, rank: int = 0, timeout: float = 900) -> dic
         )
     except subprocess.TimeoutExpired:
         return None
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if out.returncode != 0 or not lines:
+    lines = [json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith("{")]
+    timings = [d for d in lines if "seconds" in d]
+    if out.returncode != 0 or not timings:
         print(f"  [{mode} failed on {path.name}: {out.stderr.strip().splitlines()[-1:]}]", file=sys.stderr)
         return None
-    result: dict[str, float] = json.loads(lines[-1])
+    for d in lines:  # the pipeline says which engine it imported: a baseline must not measure ours
+        if "engine" in d and engine is not None and not Path(d["engine"]).is_relative_to(engine):
+            raise SystemExit(f"baseline run imported {d['engine']}, not the checkout in {engine}")
+    result: dict[str, float] = timings[-1]
     result["process_s"] = time.perf_counter() - started
     return result
 
@@ -126,7 +142,22 @@ def run_child(mode: str, path: Path, rank: int = 0, timeout: float = 900) -> dic
 def run_best(mode: str, path: Path, repeat: int, timeout: float = 900) -> dict[str, float] | None:
     """Best (fastest) of ``repeat`` fresh runs, with the largest peak RSS seen: sub-second timings on a
     shared 2-core machine vary by tens of percent from one run to the next."""
-    results = [r for r in (run_child(mode, path, timeout=timeout) for _ in range(repeat)) if r is not None]
+    return _best([run_child(mode, path, timeout=timeout) for _ in range(repeat)])
+
+
+def run_against(
+    path: Path, repeat: int, engine: Path
+) -> tuple[dict[str, float] | None, dict[str, float] | None]:
+    """(ours, baseline) pipelines, best of ``repeat`` each, run alternately so both see the same machine."""
+    ours, base = [], []
+    for _ in range(repeat):
+        ours.append(run_child("pipeline", path))
+        base.append(run_child("pipeline", path, engine=engine))
+    return _best(ours), _best(base)
+
+
+def _best(runs: list[dict[str, float] | None]) -> dict[str, float] | None:
+    results = [r for r in runs if r is not None]
     if not results:
         return None
     return {
@@ -135,6 +166,16 @@ def run_best(mode: str, path: Path, repeat: int, timeout: float = 900) -> dict[s
         "rss_mb": max(r["rss_mb"] for r in results),
         "import_mb": max(r["import_mb"] for r in results),
     }
+
+
+def checkout_engine(rev: str, dest: Path) -> Path:
+    """The analysis engine at git revision ``rev``, exported to ``dest``; its ``backend`` folder."""
+    data = subprocess.run(
+        ["git", "-C", str(REPO), "archive", rev, "backend"], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=data, check=True)
+    compileall.compile_dir(str(dest / "backend"), quiet=1)
+    return dest / "backend"
 
 
 def decompressed_size(path: Path) -> int:
@@ -201,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-large", action="store_true")
     ap.add_argument("--only", help="substring of a fixture name")
     ap.add_argument("--repeat", type=int, default=3, help="runs per contender on the fixtures (best taken)")
+    ap.add_argument(
+        "--baseline",
+        nargs="?",
+        const=BASELINE,
+        metavar="REV",
+        help=f"also time our engine at git revision REV (default {BASELINE}) against this one",
+    )
     args = ap.parse_args(argv)
     have_pipeline = (REPO / "backend" / "stepdoctor_analysis" / "pipeline.py").exists()
     cases: list[tuple[str, Path, bool]] = [
@@ -211,6 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     compile_bytecode()
     tmp = Path(tempfile.mkdtemp(prefix="stepdoctor-bench-"))
     try:
+        engine = None
+        if args.baseline:
+            (tmp / "baseline").mkdir()
+            engine = checkout_engine(args.baseline, tmp / "baseline")
         if not args.skip_large:
             t = time.perf_counter()
             large = build_large(tmp)
@@ -221,12 +273,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.only:
             cases = [c for c in cases if args.only in c[0]]
         rows: list[tuple[Any, ...]] = []
+        against: list[tuple[str, float, dict[str, float] | None, dict[str, float] | None]] = []
         hta_rate = None  # seconds per decompressed MB, to decide whether HTA can finish the large one
         for label, path, is_large in cases:
             mb = decompressed_size(path) / 2**20
             repeat = 1 if is_large else max(1, args.repeat)
             ours = run_best("ours", path, repeat)
-            pipe = run_best("pipeline", path, repeat) if have_pipeline else None
+            base = None
+            if engine is not None:
+                pipe, base = run_against(path, repeat, engine)
+            else:
+                pipe = run_best("pipeline", path, repeat) if have_pipeline else None
             floor = run_best("floor", path, repeat)
             stream = run_best("stream", path, repeat)
             hta: dict[str, float] | None = None
@@ -244,7 +301,11 @@ def main(argv: list[str] | None = None) -> int:
                     hta_rate = hta["seconds"] / mb
             rows.append((label, mb, ours, pipe, hta, floor, stream, note))
             print_row(rows[-1])
+            if engine is not None:
+                against.append((label, mb, pipe, base))
         print_table(rows)
+        if engine is not None:
+            print_against(against, args.baseline)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
@@ -301,6 +362,34 @@ def print_table(rows: list[tuple[Any, ...]]) -> None:
             f"{num(g(floor, 'seconds'), 7)} {num(g(floor, 'rss_mb'), 5, 0)} | {num(g(stream, 'seconds'), 6)}"
             + (f"  ({note})" if note else "")
         )
+
+
+def print_against(
+    rows: list[tuple[str, float, dict[str, float] | None, dict[str, float] | None]], rev: str
+) -> None:
+    """Our pipeline vs the engine at ``rev``: the analysis alone, and the whole process."""
+    head = (
+        f"{'trace':<34} {'MB':>5} | {'pipe s':>8} {rev + ' s':>12} {'ratio':>6} | "
+        f"{'proc s':>6} {rev + ' s':>12} {'ratio':>6}"
+    )
+    print(f"\nThis engine vs {rev} (best of fresh processes, run alternately; ratio > 1: slower now)")
+    print(head)
+    print("-" * len(head))
+    worst: dict[str, tuple[float, str]] = {}
+    for label, mb, pipe, base in rows:
+        if pipe is None or base is None:
+            print(f"{label[-34:]:<34} {mb:>5.0f} | failed")
+            continue
+        r_pipe, r_proc = pipe["seconds"] / base["seconds"], pipe["process_s"] / base["process_s"]
+        for key, r in (("analysis", r_pipe), ("process", r_proc)):
+            if r > worst.get(key, (0.0, ""))[0]:
+                worst[key] = (r, label)
+        print(
+            f"{label[-34:]:<34} {mb:>5.0f} | {pipe['seconds']:>8.4f} {base['seconds']:>12.4f} {r_pipe:>6.2f} | "
+            f"{pipe['process_s']:>6.2f} {base['process_s']:>12.2f} {r_proc:>6.2f}"
+        )
+    for key, (r, label) in worst.items():
+        print(f"worst {key} ratio: {r:.2f} ({label})")
 
 
 def compile_bytecode() -> None:
