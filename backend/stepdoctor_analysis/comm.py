@@ -128,37 +128,45 @@ def analyze_comm(trace: RankTrace, steps: list[Step]) -> CommStats:
     )
 
 
-def kernel_collective_types(trace: RankTrace, cmask: Mask, calls: Mask) -> list[str]:
-    """Type of each collective kernel (in ``cmask`` order).
+def kernel_collective_types(trace: RankTrace, cmask: Mask, calls: Mask) -> np.ndarray:
+    """Type of each collective kernel (in ``cmask`` order; an object array of type names).
 
     The ``Collective name`` recorded by the op it was launched under wins; else the enclosing typed
     host op's (``nccl:all_reduce``); else its own name's; else ``other``.
     """
     g, h = trace.gpu, trace.host
     idx = cmask.nonzero()[0]
-    by_name = {int(n): collective_type(trace.strings[int(n)]) for n in np.unique(g.name[idx])}
-    out = [by_name[int(n)] or "other" for n in g.name[idx]]
+    names = g.name[idx]
+    # Types per distinct name, then gathered for every kernel at once (names are dense ids).
+    by_name = np.empty(len(trace.strings), dtype=object)
+    for n in np.unique(names).tolist():
+        by_name[n] = collective_type(trace.strings[n]) or "other"
+    out = by_name[names]
     typed = calls.nonzero()[0] if len(calls) else np.empty(0, np.int64)
-    op_type = {int(n): collective_type(trace.strings[int(n)]) for n in np.unique(h.name[typed])}
-    typed = typed[[op_type[int(n)] is not None for n in h.name[typed]]]
+    op_type = np.full(len(trace.strings), "", dtype=object)
+    for n in np.unique(h.name[typed]).tolist():
+        op_type[n] = collective_type(trace.strings[n]) or ""
+    typed_types = op_type[h.name[typed]]
+    typed = typed[typed_types != ""]
     codes = recorded_types(trace)
     recorded = np.flatnonzero(codes >= 0)
     launcher = launching_call(trace)[idx]
     if (typed.size == 0 and recorded.size == 0) or not (launcher >= 0).any():
         return out
-    _type_by_enclosing_op(trace, typed, [op_type[int(n)] or "" for n in h.name[typed]], launcher, out)
-    _type_by_enclosing_op(trace, recorded, [COLLECTIVE_TYPES[c] for c in codes[recorded]], launcher, out)
+    _type_by_enclosing_op(trace, typed, op_type[h.name[typed]], launcher, out)
+    _type_by_enclosing_op(
+        trace, recorded, np.array(COLLECTIVE_TYPES, dtype=object)[codes[recorded]], launcher, out
+    )
     return out
 
 
 def _type_by_enclosing_op(
-    trace: RankTrace, ops: I64, types: list[str], launcher: I64, out: list[str]
+    trace: RankTrace, ops: I64, kinds: np.ndarray, launcher: I64, out: np.ndarray
 ) -> None:
     """Give each kernel (``launcher``: its launching call) the type of the op around its launch."""
     if ops.size == 0:
         return
     h = trace.host
-    kinds = np.array(types, dtype=object)
     at = np.where(launcher >= 0, h.ts[np.maximum(launcher, 0)], np.iinfo(np.int64).min)
     tid = np.where(launcher >= 0, h.tid[np.maximum(launcher, 0)], -1)
     for thread in np.unique(h.tid[ops]).tolist():  # a launch is inside ops of its own thread only
@@ -176,8 +184,10 @@ def _type_by_enclosing_op(
         j = op_start.searchsorted(at, side="right") - 1
         inside = (launcher >= 0) & (tid == thread) & (j >= 0)
         inside[inside] = reach[j[inside]] >= at[inside]
-        for k in inside.nonzero()[0].tolist():
-            out[k] = mine_types[owner[j[k]]] or out[k]
+        k = inside.nonzero()[0]
+        found = mine_types[owner[j[k]]]
+        said = found != ""  # an op of no known type leaves the kernel's own
+        out[k[said]] = found[said]
 
 
 def recorded_types(trace: RankTrace) -> I8:
@@ -259,7 +269,7 @@ def _kernel_types(
 ) -> list[CollectiveStat]:
     g = trace.gpu
     idx = cmask.nonzero()[0]
-    types = np.array(kernel_collective_types(trace, cmask, calls), dtype=object)
+    types = kernel_collective_types(trace, cmask, calls)
     in_steps = tl.in_windows(g.ts[idx], starts, ends)
     n = max(1, len(starts))
     out = []
