@@ -126,8 +126,8 @@ def analyze_trace(
         workload=plain(ctx.workload),
         iterations=_iterations(iters, step_list),
         limiter=dx.limiter,
-        tables=plain(tables.build_tables(trace, step_list)),
-        timeline=plain(step_timeline.build_timeline(trace, step_list, evidence, acc)),
+        tables=tables.build_tables(trace, step_list),  # JSON-ready: to_dict converts the report once
+        timeline=step_timeline.build_timeline(trace, step_list, evidence, acc),
     )
 
 
