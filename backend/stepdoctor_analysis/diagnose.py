@@ -144,16 +144,17 @@ def _trailing_silence(trace: RankTrace, idle: iv.Intervals) -> iv.Intervals:
     tail = gs >= last
     if not tail.any():
         return iv.EMPTY
-    busy = trace.memo("diagnose.host_active", lambda: _host_active(trace))
+    busy = _host_active_after(trace, last)
     silent = iv.subtract((gs[tail], ge[tail]), busy)
     return silent
 
 
-def _host_active(trace: RankTrace) -> iv.Intervals:
-    """When the host records anything (cached: the accounting and each drawn step ask)."""
+def _host_active_after(trace: RankTrace, t: int) -> iv.Intervals:
+    """When the host records anything after ``t`` (only the trace's tail is asked about)."""
     h = trace.host
     active = trace.host_kind(HostKind.CPU_OP, HostKind.RUNTIME, HostKind.DRIVER, HostKind.PYTHON_FUNCTION)
-    return iv.union(h.ts[active], h.end[active])
+    late = active & (h.end > t)
+    return iv.union(h.ts[late], h.end[late])
 
 
 def _sync_bubbles(idle: iv.Intervals, sync: SyncStats) -> iv.Intervals:

@@ -137,7 +137,7 @@ def kernel_op_precision(trace: RankTrace) -> I8:
         # names another op (``aten::copy_`` inside an autocast ``aten::linear``) is that op's work.
         rest = launched[~hit]
         if rest.size:
-            op_ids = h.external_id[(h.kind == HostKind.CPU_OP) & (h.external_id != NONE)]
+            op_ids = h.external_id[trace.host_kind(HostKind.CPU_OP) & (h.external_id != NONE)]
             rest = rest[~iv.member(h.external_id[call[rest]], op_ids)]
         if rest.size:
             out[rest] = _code_of_op_around(trace, ops, by_dtype, call[rest])
