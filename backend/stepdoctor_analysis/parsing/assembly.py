@@ -20,12 +20,18 @@ from ..model import (
     MemoryEvents,
     RankTrace,
 )
-from .schema import GPU, HOST, LEGACY_CATEGORIES, MEMORY, to_int
+from .schema import GPU, HOST, LEGACY_CATEGORIES, MEMORY, Table, to_int
 
 if TYPE_CHECKING:
     from .columns import Builder
 
 _MEMCPY = int(GpuKind.MEMCPY)
+# Op-arg columns (``Arg.sparse``) are not in the chunks' columns: ``_Sparse`` builds them.
+_SPARSE_COLUMNS = {t.name: tuple(dict.fromkeys(t.column(a) for a in t.sparse)) for t in (HOST, GPU)}
+_TEXT_COLUMNS = {t.name: frozenset(t.column(a) for a in t.sparse if a.text) for t in (HOST, GPU)}
+_DENSE = {
+    t.name: {k: dt for k, dt in t.dtypes.items() if k not in _SPARSE_COLUMNS[t.name]} for t in (HOST, GPU)
+}
 _FLOW_DTYPES = {"id": np.int64, "start": np.bool_, "pid": np.int64, "tid": np.int64, "ts": np.float64}
 _DIRECTIONS = (
     ("HtoD", CopyKind.HTOD),
@@ -40,23 +46,23 @@ def assemble(b: Builder) -> RankTrace:
     """The finished trace: every table sorted by start time, times as int64 ns from one origin."""
     if not b.host and not b.gpu and not b.mem:
         raise TraceError(f"{Path(b.source).name}: the trace contains no events")
-    host = concat(b.host, HOST.dtypes)
-    gpu = concat(b.gpu, GPU.dtypes)
+    host = concat(b.host, _DENSE["host"])
+    gpu = concat(b.gpu, _DENSE["gpu"])
     mem = concat(b.mem, MEMORY.dtypes)
     origin = _origin(host["ts"], gpu["ts"], mem["ts"])
     host_ts, gpu_ts, mem_ts = (to_ns(a, origin) for a in (host["ts"], gpu["ts"], mem["ts"]))
     if b.flows:
         repair_correlation(b.flows, host, host_ts, gpu, gpu_ts, origin)
     strings = list(b.ids)
-    _intern_values(b, host, strings)
+    renumber = _intern_values(b, strings)
     top = b.top
     dist = top.get("distributedInfo")
     dist = dist if isinstance(dist, dict) else {}
     return RankTrace(
         source=b.source,
         strings=strings,
-        host=_host_events(host, host_ts),
-        gpu=_gpu_events(gpu, gpu_ts, strings),
+        host=_host_events(host, host_ts, _Sparse(b.sparse["host"], renumber)),
+        gpu=_gpu_events(gpu, gpu_ts, strings, _Sparse(b.sparse["gpu"], renumber)),
         memory=_memory_events(mem, mem_ts),
         devices=_devices(top.get("deviceProperties")),
         rank=_int_or_none(dist.get("rank")),
@@ -70,11 +76,9 @@ def assemble(b: Builder) -> RankTrace:
     )
 
 
-def _intern_values(b: Builder, host: dict[str, np.ndarray], strings: list[str]) -> None:
-    """String arg values join the trace's strings after the names (name ids unchanged), renumbered."""
+def _intern_values(b: Builder, strings: list[str]) -> np.ndarray:
+    """String arg values join the trace's strings after the names (name ids unchanged): value id -> string id."""
     values = [v for v in b.values if v is not None]
-    if not values:
-        return
     renumber = np.empty(len(values), np.int32)
     for i, v in enumerate(values):
         got = b.ids.get(v)
@@ -82,13 +86,42 @@ def _intern_values(b: Builder, host: dict[str, np.ndarray], strings: list[str]) 
             got = len(strings)
             strings.append(v)
         renumber[i] = got
-    for a in (a for a in HOST.sparse if a.text):
-        col = host[HOST.column(a)]
-        present = col != NONE
-        host[HOST.column(a)] = np.where(present, renumber[np.maximum(col, 0)], NONE).astype(np.int32)
+    return renumber
 
 
-def _host_events(cols: dict[str, np.ndarray], ts: np.ndarray) -> HostEvents:
+class _Sparse:
+    """A table's op-arg values as the builder read them, (column, rows, values) per chunk and arg."""
+
+    def __init__(self, pieces: list[tuple[str, np.ndarray, np.ndarray]], renumber: np.ndarray) -> None:
+        self.pieces = pieces
+        self.renumber = renumber
+
+    def columns(self, table: Table, order: np.ndarray) -> dict[str, np.ndarray]:
+        """The table's op-arg columns in time order: NONE but on the rows that have a value.
+
+        Built in place from the few values (the rows mapped through the sort), not gathered from
+        full-length columns; string values become string ids.
+        """
+        n = len(order)
+        out = {c: np.full(n, NONE, table.dtypes[c]) for c in _SPARSE_COLUMNS[table.name]}
+        if not self.pieces:
+            return out
+        at = np.empty_like(order)
+        at[order] = np.arange(n)  # row -> its place in time order
+        gathered: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+        for column, rows, values in self.pieces:
+            gathered.setdefault(column, []).append((rows, values))
+        self.pieces.clear()
+        for column, got in gathered.items():
+            rows = np.concatenate([r for r, _ in got])
+            values = np.concatenate([v for _, v in got])
+            if column in _TEXT_COLUMNS[table.name]:
+                values = np.where(values != NONE, self.renumber[np.maximum(values, 0)], NONE)
+            out[column][at[rows]] = values
+        return out
+
+
+def _host_events(cols: dict[str, np.ndarray], ts: np.ndarray, sparse: _Sparse) -> HostEvents:
     order = np.argsort(ts, kind="stable")
     return HostEvents(
         name=cols["name"][order],
@@ -98,10 +131,13 @@ def _host_events(cols: dict[str, np.ndarray], ts: np.ndarray) -> HostEvents:
         pid=cols["pid"][order],
         tid=cols["tid"][order],
         **_in_order(cols, HOST.arg_columns, order),
+        **sparse.columns(HOST, order),
     )
 
 
-def _gpu_events(cols: dict[str, np.ndarray], ts: np.ndarray, strings: list[str]) -> GpuEvents:
+def _gpu_events(
+    cols: dict[str, np.ndarray], ts: np.ndarray, strings: list[str], sparse: _Sparse
+) -> GpuEvents:
     order = np.argsort(ts, kind="stable")
     copy_table, mem_table = _copy_tables(strings)
     name = cols["name"][order]
@@ -115,6 +151,7 @@ def _gpu_events(cols: dict[str, np.ndarray], ts: np.ndarray, strings: list[str])
         copy_kind=np.where(is_copy, copy_table[name], np.int8(CopyKind.NONE)),
         host_mem=np.where(is_copy, mem_table[name], np.int8(HostMem.NONE)),
         **_in_order(cols, GPU.arg_columns, order),
+        **sparse.columns(GPU, order),
     )
 
 
@@ -133,8 +170,8 @@ def _int_or_none(v: Any) -> int | None:
 
 
 def _in_order(cols: dict[str, np.ndarray], names: tuple[str, ...], order: np.ndarray) -> dict[str, Any]:
-    """The named columns (a table's arg columns, generated from ``schema.ARGS``), in time order."""
-    return {c: cols[c][order] for c in names}
+    """The named columns (a table's arg columns, generated from ``schema.ARGS``) it has, in time order."""
+    return {c: cols[c][order] for c in names if c in cols}
 
 
 def repair_correlation(
@@ -183,8 +220,7 @@ def repair_correlation(
 def concat(parts: list[dict[str, np.ndarray]], dtypes: dict[str, Any]) -> dict[str, np.ndarray]:
     """One table's chunks joined (the list is emptied to free them early); empty columns when none.
 
-    A chunk may leave out a column none of its events has (an op arg): it reads as NONE there, and a
-    column no chunk has is one ``full`` instead of a join of many.
+    A column a chunk leaves out reads as NONE there.
     """
     if not parts:
         return {k: np.empty(0, dt) for k, dt in dtypes.items()}
@@ -192,10 +228,12 @@ def concat(parts: list[dict[str, np.ndarray]], dtypes: dict[str, Any]) -> dict[s
     out: dict[str, np.ndarray] = {}
     for k, dt in dtypes.items():
         cols = [p.get(k) for p in parts]
-        if all(c is None for c in cols):
+        if len(cols) == 1 and cols[0] is not None:
+            out[k] = cols[0]
+        elif all(c is not None for c in cols):
+            out[k] = np.concatenate(cols)  # type: ignore[arg-type]
+        elif all(c is None for c in cols):
             out[k] = np.full(sum(sizes), NONE, dt)
-        elif len(cols) == 1:
-            out[k] = cols[0]  # type: ignore[assignment]
         else:
             out[k] = np.concatenate(
                 [np.full(n, NONE, dt) if c is None else c for c, n in zip(cols, sizes, strict=True)]

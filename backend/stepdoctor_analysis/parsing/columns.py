@@ -167,8 +167,20 @@ def _type_codes(events: list[Event]) -> np.ndarray:
     return np.fromiter(map(TYPE_CODES.__getitem__, map(type, events)), np.int8, len(events))
 
 
-# Each table's op args (``Arg.sparse``) with the column each fills and its dtype, worked out once.
-_SPARSE = {t.name: tuple((a, t.column(a), t.dtypes[t.column(a)]) for a in t.sparse) for t in (HOST, GPU)}
+# Each table's op args (``Arg.sparse``) with the column each fills and its dtype, worked out once and
+# grouped by the events that carry them (one pattern or kind): a group's carriers are found and
+# gathered once per chunk, however many of its args are read.
+_SparseArg = tuple[Arg, str, np.dtype[Any]]
+
+
+def _sparse_groups(t: Table) -> tuple[tuple[Arg, tuple[_SparseArg, ...]], ...]:
+    groups: dict[Any, list[_SparseArg]] = {}
+    for a in t.sparse:
+        groups.setdefault((a.on_names, a.on_kind), []).append((a, t.column(a), t.dtypes[t.column(a)]))
+    return tuple((group[0][0], tuple(group)) for group in groups.values())
+
+
+_SPARSE = {t.name: _sparse_groups(t) for t in (HOST, GPU)}
 
 
 def _texts(raws: Sequence[msgspec.Raw]) -> list[bytes]:
@@ -176,6 +188,10 @@ def _texts(raws: Sequence[msgspec.Raw]) -> list[bytes]:
     Valid JSON holds no NUL byte (a string escapes it), so the split gives back each text."""
     texts = b"\0".join(raws).split(b"\0")
     return texts if len(texts) == len(raws) else list(map(bytes, raws))
+
+
+_NO_HITS = np.zeros(0, np.bool_)
+_NO_ROWS = np.zeros(0, np.intp)
 
 
 class Builder:
@@ -186,13 +202,17 @@ class Builder:
         self.ids: dict[str, int] = _Interner()
         self.values: dict[str, int] = _Values()  # string arg values (assembly renumbers them)
         self._first_float = _FirstFloat(self.values)
-        self._name_hits: dict[str, np.ndarray] = {}  # pattern -> by name id: does the name match
+        # pattern -> (by name id: does the name match, does any)
+        self._name_hits: dict[str, tuple[np.ndarray, bool]] = {}
         self._absent: dict[str, int] = {}  # op arg -> carriers seen without it so far (-1: found once)
         self.codes: dict[str, int] = _Codes()
         self.host: list[dict[str, np.ndarray]] = []
         self.gpu: list[dict[str, np.ndarray]] = []
         self.mem: list[dict[str, np.ndarray]] = []
         self.flows: list[dict[str, np.ndarray]] = []  # flow endpoints, to repair missing correlations
+        self.rows = {"host": 0, "gpu": 0}  # rows in each table so far
+        # Per table: the op-arg values read so far, as (column, rows in the table, values).
+        self.sparse: dict[str, list[tuple[str, np.ndarray, np.ndarray]]] = {"host": [], "gpu": []}
         self.oom = 0
         self.n_events = 0
         self.top: dict[str, Any] = {}
@@ -369,45 +389,50 @@ class Builder:
             **arg_columns(rec, table, pid, tid),
         }
         if table.sparse:
-            cols.update(self._sparse_columns(evs, cols, table))
+            self._sparse_columns(evs, cols["name"], cols["kind"], table)
+        self.rows[table.name] += len(evs)
         return cols
 
     def _sparse_columns(
-        self, evs: Sequence[Event], cols: dict[str, np.ndarray], table: Table
-    ) -> dict[str, np.ndarray]:
-        """Op args, read on the few events that can carry them (NONE elsewhere); strings as value ids."""
-        n = len(evs)
-        out: dict[str, np.ndarray] = {}
-        carriers: dict[Any, np.ndarray] = {}
-        for arg, column, dtype in _SPARSE[table.name]:
-            if self._absent.get(arg.attr, 0) >= ABSENT_AFTER:
+        self, evs: Sequence[Event], names: np.ndarray, kinds: np.ndarray, table: Table
+    ) -> None:
+        """Op args, read on the few events that can carry them; strings as value ids.
+
+        Only the values some carrier has are kept, with their rows in the table: ``assembly``
+        scatters them into columns that are NONE elsewhere (a full column per chunk cost ~5% of a parse).
+        """
+        rows = self.rows[table.name]
+        for carrier, group in _SPARSE[table.name]:
+            wanted = [g for g in group if self._absent.get(g[0].attr, 0) < ABSENT_AFTER]
+            if not wanted:
                 continue
-            key = arg.on_names or arg.on_kind
-            idx = carriers.get(key)
-            if idx is None:
-                idx = carriers[key] = self._carriers(cols, arg)
-            if idx.size:
-                col = out[column] = np.full(n, NONE, dtype)
-                got = col[idx] = self._sparse_values(pick(evs, idx), arg, dtype)
+            idx = self._carriers(names, kinds, carrier)
+            if not idx.size:
+                continue
+            carriers = pick(evs, idx)
+            at = idx + rows
+            for arg, column, dtype in wanted:
+                got = self._sparse_values(carriers, arg, dtype)
+                found = bool((got != NONE).any())
+                if found:
+                    self.sparse[table.name].append((column, at, got))
                 missing = self._absent.get(arg.attr, 0)
                 if missing >= 0:  # still unseen in this trace: count the events that lacked it
-                    found = (got != NONE).any() or self._carried(pick(evs, idx), arg)
+                    found = found or self._carried(carriers, arg)
                     self._absent[arg.attr] = -1 if found else missing + idx.size
-        return out  # the columns no event here has are left out (``assembly.concat`` fills them)
 
-    def _carriers(self, cols: dict[str, np.ndarray], arg: Arg) -> np.ndarray:
+    def _carriers(self, names: np.ndarray, kinds: np.ndarray, arg: Arg) -> np.ndarray:
         """Positions of the events that may carry ``arg``: by name pattern (once per name), else kind."""
         if arg.on_names is None:
-            return np.flatnonzero(cols["kind"] == arg.on_kind)
-        hits = self._name_hits.get(arg.on_names)
-        if hits is None or hits.size < len(self.ids):  # names arrived: test the new ones
+            return (kinds == arg.on_kind).nonzero()[0]
+        hits, some = self._name_hits.get(arg.on_names, (_NO_HITS, False))
+        if hits.size < len(self.ids):  # names arrived: test the new ones
             pattern = re.compile(arg.on_names)
-            known = 0 if hits is None else hits.size
-            new = [pattern.match(s or "") is not None for s in islice(self.ids, known, None)]
-            hits = self._name_hits[arg.on_names] = np.concatenate(
-                [hits if hits is not None else np.zeros(0, np.bool_), np.array(new, np.bool_)]
-            )
-        return np.flatnonzero(hits[cols["name"]]) if hits.any() else np.empty(0, np.intp)
+            new = [pattern.match(s or "") is not None for s in islice(self.ids, hits.size, None)]
+            hits = np.concatenate([hits, np.array(new, np.bool_)])
+            some = bool(hits.any())
+            self._name_hits[arg.on_names] = hits, some
+        return hits[names].nonzero()[0] if some else _NO_ROWS
 
     def _carried(self, evs: Sequence[Event], arg: Arg) -> bool:
         """Whether any of these carriers has ``arg`` at all, whatever its value.

@@ -121,13 +121,15 @@ MATMUL_OPS = (
     r"_?scaled_dot_product\w*|_flash_attention\w*|_efficient_attention\w*)$"
 )
 
+# The rows are in the order Kineto writes the keys: msgspec looks each key up from the field after the
+# last one matched, so a key where it is expected costs one comparison (decoding 1.5% faster).
 ARGS: tuple[Arg, ...] = (
     #   attribute             JSON key                       dtype  column(s) it fills
-    Arg("correlation",        "correlation",                 "i8",  host="correlation", gpu="correlation"),
     Arg("external_id",        "External id",                 "i8",  host="external_id"),
     Arg("external_id_legacy", "external id",                 "i8",  host="external_id"),
     Arg("device",             "device",                      "i4",  gpu="device", absent="pid"),
     Arg("stream",             "stream",                      "i8",  gpu="stream", absent="tid"),
+    Arg("correlation",        "correlation",                 "i8",  host="correlation", gpu="correlation"),
     Arg("nbytes",             "bytes",                       "i8",  gpu="bytes"),
     Arg("blocks_per_sm",      "blocks per SM",               "f4",  gpu="blocks_per_sm"),
     Arg("occupancy",          "est. achieved occupancy %",   "f4",  gpu="occupancy"),
@@ -140,10 +142,10 @@ ARGS: tuple[Arg, ...] = (
     # record_param_comms (#11): what the collective is, whatever its kernels are called. Every field
     # here costs every event's decoding a little (msgspec matches each args key against them), so
     # only what the analysis reads: not "Group size" or "Process Group Name".
-    Arg("in_nelems",          "In msg nelems",               "i8",  host="in_nelems", on_names=COMM_OPS),
-    Arg("out_nelems",         "Out msg nelems",              "i8",  host="out_nelems", on_names=COMM_OPS),
     Arg("collective",         "Collective name",             "i4",  host="collective", text="value", on_names=COMM_OPS),
     Arg("msg_dtype",          "dtype",                       "i4",  host="msg_dtype", text="value", on_names=COMM_OPS),
+    Arg("in_nelems",          "In msg nelems",               "i8",  host="in_nelems", on_names=COMM_OPS),
+    Arg("out_nelems",         "Out msg nelems",              "i8",  host="out_nelems", on_names=COMM_OPS),
     # record_shapes (#9): the dtype of a matmul-class op's first floating input; the list is not kept.
     Arg("input_types",        "Input type",                  "i4",  host="input_dtype", text="first_float", on_names=MATMUL_OPS),
 )  # fmt: skip
@@ -267,14 +269,17 @@ InstantArgs = args_struct(tuple(a for a in ARGS if a.memory), called="InstantArg
 
 
 class Complete(msgspec.Struct, tag_field="ph", tag="X", gc=False):
-    """A duration event (``ph: X``): every host op, launch call and GPU op."""
+    """A duration event (``ph: X``): every host op, launch call and GPU op.
+
+    Fields in Kineto's key order, as ``ARGS`` (decoding control.json.gz 1.5% faster).
+    """
 
     cat: str = ""
     name: str | None = None
-    ts: float = NAN
-    dur: float = NAN
     pid: int | str = NONE
     tid: int | str = NONE
+    ts: float = NAN
+    dur: float = NAN
     args: CompleteArgs = msgspec.field(default_factory=CompleteArgs)  # type: ignore[valid-type]
 
 
