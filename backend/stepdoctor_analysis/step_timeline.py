@@ -137,24 +137,29 @@ def _charged_boxes(parts: list[tuple[str, iv.Intervals]], step: Step) -> list[li
 def _dominant_bins(
     parts: list[tuple[str, iv.Intervals]], step: Step, bins: int
 ) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
-    """(kinds, bin starts, bin ends, index into kinds of each bin's owner)."""
+    """(kinds, bin starts, bin ends, index into kinds of each bin's owner).
+
+    The parts partition the step, so all their stretches together are one disjoint set: each
+    kind's coverage up to every bin edge is read from one per-kind running sum over that set.
+    """
     edges = np.linspace(step.start, step.end, bins + 1).astype(np.int64)
     names = sorted({kind for kind, _ in parts})
-    owned = np.zeros((len(names), bins), np.int64)
-    for kind, (s, e) in parts:
-        if s.size:
-            owned[names.index(kind)] += np.diff(_covered_until(s, e, edges))
+    code = np.repeat(
+        np.array([names.index(kind) for kind, _ in parts], np.int64), [ivs[0].size for _, ivs in parts]
+    )
+    s = np.concatenate([ivs[0] for _, ivs in parts])
+    e = np.concatenate([ivs[1] for _, ivs in parts])
+    order = s.argsort(kind="stable")
+    s, e, code = s[order], e[order], code[order]
+    by_kind = np.zeros((s.size + 1, len(names)), np.int64)  # row j: coverage of the first j stretches
+    by_kind[np.arange(1, s.size + 1), code] = e - s
+    by_kind = by_kind.cumsum(axis=0)
+    i = e.searchsorted(edges, side="right")  # stretches wholly before each edge
+    covered = by_kind[i]
+    inside = np.flatnonzero(i < s.size)
+    covered[inside, code[i[inside]]] += np.clip(edges[inside] - s[i[inside]], 0, None)
+    owned = np.diff(covered, axis=0).T
     return names, edges[:-1], edges[1:], owned.argmax(axis=0)
-
-
-def _covered_until(s: np.ndarray, e: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """For each time in ``t``, how much of the disjoint sorted set (s, e) lies before it."""
-    cum = np.concatenate([[0], np.cumsum(e - s)])
-    i = e.searchsorted(t, side="right")  # intervals wholly before t
-    partial = np.zeros(t.size, np.int64)
-    inside = i < s.size
-    partial[inside] = np.clip(t[inside] - s[i[inside]], 0, None)
-    return np.asarray(cum[i] + partial, dtype=np.int64)
 
 
 def _host_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dict[str, Any]]:
@@ -224,13 +229,31 @@ def _gpu_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dict
 
 
 def _busiest(a: np.ndarray, b: np.ndarray, dur: np.ndarray, k: int) -> list[tuple[int, int]]:
-    """The ``k`` (a, b) pairs with the most summed duration, in (a, b) order.
+    """The ``k`` (a, b) pairs with the most summed duration (ties: lower pair first), in (a, b) order.
 
-    Two 1-D ``unique`` calls and a ``bincount``: a row-wise ``unique(axis=0)`` sorts structured
-    rows and cost most of the timeline on large traces.
+    A step's events come from a handful of threads or streams: peeling off one pair at a time
+    costs a few passes over the step's events, where a sort-based ``unique`` costs far more. Past
+    ``_PEEL_MAX`` pairs, ``_busiest_sorted`` takes over.
     """
-    if a.size == 0:
-        return []
+    busy: dict[tuple[int, int], int] = {}
+    rest = np.arange(a.size)
+    while rest.size and len(busy) < _PEEL_MAX:
+        pa, pb = a[rest], b[rest]
+        same = (pa == pa[0]) & (pb == pb[0])
+        busy[(int(pa[0]), int(pb[0]))] = int(dur[rest[same]].sum())
+        rest = rest[~same]
+    if rest.size:
+        return _busiest_sorted(a, b, dur, k)
+    ranked = sorted(sorted(busy), key=lambda pair: -busy[pair])  # stable: ties stay in (a, b) order
+    return sorted(ranked[:k])
+
+
+_PEEL_MAX = 16
+
+
+def _busiest_sorted(a: np.ndarray, b: np.ndarray, dur: np.ndarray, k: int) -> list[tuple[int, int]]:
+    """``_busiest`` for many pairs: two 1-D ``unique`` calls and a ``bincount`` (a row-wise
+    ``unique(axis=0)`` sorts structured rows and cost most of the timeline on large traces)."""
     a_vals, a_code = np.unique(a, return_inverse=True)
     b_vals, b_code = np.unique(b, return_inverse=True)
     code = a_code.astype(np.int64) * b_vals.size + b_code
