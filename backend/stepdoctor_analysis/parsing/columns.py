@@ -1,8 +1,8 @@
 """Decoded chunks -> numpy columns, with C-level ``map``/``attrgetter`` loops and no per-event Python.
 
-Each chunk's events are sorted by type code, complete events split into host and GPU by category,
-and each table's numeric fields read in one structured ``fromiter`` whose record ``schema`` generates
-from the argument table. ``Builder`` keeps the per-chunk columns; ``assembly`` joins them.
+Each chunk's events are classified in one lookup each (a complete event's category gives host or GPU
+and its kind, any other event's ``cat`` is its type code), and each table's numeric fields read in
+one structured ``fromiter`` whose record ``schema`` generates from the argument table. ``Builder`` keeps the per-chunk columns; ``assembly`` joins them.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from ..model import NONE, GpuKind, HostKind
 from .schema import (
     ABSENT,
     CATEGORIES,
-    COMPLETE,
     FLOW_CATEGORIES,
     FLOW_SKIPPED,
     FLOW_START,
+    FLOW_STEP,
     GPU,
     GPU_OFFSET,
     HOST,
@@ -46,7 +46,8 @@ from .schema import (
 _RUNTIME, _DRIVER = int(HostKind.RUNTIME), int(HostKind.DRIVER)
 _MEMSET = int(GpuKind.MEMSET)
 
-_CAT = attrgetter("cat")
+_CAT = attrgetter("cat")  # a complete event's category, any other event's type code (``schema``)
+_FLOW_CAT = attrgetter("flow_cat")
 _NAME = attrgetter("name")
 _TS = attrgetter("ts")
 _ID = attrgetter("id")
@@ -145,8 +146,12 @@ class _FirstFloat(dict[bytes, int]):
         return v
 
 
-class _Codes(dict[str, int]):
-    """Category of a complete event -> host kind or ``GPU_OFFSET`` + GPU kind, once per distinct category."""
+class _Codes(dict[str | int, int]):
+    """Category of a complete event -> host kind or ``GPU_OFFSET`` + GPU kind, once per distinct category;
+    the other events' type codes (negative) map to themselves."""
+
+    def __init__(self) -> None:
+        super().__init__(zip(TYPE_CODES, TYPE_CODES, strict=True))
 
     def __missing__(self, cat: str) -> int:
         code = CATEGORIES.get(cat)
@@ -161,10 +166,6 @@ def pick(events: Sequence[Event], idx: np.ndarray) -> Sequence[Event]:
     if idx.size == 1:
         return [events[int(idx[0])]]
     return itemgetter(*idx.tolist())(events)
-
-
-def _type_codes(events: list[Event]) -> np.ndarray:
-    return np.fromiter(map(TYPE_CODES.__getitem__, map(type, events)), np.int8, len(events))
 
 
 # Each table's op args (``Arg.sparse``) with the column each fills and its dtype, worked out once and
@@ -205,7 +206,7 @@ class Builder:
         # pattern -> (by name id: does the name match, does any)
         self._name_hits: dict[str, tuple[np.ndarray, bool]] = {}
         self._absent: dict[str, int] = {}  # op arg -> carriers seen without it so far (-1: found once)
-        self.codes: dict[str, int] = _Codes()
+        self.codes: dict[str | int, int] = _Codes()
         self.host: list[dict[str, np.ndarray]] = []
         self.gpu: list[dict[str, np.ndarray]] = []
         self.mem: list[dict[str, np.ndarray]] = []
@@ -235,38 +236,38 @@ class Builder:
             return
         first = self.n_events
         self.n_events += n
-        types = _type_codes(events)
+        codes = self._codes(events)
         host_before, gpu_before = len(self.host), len(self.gpu)
-        complete = np.flatnonzero(types == COMPLETE)
-        if complete.size:
-            evs = pick(events, complete)
-            codes = np.fromiter(map(self.codes.__getitem__, map(_CAT, evs)), np.int16, len(evs))
-            on_gpu = codes >= GPU_OFFSET
-            for mask, add_to, offset, table in (
-                (~on_gpu, self.host, 0, HOST),
-                (on_gpu, self.gpu, GPU_OFFSET, GPU),
-            ):
-                idx = np.flatnonzero(mask)
-                if idx.size:
-                    cols = self._columns(pick(evs, idx), codes[idx] - offset, table)
-                    self._check(cols, first + complete[idx])
-                    add_to.append(cols)
-        instants = np.flatnonzero(types == INSTANT)
+        on_gpu = codes >= GPU_OFFSET
+        for mask, add_to, offset, table in (
+            ((codes >= 0) & ~on_gpu, self.host, 0, HOST),
+            (on_gpu, self.gpu, GPU_OFFSET, GPU),
+        ):
+            idx = mask.nonzero()[0]
+            if idx.size:
+                cols = self._columns(pick(events, idx), codes[idx] - offset, table)
+                self._check(cols, first + idx)
+                add_to.append(cols)
+        instants = (codes == INSTANT).nonzero()[0]
         if instants.size:
             self._instants(pick(events, instants))
-        flows = np.flatnonzero((types >= FLOW_START) & (types <= FLOW_SKIPPED) & (types != SKIPPED_CODE))
+        flows = ((codes <= FLOW_START) & (codes >= FLOW_SKIPPED) & (codes != SKIPPED_CODE)).nonzero()[0]
         if flows.size and self._needs_flows(len(self.host) - host_before, len(self.gpu) - gpu_before):
-            if (types[flows] == FLOW_SKIPPED).any():
+            if (codes[flows] == FLOW_SKIPPED).any():
                 self.flows_skipped = True  # the parser decodes this chunk again and calls absorb_flows
             else:
-                self._flows(pick(events, flows), types[flows])
+                self._flows(pick(events, flows), codes[flows])
 
     def absorb_flows(self, events: list[Event]) -> None:
         """The flow events of a chunk already absorbed (decoded again, in full)."""
-        types = _type_codes(events)
-        flows = np.flatnonzero((types >= FLOW_START) & (types < SKIPPED_CODE))
+        codes = self._codes(events)
+        flows = ((codes <= FLOW_START) & (codes >= FLOW_STEP)).nonzero()[0]
         if flows.size:
-            self._flows(pick(events, flows), types[flows])
+            self._flows(pick(events, flows), codes[flows])
+
+    def _codes(self, events: list[Event]) -> np.ndarray:
+        """Each event's kind (complete events) or type code (the others), in one C-level pass."""
+        return np.fromiter(map(self.codes.__getitem__, map(_CAT, events)), np.int16, len(events))
 
     def _needs_flows(self, new_host: int, new_gpu: int) -> bool:
         """Flows only matter where launch calls or GPU ops of this chunk lack a correlation id."""
@@ -293,7 +294,7 @@ class Builder:
 
     def _flows(self, evs: Sequence[Event], types: np.ndarray) -> None:
         keep = np.flatnonzero(
-            np.fromiter(map(FLOW_CATEGORIES.__contains__, map(_CAT, evs)), np.bool_, len(evs))
+            np.fromiter(map(FLOW_CATEGORIES.__contains__, map(_FLOW_CAT, evs)), np.bool_, len(evs))
         )
         if keep.size == 0:
             return

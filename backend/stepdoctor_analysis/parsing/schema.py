@@ -10,7 +10,7 @@ column dtypes of each table (``HOST``, ``GPU``, ``MEMORY``). Adding a kernel arg
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import msgspec
 import numpy as np
@@ -267,6 +267,11 @@ InstantArgs = args_struct(tuple(a for a in ARGS if a.memory), called="InstantArg
 
 # --------------------------------------------------------------------------- event types
 
+# Every event but a complete one has, where a complete event has its category (``cat``), a negative
+# code for its type (the ``cat`` of a flow is its ``flow_cat``): one lookup per event, categories and
+# these codes in one dict (``columns.Codes``), classifies a chunk; an int never equals a category.
+INSTANT, FLOW_START, FLOW_END, FLOW_STEP, SKIPPED_CODE, FLOW_SKIPPED = -1, -2, -3, -4, -5, -6
+
 
 class Complete(msgspec.Struct, tag_field="ph", tag="X", gc=False):
     """A duration event (``ph: X``): every host op, launch call and GPU op.
@@ -286,6 +291,7 @@ class Complete(msgspec.Struct, tag_field="ph", tag="X", gc=False):
 class Instant(msgspec.Struct, tag_field="ph", tag="i", gc=False):
     """An instant event: ``[memory]`` and ``[OutOfMemory]`` are the ones we keep."""
 
+    cat: ClassVar[int] = INSTANT
     name: str | None = None
     ts: float = NAN
     args: InstantArgs = msgspec.field(default_factory=InstantArgs)  # type: ignore[valid-type]
@@ -298,7 +304,8 @@ class InstantLegacy(Instant, tag="I"):
 class FlowStart(msgspec.Struct, tag_field="ph", tag="s", gc=False):
     """Flow endpoints: only needed to recover correlation ids in traces that lack them."""
 
-    cat: str = ""
+    cat: ClassVar[int] = FLOW_START
+    flow_cat: str = msgspec.field(default="", name="cat")
     id: int | str | None = None
     ts: float = NAN
     pid: int | str = NONE
@@ -306,41 +313,30 @@ class FlowStart(msgspec.Struct, tag_field="ph", tag="s", gc=False):
 
 
 class FlowEnd(FlowStart, tag="f"):
-    pass
+    cat: ClassVar[int] = FLOW_END
 
 
 class FlowStep(FlowStart, tag="t"):
-    pass
+    cat: ClassVar[int] = FLOW_STEP
 
 
 # Every other Chrome trace phase decodes into an empty Struct: parsed, never materialised.
 SKIPPED = tuple(
-    msgspec.defstruct(f"_Skip{i}", [], tag_field="ph", tag=ph, gc=False)
+    msgspec.defstruct(f"_Skip{i}", [], tag_field="ph", tag=ph, gc=False, namespace={"cat": SKIPPED_CODE})
     for i, ph in enumerate(
         ("M", "B", "E", "C", "b", "n", "e", "P", "N", "O", "D", "V", "v", "R", "c", "(", ")")
     )
 )
 Event = Any  # one of the tagged Structs above
-
-# Type codes: 0 complete, 1 instant, 2/3/4 flow start/end/step, 5 skipped, 6 flow skipped by the lean decoder.
-COMPLETE, INSTANT, FLOW_START, SKIPPED_CODE, FLOW_SKIPPED = 0, 1, 2, 5, 6
-TYPE_CODES: dict[type, int] = {
-    Complete: COMPLETE,
-    Instant: INSTANT,
-    InstantLegacy: INSTANT,
-    FlowStart: FLOW_START,
-    FlowEnd: 3,
-    FlowStep: 4,
-}
-TYPE_CODES.update(dict.fromkeys(SKIPPED, SKIPPED_CODE))
+TYPE_CODES = (INSTANT, FLOW_START, FLOW_END, FLOW_STEP, SKIPPED_CODE, FLOW_SKIPPED)
 _EventUnion = Union[(Complete, Instant, InstantLegacy, FlowStart, FlowEnd, FlowStep, *SKIPPED)]  # type: ignore[valid-type]
 # Flow events are a third of a modern trace but only matter when correlation ids are missing (old
-# traces): the lean decoder skips them (type code 6); a chunk that turns out to need them is decoded
+# traces): the lean decoder skips them (``FLOW_SKIPPED``); a chunk that turns out to need them is decoded
 # again in full, and so is the rest of that trace.
 _FLOWS_SKIPPED = tuple(
-    msgspec.defstruct(f"_SkipFlow{i}", [], tag_field="ph", tag=ph, gc=False) for i, ph in enumerate("sft")
+    msgspec.defstruct(f"_SkipFlow{i}", [], tag_field="ph", tag=ph, gc=False, namespace={"cat": FLOW_SKIPPED})
+    for i, ph in enumerate("sft")
 )
-TYPE_CODES.update(dict.fromkeys(_FLOWS_SKIPPED, FLOW_SKIPPED))
 _LeanUnion = Union[(Complete, Instant, InstantLegacy, *_FLOWS_SKIPPED, *SKIPPED)]  # type: ignore[valid-type]
 
 
@@ -389,7 +385,7 @@ def tighten(events: list[LaxEvent]) -> list[Event]:
         elif ph in ("i", "I"):
             out.append(Instant(name=name, ts=ts, args=args))
         elif ph in _FLOW_TYPES:
-            out.append(_FLOW_TYPES[ph](cat=cat, id=_id_or(e.id, None), ts=ts, pid=pid, tid=tid))
+            out.append(_FLOW_TYPES[ph](flow_cat=cat, id=_id_or(e.id, None), ts=ts, pid=pid, tid=tid))
         else:
             out.append(SKIPPED[0]())
     return out
