@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from itertools import islice
-from operator import attrgetter, itemgetter
+from itertools import islice, repeat
+from operator import attrgetter, is_not, itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -87,21 +87,35 @@ MAX_NAMES_CHARS = 256 << 20
 
 
 class _Interner(dict[str, int]):
-    """Name -> dense id; ``__getitem__`` stays in C for names already seen."""
+    """Name -> dense id; ``__getitem__`` stays in C for names already seen.
+
+    The budget is checked once per chunk (``account``), not per new name: the per-name check more
+    than doubled the cost of interning a new name.
+    """
 
     chars = 0
+    counted = 0  # entries whose characters are in ``chars``
     reserved = 0  # entries that hold no id (``_Values`` keeps None)
 
     def __missing__(self, key: str) -> int:
         if key is not None and len(key) > MAX_NAME_CHARS:
             return self[key[: MAX_NAME_CHARS - 1] + "…"]
-        self.chars += len(key or "")
-        if self.chars > MAX_NAMES_CHARS:
-            raise TraceError(
-                f"event names total more than {MAX_NAMES_CHARS >> 20} Mi characters; refusing the trace"
-            )
         v = self[key] = len(self) - self.reserved
         return v
+
+    def newest(self, n: int) -> list[str]:
+        """The last ``n`` keys, in insertion order (read from the end: no walk over the older ones)."""
+        return list(islice(reversed(self), n))[::-1]
+
+    def account(self) -> None:
+        """Add the new names' characters to the total; refuse the trace past the budget."""
+        if len(self) > self.counted:
+            self.chars += sum(map(len, filter(None, self.newest(len(self) - self.counted))))
+            self.counted = len(self)
+            if self.chars > MAX_NAMES_CHARS:
+                raise TraceError(
+                    f"event names total more than {MAX_NAMES_CHARS >> 20} Mi characters; refusing the trace"
+                )
 
 
 # An op arg that this many of its carriers lacked, with none having it, is not looked for again:
@@ -200,8 +214,8 @@ class Builder:
 
     def __init__(self, source: str) -> None:
         self.source = source
-        self.ids: dict[str, int] = _Interner()
-        self.values: dict[str, int] = _Values()  # string arg values (assembly renumbers them)
+        self.ids = _Interner()
+        self.values = _Values()  # string arg values (assembly renumbers them)
         self._first_float = _FirstFloat(self.values)
         # pattern -> (by name id: does the name match, does any)
         self._name_hits: dict[str, tuple[np.ndarray, bool]] = {}
@@ -246,6 +260,8 @@ class Builder:
             idx = mask.nonzero()[0]
             if idx.size:
                 cols = self._columns(pick(events, idx), codes[idx] - offset, table)
+                self.ids.account()
+                self.values.account()
                 self._check(cols, first + idx)
                 add_to.append(cols)
         instants = (codes == INSTANT).nonzero()[0]
@@ -428,9 +444,11 @@ class Builder:
             return (kinds == arg.on_kind).nonzero()[0]
         hits, some = self._name_hits.get(arg.on_names, (_NO_HITS, False))
         if hits.size < len(self.ids):  # names arrived: test the new ones
-            pattern = re.compile(arg.on_names)
-            new = [pattern.match(s or "") is not None for s in islice(self.ids, hits.size, None)]
-            hits = np.concatenate([hits, np.array(new, np.bool_)])
+            new = self.ids.newest(len(self.ids) - hits.size)
+            if None in new:  # an event without a name (refused by ``_check``)
+                new = [s or "" for s in new]
+            matched = map(is_not, map(re.compile(arg.on_names).match, new), repeat(None))
+            hits = np.concatenate([hits, np.fromiter(matched, np.bool_, len(new))])
             some = bool(hits.any())
             self._name_hits[arg.on_names] = hits, some
         return hits[names].nonzero()[0] if some else _NO_ROWS
