@@ -72,13 +72,13 @@ def account(trace: RankTrace, steps: list[Step], ev: Evidence) -> Accounting:
     step_ns = (ends - starts).astype(np.int64)
     idle: dict[str, iv.Intervals] = {}
     if uses_gpu_timeline(trace, steps):
-        kinds, idle = _account_gpu(trace, starts, ends, ev.inputs, ev.sync, ev.memory)
+        kinds, claimed, layer_kinds, idle = _account_gpu(trace, starts, ends, ev.inputs, ev.sync, ev.memory)
     else:
-        kinds = _account_cpu(trace, starts, ends, ev.inputs, ev.comm_host)
+        kinds, claimed, layer_kinds = _account_cpu(trace, starts, ends, ev.inputs, ev.comm_host)
     for k in (*KINDS, "other"):
         if k not in kinds:
             kinds[k] = np.zeros(len(steps), dtype=np.int64)
-    return Accounting(step_ns=step_ns, kinds=kinds, idle=idle)
+    return Accounting(step_ns=step_ns, kinds=kinds, idle=idle, claimed=claimed, layer_kinds=layer_kinds)
 
 
 def _account_gpu(
@@ -88,15 +88,16 @@ def _account_gpu(
     inputs: InputStats,
     sync: SyncStats,
     memory: MemoryStats,
-) -> tuple[dict[str, np.ndarray], dict[str, iv.Intervals]]:
-    """Per-step ns of each kind, and the idle stretches by the kind they were charged to."""
+) -> tuple[dict[str, np.ndarray], iv.Claimed, tuple[str, ...], dict[str, iv.Intervals]]:
+    """Per-step ns of each kind, the claim, its layers' kinds, and the idle stretches by the kind
+    they were charged to."""
     busy = gpu_busy_layers(trace, inputs, memory)
     claimed = iv.claim_in_order(starts, ends, list(busy.values()))
     out = dict(zip(busy, claimed.per_layer, strict=True))
     idle = charge_idle(trace, claimed.free, sync)
     for kind, stretches in idle.items():
         out[kind] = tl.per_step(stretches, starts, ends)
-    return out, idle
+    return out, claimed, tuple(busy), idle
 
 
 def uses_gpu_timeline(trace: RankTrace, steps: list[Step]) -> bool:
@@ -199,14 +200,14 @@ def _device_ops_by_start(trace: RankTrace) -> tuple[np.ndarray, np.ndarray]:
 
 def _account_cpu(
     trace: RankTrace, starts: np.ndarray, ends: np.ndarray, inputs: InputStats, comm_host: bool
-) -> dict[str, np.ndarray]:
+) -> tuple[dict[str, np.ndarray], iv.Claimed, tuple[str, ...]]:
     layers = cpu_layers(trace, inputs, comm_host)
     claimed = iv.claim_in_order(starts, ends, [ivs for _, ivs in layers])
     out: dict[str, np.ndarray] = {}
     for (kind, _), per in zip(layers, claimed.per_layer, strict=True):
         out[kind] = out[kind] + per if kind in out else per
     out["other"] = claimed.unclaimed
-    return out
+    return out, claimed, tuple(kind for kind, _ in layers)
 
 
 def cpu_layers(trace: RankTrace, inputs: InputStats, comm_host: bool) -> list[tuple[str, iv.Intervals]]:

@@ -148,12 +148,32 @@ class Claimed:
     unclaimed: I64  # ns of each window no layer claimed
     _bounds: I64 = field(repr=False)  # the sweep's sorted boundaries ...
     _free: Mask = field(repr=False)  # ... and whether the stretch after each one is free
+    _owner: npt.NDArray[np.int32] = field(repr=False)  # ... and its owner: layer + 1, 0 outside
 
     @property
     def free(self) -> Intervals:
         """The windows' unclaimed time, as a normalised set (only the diagnosis asks for it)."""
         at = self._free.nonzero()[0]
         return union(self._bounds[at], self._bounds[at + 1])
+
+    def within(self, lo: int, hi: int) -> tuple[I64, I64, I64]:
+        """The stretches of ``[lo, hi)`` as (starts, ends, layer; -1: free, -2: outside every window),
+        in time order, touching stretches of one layer merged: per layer, exactly the part of
+        ``[lo, hi)`` it claimed, as a normalised set (a drawn step reads it without a new sweep)."""
+        t = self._bounds
+        j0 = max(int(t.searchsorted(lo, side="right")) - 1, 0)
+        j1 = int(t.searchsorted(hi, side="left"))
+        s = np.maximum(t[j0:j1], lo)
+        e = np.minimum(t[j0 + 1 : j1 + 1], hi)
+        owner = self._owner[j0:j1].astype(np.int64)
+        layer = np.where(self._free[j0:j1], -1, np.where(owner == 0, -2, owner - 1))
+        keep = e > s
+        s, e, layer = s[keep], e[keep], layer[keep]
+        first = np.ones(s.size, np.bool_)
+        first[1:] = (layer[1:] != layer[:-1]) | (s[1:] != e[:-1])
+        starts = first.nonzero()[0]
+        last = np.append(starts[1:], s.size) - 1
+        return s[starts], e[last], layer[starts]
 
 
 def claim_in_order(win_starts: I64, win_ends: I64, layers: Sequence[Intervals]) -> Claimed:
@@ -202,7 +222,7 @@ def claim_in_order(win_starts: I64, win_ends: I64, layers: Sequence[Intervals]) 
         np.add.at(totals[:, 0], owner, length)
     else:
         totals = _per_window_by_owner(t, owner, length, win_starts, win_ends, width)
-    return Claimed([totals[k + 1] for k in range(n_layers)], totals[free_code], t, is_free)
+    return Claimed([totals[k + 1] for k in range(n_layers)], totals[free_code], t, is_free, owner)
 
 
 def _per_window_by_owner(

@@ -127,7 +127,7 @@ def analyze_trace(
         iterations=_iterations(iters, step_list),
         limiter=dx.limiter,
         tables=tables.build_tables(trace, step_list),  # JSON-ready: to_dict converts the report once
-        timeline=step_timeline.build_timeline(trace, step_list, evidence, acc),
+        timeline=step_timeline.build_timeline(trace, step_list, acc),
     )
 
 

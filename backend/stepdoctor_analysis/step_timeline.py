@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import intervals as iv
-from .diagnose import Evidence, cpu_layers, gpu_busy_layers, uses_gpu_timeline
+from .diagnose import uses_gpu_timeline
 from .model import GpuKind, HostKind, RankTrace, Step
 from .steps import step_marker_mask
 from .timeline import Accounting
@@ -52,19 +52,14 @@ def representative_steps(steps: list[Step]) -> list[tuple[Step, str]]:
     return [(steps[i], chosen[i]) for i in sorted(chosen)[:MAX_STEPS]]
 
 
-def build_timeline(trace: RankTrace, steps: list[Step], ev: Evidence, acc: Accounting) -> dict[str, Any]:
+def build_timeline(trace: RankTrace, steps: list[Step], acc: Accounting) -> dict[str, Any]:
     """Lanes of the representative steps (see the module docstring)."""
     names: dict[str, int] = {}
     on_gpu = uses_gpu_timeline(trace, steps)
-    layers = (
-        list(gpu_busy_layers(trace, ev.inputs, ev.memory).items())
-        if on_gpu
-        else cpu_layers(trace, ev.inputs, ev.comm_host)
-    )
     out = []
     for step, why in representative_steps(steps):
         lanes = _host_lanes(trace, step, names) + _gpu_lanes(trace, step, names)
-        lanes.append(_charged_lane(step, layers, acc, on_gpu))
+        lanes.append(_charged_lane(step, acc, on_gpu))
         out.append(
             {
                 "number": step.number,
@@ -76,17 +71,16 @@ def build_timeline(trace: RankTrace, steps: list[Step], ev: Evidence, acc: Accou
     return {"steps": out, "names": list(names)}
 
 
-def _charged_lane(
-    step: Step, layers: list[tuple[str, iv.Intervals]], acc: Accounting, on_gpu: bool
-) -> dict[str, Any]:
-    """The step partitioned into kinds, claimed in ``diagnose.account``'s order; on a GPU, what the
-    layers leave free is the accounting's charged idle stretches within the step."""
-    free: iv.Intervals = (np.array([step.start], np.int64), np.array([step.end], np.int64))
+def _charged_lane(step: Step, acc: Accounting, on_gpu: bool) -> dict[str, Any]:
+    """The step partitioned into kinds exactly as ``diagnose.account`` did: each layer's claim
+    within the step, then what they left free: on a GPU, the charged idle stretches within it."""
     parts: list[tuple[str, iv.Intervals]] = []
-    for kind, layer in layers:
-        owned = iv.intersect(free, iv.clip(layer, step.start, step.end))
-        free = iv.subtract(free, owned)
-        parts.append((kind, owned))
+    if acc.claimed is not None:
+        s, e, layer = acc.claimed.within(step.start, step.end)
+        parts = [(kind, (s[layer == k], e[layer == k])) for k, kind in enumerate(acc.layer_kinds)]
+        free = (s[layer < 0], e[layer < 0])
+    else:
+        free = (np.array([step.start], np.int64), np.array([step.end], np.int64))
     if on_gpu:
         parts += [(kind, iv.clip(ivs, step.start, step.end)) for kind, ivs in acc.idle.items()]
     else:

@@ -97,6 +97,10 @@ class Accounting:
     # (``diagnose.charge_idle``). The drawn step clips these instead of charging its idle time again,
     # so a stretch crossing a step boundary is charged once, the same way in picture and numbers.
     idle: dict[str, iv.Intervals] = field(default_factory=dict, repr=False, compare=False)
+    # The claim sweep over the steps and the kind of each of its layers, in claim order (a kind
+    # may own several layers): a drawn step reads its partition from these (``Claimed.within``).
+    claimed: iv.Claimed | None = field(default=None, repr=False, compare=False)
+    layer_kinds: tuple[str, ...] = field(default=(), repr=False, compare=False)
     # Rules and the report ask for these dozens of times: each is computed once, on construction.
     means: dict[str, float] = field(init=False, repr=False, compare=False)
     shares: dict[str, float] = field(init=False, repr=False, compare=False)
