@@ -451,7 +451,7 @@ class Builder:
             hits = np.concatenate([hits, np.fromiter(matched, np.bool_, len(new))])
             some = bool(hits.any())
             self._name_hits[arg.on_names] = hits, some
-        return hits[names].nonzero()[0] if some else _NO_ROWS
+        return hits.take(names).nonzero()[0] if some else _NO_ROWS
 
     def _carried(self, evs: Sequence[Event], arg: Arg) -> bool:
         """Whether any of these carriers has ``arg`` at all, whatever its value.
