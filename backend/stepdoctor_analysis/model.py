@@ -9,6 +9,7 @@ args kept (``HostEvents.collective``, ``msg_dtype``, ...), whose values follow t
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -220,7 +221,21 @@ class RankTrace:
             return np.bincount(present, minlength=len(self.strings)).nonzero()[0].tolist()
 
         strings = self.strings
-        hits = [i for i in self.memo(("names_used", group), distinct) if predicate(strings[i])]
+        used = self.memo(("names_used", group), distinct)
+        known = _answers(predicate)
+        if known is None:
+            hits = [i for i in used if predicate(strings[i])]
+        else:
+            if len(known) > _MAX_ANSWERS:  # bounded: a long-lived server sees unboundedly many names
+                known.clear()
+            hits = []
+            for i in used:
+                s = strings[i]
+                said = known.get(s)
+                if said is None:
+                    said = known[s] = bool(predicate(s))
+                if said:
+                    hits.append(i)
         if not hits:  # the usual answer: skip building a mask over every event
             return np.zeros(names.shape[0], dtype=np.bool_)
         if len(hits) <= 4:  # a few names: comparing is cheaper than a gather over every event
@@ -244,6 +259,33 @@ class RankTrace:
     @property
     def has_gpu(self) -> bool:
         return len(self.gpu) > 0
+
+
+# Answers of stateless name predicates, per predicate and name, kept across traces: traces of one
+# model share their (long, templated) kernel and op names, and a dict lookup is ~20x cheaper than
+# the substring and regex tests the predicates run.
+_ANSWERS: dict[Hashable, dict[str, bool]] = {}
+_MAX_ANSWERS = 1 << 16
+
+
+def _answers(predicate: Callable[[str], object]) -> dict[str, bool] | None:
+    """The answer cache of ``predicate``, or None when its answers may depend on more than the name.
+
+    Functions without closure or defaults are keyed by their code (an inline lambda is a new
+    object per call, its code is not; it reads module constants only); a compiled pattern's ``search``/``match`` by the pattern.
+    """
+    owner = getattr(predicate, "__self__", None)
+    if isinstance(owner, re.Pattern):
+        key: Hashable = (owner, predicate.__name__)
+    else:
+        code = getattr(predicate, "__code__", None)
+        if code is None or predicate.__closure__ is not None or predicate.__defaults__ is not None:
+            return None
+        key = (code.co_filename, code)  # code compares by content, not by the file it is in
+    known = _ANSWERS.get(key)
+    if known is None:
+        known = _ANSWERS[key] = {}
+    return known
 
 
 def _read_only_parts(value: T) -> T:
