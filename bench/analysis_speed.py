@@ -170,9 +170,12 @@ def _best(runs: list[dict[str, float] | None]) -> dict[str, float] | None:
 
 def checkout_engine(rev: str, dest: Path) -> Path:
     """The analysis engine at git revision ``rev``, exported to ``dest``; its ``backend`` folder."""
-    data = subprocess.run(
-        ["git", "-C", str(REPO), "archive", rev, "backend"], capture_output=True, check=True
-    ).stdout
+    got = subprocess.run(
+        ["git", "-C", str(REPO), "archive", rev, "backend"], capture_output=True, check=False
+    )
+    if got.returncode != 0:  # e.g. a shallow clone without that commit
+        raise SystemExit(f"--baseline {rev}: git archive failed: {got.stderr.decode().strip()}")
+    data = got.stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=data, check=True)
     compileall.compile_dir(str(dest / "backend"), quiet=1)
     return dest / "backend"
