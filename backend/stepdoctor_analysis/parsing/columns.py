@@ -460,7 +460,7 @@ class Builder:
         """
         if arg.text == "first_float":
             return self._first_float.listed
-        return any(v is not None for v in map(attrgetter(f"args.{arg.attr}"), evs))
+        return any(map(is_not, map(attrgetter(f"args.{arg.attr}"), evs), repeat(None)))
 
     def _sparse_values(self, evs: Sequence[Event], arg: Arg, dtype: np.dtype[Any]) -> np.ndarray:
         """The arg's values on these events (string ones as value ids), in the column's dtype."""
