@@ -203,7 +203,7 @@ def _overlapping(shown: np.ndarray, ts: np.ndarray, end: np.ndarray, step: Step)
     Three passes over the table per drawn step (at most ``MAX_STEPS``) instead of sorting every
     event once: only the few drawn steps' events need an order.
     """
-    return np.flatnonzero(shown & (ts < step.end) & (end > step.start))
+    return (shown & (ts < step.end) & (end > step.start)).nonzero()[0]
 
 
 def _gpu_lanes(trace: RankTrace, step: Step, names: dict[str, int]) -> list[dict[str, Any]]:
@@ -267,8 +267,10 @@ def _lane(
     step: Step,
     names: dict[str, int],
 ) -> dict[str, Any]:
-    s = np.clip(starts, step.start, step.end) - step.start
-    e = np.clip(ends, step.start, step.end) - step.start
+    # ndarray methods, not the np.* wrappers: a drawn step holds many small lanes, where the
+    # wrappers' Python-level dispatch costs more than the arithmetic.
+    s = starts.clip(step.start, step.end) - step.start
+    e = ends.clip(step.start, step.end) - step.start
     label_ids, counts = name_ids, np.ones(s.size, np.int64)
     merged = 0
     gap = max(1, (step.end - step.start) // (MAX_BOXES * 8))
@@ -307,5 +309,5 @@ def _us(ns: int) -> float:
 
 def _us_list(ns: np.ndarray) -> list[float]:
     """ns → µs rounded to the ns, for a whole array at once (``round`` per numpy scalar is slow)."""
-    out: list[float] = np.round(ns.astype(np.float64) / 1e3, 3).tolist()
+    out: list[float] = (ns / 1e3).round(3).tolist()
     return out
