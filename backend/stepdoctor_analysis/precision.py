@@ -78,6 +78,15 @@ def matmul_precision(name: str) -> str | None:
 # Codes for per-kernel precision arrays (-1: not matmul-class / not known).
 PRECISIONS = ("fp8", "int8", "bf16", "fp16", "tf32", "fp64", "fp32", "unknown")
 _CODE = {p: i for i, p in enumerate(PRECISIONS)}
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _precision_code(name: str) -> int:
+    """``matmul_precision`` as a code (-1: not matmul-class), for filling per-name lookup arrays."""
+    p = matmul_precision(name)
+    return -1 if p is None else _CODE[p]
+
+
 _TF32, _FP32, _UNKNOWN = _CODE["tf32"], _CODE["fp32"], _CODE["unknown"]
 
 # Host ops doing matmul-class work, whose input dtype is the precision of the kernels they launch
@@ -171,9 +180,9 @@ def _kernel_precisions(trace: RankTrace, kernels: np.ndarray) -> tuple[np.ndarra
     g = trace.gpu
     names = g.name[kernels]
     by_name = np.full(len(trace.strings), -1, np.int8)
-    for i in np.unique(names).tolist():
-        p = matmul_precision(trace.strings[i])
-        by_name[i] = -1 if p is None else _CODE[p]
+    used_names = np.bincount(names, minlength=len(trace.strings)).nonzero()[0].tolist()
+    strings = trace.strings
+    by_name[used_names] = [_precision_code(strings[i]) for i in used_names]
     name_code = by_name[names]
     op_code = kernel_op_precision(trace)[kernels]
     agree = (name_code == op_code) | ((name_code == _TF32) & (op_code == _FP32))
@@ -362,18 +371,34 @@ _ARCH_RES = (re.compile(r"sm(\d)(\d)_"), re.compile(r"cutlass_(\d)(\d)_"))
 _ALNUM = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
 
 
-def _kernel_arch_floor(trace: RankTrace) -> tuple[int, int] | None:
-    """The newest architecture the trace's library kernels were built for (None when none say).
+# Architecture each kernel name says (None: none), kept across traces: a model's traces share their
+# library kernels, so only names not seen before are scanned (bounded like ``model``'s name answers).
+_ARCH_SAID: dict[str, tuple[int, int] | None] = {}
+_MAX_ARCH_SAID = 1 << 16
 
-    One scan over the distinct kernel names joined by newlines, not one per name: a name says
-    an architecture by starting with a prefix or having it after a space, and by the leftmost
-    ``_ARCH_RES`` hit at its start or after a character other than [a-z0-9]; the newest one any
-    name says wins.
-    """
+
+def _kernel_arch_floor(trace: RankTrace) -> tuple[int, int] | None:
+    """The newest architecture the trace's library kernels were built for (None when none say)."""
     kernels = trace.gpu_kind(GpuKind.KERNEL)
     if not kernels.any():
         return None
-    lows = [trace.strings[i].lower() for i in np.unique(trace.gpu.name[kernels]).tolist()]
+    names = [trace.strings[i] for i in np.unique(trace.gpu.name[kernels]).tolist()]
+    if len(_ARCH_SAID) > _MAX_ARCH_SAID:
+        _ARCH_SAID.clear()
+    new = [s for s in names if s not in _ARCH_SAID]
+    if new:
+        _ARCH_SAID.update(zip(new, _archs_said([s.lower() for s in new]), strict=True))
+    found = [a for s in names if (a := _ARCH_SAID[s]) is not None]
+    return max(found) if found else None
+
+
+def _archs_said(lows: list[str]) -> list[tuple[int, int] | None]:
+    """The newest architecture each lower-cased name says (None: none).
+
+    One scan over the names joined by newlines, not one per name: a name says an architecture by
+    starting with a prefix or having it after a space, and by its leftmost ``_ARCH_RES`` hit at its
+    start or after a character other than [a-z0-9].
+    """
     text = "\n".join(lows)
     first: list[int] = []  # where each name starts in ``text``
     at = 0
@@ -381,29 +406,39 @@ def _kernel_arch_floor(trace: RankTrace) -> tuple[int, int] | None:
         first.append(at)
         at += len(low) + 1
     starts = set(first)
-    found: list[tuple[int, int]] = []
+    said: list[tuple[int, int] | None] = [None] * len(lows)
+
+    def say(at: int, arch: tuple[int, int]) -> None:
+        owner = bisect.bisect_right(first, at) - 1
+        known = said[owner]
+        if known is None or arch > known:
+            said[owner] = arch
+
     for prefix, arch in _ARCH_PREFIXES.items():
         at = text.find(prefix)
-        while at >= 0 and not (at in starts or text[at - 1] == " "):
+        while at >= 0:
+            if at in starts or text[at - 1] == " ":
+                say(at, arch)
             at = text.find(prefix, at + 1)
-        if at >= 0:
-            found.append(arch)
     named: set[int] = set()
     hits = sorted((m for rx in _ARCH_RES for m in rx.finditer(text)), key=lambda m: m.start())
     for m in hits:  # no match can start inside another ("sm", "cutlass_" shapes)
         at = m.start()
         if at in starts or text[at - 1] not in _ALNUM:
             owner = bisect.bisect_right(first, at) - 1
-            if owner not in named:
+            if owner not in named:  # a name's leftmost hit is the one it says
                 named.add(owner)
-                found.append((int(m.group(1)), int(m.group(2))))
-    return max(found) if found else None
+                say(at, (int(m.group(1)), int(m.group(2))))
+    return said
+
+
+def _is_tensile_name(name: str) -> bool:
+    return name.startswith("Cijk_")
 
 
 def _launched_via_hip(trace: RankTrace) -> bool:
     kernels = trace.gpu_kind(GpuKind.KERNEL)
-    if kernels.any() and any(
-        trace.strings[i].startswith("Cijk_") for i in np.unique(trace.gpu.name[kernels][:5000]).tolist()
-    ):
+    tensile = trace.gpu_named(_is_tensile_name, "precision.tensile")
+    if tensile.any() and tensile[np.flatnonzero(kernels)[:5000]].any():  # among the first 5000 kernels
         return True
     return any(s.startswith("hip") for s in trace.strings[:20000])
