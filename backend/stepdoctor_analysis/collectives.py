@@ -22,6 +22,7 @@ kernel under ``nccl:all_to_all`` is an all-to-all, under ``nccl:send`` a pipelin
 
 from __future__ import annotations
 
+import functools
 import re
 
 COLLECTIVE_TYPES: tuple[str, ...] = (
@@ -97,6 +98,7 @@ def is_collective_kernel_name(name: str) -> bool:
     return _CUSTOM_ALL_REDUCE_RE.search(low) is not None
 
 
+@functools.lru_cache(maxsize=1 << 14)  # per distinct name, for every trace of a model
 def collective_type(name: str) -> str | None:
     """The collective type a kernel or op name states, or None when it does not say."""
     squashed = _SEPARATORS.sub("", _signature(name).lower())
@@ -133,6 +135,7 @@ def dtype_bytes(dtype: str) -> int | None:
     return _DTYPE_BYTES.get(low)
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def library(name: str) -> str:
     """Which family a collective kernel or op belongs to, for evidence (``nccl``, ``deepep``, ...)."""
     low = name.lower()
@@ -152,6 +155,8 @@ def _signature(name: str) -> str:
     """The name without its argument list: ``dispatch<...>(int*, ...)`` says nothing in its arguments."""
     cut = name.find("(")
     head = name if cut < 0 else name[:cut]
+    if "<" not in head and ">" not in head:  # nothing to drop: skip the character walk
+        return head
     # Template arguments can mention unrelated words (a ``Combine`` functor); keep the outer name.
     depth, out = 0, []
     for ch in head:

@@ -178,7 +178,7 @@ def _type_by_enclosing_op(
         # The enclosing op: among ops starting at or before the launch, the one reaching furthest.
         reach = np.maximum.accumulate(h.end[mine])
         owner = np.zeros(reach.size, np.int64)
-        changed = np.concatenate([[0], np.flatnonzero(np.diff(reach)) + 1])
+        changed = np.flatnonzero(np.diff(reach)) + 1  # owner[0] is 0 already
         owner[changed] = changed
         owner = np.maximum.accumulate(owner)
         j = op_start.searchsorted(at, side="right") - 1
@@ -347,8 +347,8 @@ def _outermost(trace: RankTrace, ops: I64) -> Mask:
 
 def _top_ids(names: np.ndarray, durs: np.ndarray, k: int = 3) -> tuple[list[int], list[int]]:
     """Distinct name ids, and the ``k`` with the most total time (a bincount, not a Python loop)."""
-    ids, inverse = np.unique(names, return_inverse=True)
-    totals = np.bincount(inverse, weights=durs)
+    ids = np.bincount(names).nonzero()[0]  # name ids are dense: same ids, in order, as np.unique
+    totals = np.bincount(names, weights=durs)[ids]
     return ids.tolist(), ids[(-totals).argsort(kind="stable")[:k]].tolist()
 
 
