@@ -123,6 +123,25 @@ def test_a_second_spelling_fills_where_the_first_is_missing() -> None:
     assert columns.arg_columns(rec, host, pid, tid)["external_id"].tolist() == [4, 6, NONE]
 
 
+def test_every_event_but_a_complete_one_carries_its_type_code_where_a_category_would_be() -> None:
+    """``columns.Builder`` classifies a chunk by one lookup of each event's ``cat``: a complete event's
+    category (a string), any other event's type code (an int: no category can equal it)."""
+    text = b'[{"ph":"X","cat":"kernel"},{"ph":"i"},{"ph":"I"},{"ph":"s","cat":"ac2g"},{"ph":"f"},{"ph":"t"},{"ph":"M"}]'
+    full, lean = schema.EVENTS_DECODER.decode(text), schema.LEAN_DECODER.decode(text)
+    assert [e.cat for e in full] == ["kernel", *[schema.INSTANT] * 2, -2, -3, -4, schema.SKIPPED_CODE]
+    assert [e.cat for e in lean[3:6]] == [schema.FLOW_SKIPPED] * 3
+    assert full[3].flow_cat == "ac2g"  # a flow's own category, read when flows repair correlations
+    assert set(schema.TYPE_CODES) == {
+        schema.INSTANT,
+        schema.FLOW_START,
+        schema.FLOW_END,
+        schema.FLOW_STEP,
+        schema.SKIPPED_CODE,
+        schema.FLOW_SKIPPED,
+    }
+    assert all(code < 0 for code in schema.TYPE_CODES)  # kinds of complete events are >= 0
+
+
 def test_an_attribute_clashing_with_an_event_field_is_refused() -> None:
     with pytest.raises(ValueError, match="unique"):
         table("gpu", (*ARGS, Arg("ts", "launch ts", "f8", gpu="launch_ts")))

@@ -269,7 +269,7 @@ InstantArgs = args_struct(tuple(a for a in ARGS if a.memory), called="InstantArg
 
 # Every event but a complete one has, where a complete event has its category (``cat``), a negative
 # code for its type (the ``cat`` of a flow is its ``flow_cat``): one lookup per event, categories and
-# these codes in one dict (``columns.Codes``), classifies a chunk; an int never equals a category.
+# these codes in one dict (``columns._Codes``), classifies a chunk; an int never equals a category.
 INSTANT, FLOW_START, FLOW_END, FLOW_STEP, SKIPPED_CODE, FLOW_SKIPPED = -1, -2, -3, -4, -5, -6
 
 
