@@ -19,13 +19,17 @@ many tiny kernels per token (``DECODE_MIN_KERNELS`` kernels with a median under 
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from .model import GpuKind, HostKind, RankTrace, Step
+from .model import GpuKind, HostKind, RankTrace, Step, median
 
 DECODE_MIN_KERNELS = 200  # kernels per step (per token) in a decode step of an LLM
 DECODE_MAX_MEDIAN_NS = 10_000  # ... each shorter than this: weights streamed at batch 1-64
@@ -88,25 +92,43 @@ class _Names:
     """Distinct names, searched through ``_GATES``: ``str.find`` of each gate word over all the
     lower-cased names joined in one string, the regex only on the lines the word is on."""
 
-    def __init__(self, names: list[str]) -> None:
-        self.names = names
-        self.blob = "\n".join(names).lower()
-        self.starts = np.cumsum([0] + [len(n) + 1 for n in names[:-1]]) if names else np.zeros(0, np.int64)
+    def __init__(self, names: list[str] | Callable[[], list[str]]) -> None:
+        self._names = names
+
+    @functools.cached_property  # listed on the first search
+    def names(self) -> list[str]:
+        return self._names if isinstance(self._names, list) else self._names()
+
+    @functools.cached_property  # built on the first search: a training trace never searches kernels
+    def blob(self) -> str:
+        return "\n".join(self.names).lower()
+
+    @functools.cached_property
+    def starts(self) -> list[int]:
+        return (
+            list(itertools.accumulate((len(n) + 1 for n in self.names[:-1]), initial=0)) if self.names else []
+        )
 
     def __add__(self, other: _Names) -> _Names:
         return _Names(self.names + other.names)
 
     def matches(self, rx: re.Pattern[str], limit: int = 3) -> list[str]:
         found: set[int] = set()
+        starts, blob, names = self.starts, self.blob, self.names
+        # Once ``limit`` lines are found, a later line cannot be among the first ``limit``.
+        stop = len(blob)
         for word in _GATES[rx]:
-            pos = self.blob.find(word)
+            pos = blob.find(word, 0, stop)
             while pos != -1:
-                line = int(self.starts.searchsorted(pos, side="right")) - 1
-                if line not in found and rx.search(self.names[line]):
+                line = bisect.bisect_right(starts, pos) - 1
+                if line not in found and rx.search(names[line]):
                     found.add(line)
-                end = self.starts[line + 1] if line + 1 < len(self.starts) else len(self.blob)
-                pos = self.blob.find(word, int(end))
-        return [self.names[i] for i in sorted(found)[:limit]]
+                    if len(found) >= limit:
+                        last = sorted(found)[limit - 1]
+                        stop = starts[last + 1] if last + 1 < len(starts) else len(blob)
+                end = starts[line + 1] if line + 1 < len(starts) else len(blob)
+                pos = blob.find(word, end, stop)
+        return [names[i] for i in sorted(found)[:limit]]
 
     def any(self, rx: re.Pattern[str]) -> bool:
         return bool(self.matches(rx, 1))
@@ -132,11 +154,13 @@ class Workload:
 
 def detect_workload(trace: RankTrace, steps: list[Step], metadata: dict[str, Any] | None = None) -> Workload:
     """Training or inference, from metadata, then from the ops the trace holds (module docstring)."""
-    host_names = _names(trace, trace.host.name)
+    host_names = _names(trace, lambda: trace.host.name)
     kernel_mask = trace.gpu_kind(GpuKind.KERNEL) if len(trace.gpu) else np.zeros(0, np.bool_)
-    kernel_names = _names(trace, trace.gpu.name[kernel_mask]) if len(trace.gpu) else _Names([])
+    kernel_names = _names(trace, lambda: trace.gpu.name[kernel_mask]) if len(trace.gpu) else _Names([])
     per_step, median_us = _kernel_shape(trace, kernel_mask, steps)
-    graphs = _names(trace, trace.host.name[trace.host_kind(HostKind.RUNTIME, HostKind.DRIVER)]).any(_GRAPH_RE)
+    graphs = bool(
+        trace.host_named(_GRAPH_RE.search, "workload.graphs", HostKind.RUNTIME, HostKind.DRIVER).any()
+    )
     grad_off = host_names.any(_GRAD_OFF_RE)
     base = Workload(
         "inference",
@@ -182,19 +206,25 @@ def _declared(metadata: dict[str, Any] | None) -> str:
     return str(value or "").lower()
 
 
-def _names(trace: RankTrace, ids: np.ndarray) -> _Names:
-    """Distinct names among ``ids`` (a bincount: ~30× faster than ``np.unique`` on 200k events)."""
-    if not ids.size:
-        return _Names([])
-    present = np.bincount(ids, minlength=len(trace.strings)).nonzero()[0]
-    return _Names([trace.strings[int(i)] for i in present])
+def _names(trace: RankTrace, ids: Callable[[], np.ndarray]) -> _Names:
+    """Distinct names among ``ids()`` (a bincount: ~30× faster than ``np.unique`` on 200k events),
+    listed when first searched."""
+
+    def listed() -> list[str]:
+        present = ids()
+        if not present.size:
+            return []
+        strings = trace.strings
+        return [strings[i] for i in np.bincount(present, minlength=len(strings)).nonzero()[0].tolist()]
+
+    return _Names(listed)
 
 
 def _kernel_shape(trace: RankTrace, kernels: np.ndarray, steps: list[Step]) -> tuple[float, float]:
     if not kernels.size or not kernels.any() or not steps:
         return 0.0, 0.0
     durs = trace.gpu.dur[kernels]
-    return round(int(kernels.sum()) / len(steps), 1), round(float(np.median(durs)) / 1e3, 3)
+    return round(int(kernels.sum()) / len(steps), 1), round(median(durs) / 1e3, 3)
 
 
 def _phase(host: _Names, kernels: _Names, per_step: float, median_us: float) -> str | None:
