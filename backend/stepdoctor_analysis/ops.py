@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import timeline as tl
-from .model import GpuKind, HostKind, RankTrace, Step, median
+from .model import GpuKind, HostKind, RankTrace, Step
 from .precision import MatmulPrecision, matmul_precisions, trace_caps
 from .steps import launching_call
 from .transfers import small_htod_copies
@@ -113,9 +113,9 @@ def analyze_ops(trace: RankTrace, steps: list[Step], minimums: Mapping[str, floa
         "top_kernels": _top(trace, g.name[kernels], g.dur[kernels]) if len(g) else [],
         "top_ops": _top(trace, h.name[ops], h.dur[ops]),
         "ops_per_step": int(np.count_nonzero(ops)) / n,
-        "median_op_ns": median(h.dur[ops]) if ops.any() else 0.0,
+        "median_op_ns": float(np.median(h.dur[ops])) if ops.any() else 0.0,
         "kernels_per_step": int(np.count_nonzero(kernels)) / n,
-        "median_kernel_ns": median(g.dur[kernels]) if kernels.any() else 0.0,
+        "median_kernel_ns": float(np.median(g.dur[kernels])) if kernels.any() else 0.0,
         "matmul_ns_by_precision": {k: v / n for k, v in precision.ns_by_precision.items()},
         "kernel_ns_per_step": float(g.dur[kernels].sum()) / n if len(g) else 0.0,
         "matmul_precision_evidence": precision.evidence,

@@ -16,7 +16,7 @@ import numpy as np
 from . import intervals as iv
 from . import timeline as tl
 from .breakdown import computation_kernel_union
-from .model import CopyKind, GpuKind, HostKind, HostMem, RankTrace, Step, median
+from .model import CopyKind, GpuKind, HostKind, HostMem, RankTrace, Step
 
 # Non-async memcpy APIs block the calling host thread until the copy is done.
 _SYNC_COPY_RE = re.compile(
@@ -105,7 +105,7 @@ def analyze_transfers(trace: RankTrace, steps: list[Step]) -> TransferStats:
                 bandwidth_gbps=float(b.sum()) / dur if dur > 0 else 0.0,  # bytes/ns == GB/s
                 pageable_count_per_step=int(np.count_nonzero(m & pageable)) / n,
                 pinned_count_per_step=int(np.count_nonzero(m & (g.host_mem == int(HostMem.PINNED)))) / n,
-                median_bytes=median(b) if b.size else 0.0,
+                median_bytes=float(np.median(b)) if b.size else 0.0,
             )
         )
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .model import GpuKind, HostKind, RankTrace, Step, median
+from .model import GpuKind, HostKind, RankTrace, Step
 
 DECODE_MIN_KERNELS = 200  # kernels per step (per token) in a decode step of an LLM
 DECODE_MAX_MEDIAN_NS = 10_000  # ... each shorter than this: weights streamed at batch 1-64
@@ -224,7 +224,7 @@ def _kernel_shape(trace: RankTrace, kernels: np.ndarray, steps: list[Step]) -> t
     if not kernels.size or not kernels.any() or not steps:
         return 0.0, 0.0
     durs = trace.gpu.dur[kernels]
-    return round(int(kernels.sum()) / len(steps), 1), round(median(durs) / 1e3, 3)
+    return round(int(kernels.sum()) / len(steps), 1), round(float(np.median(durs)) / 1e3, 3)
 
 
 def _phase(host: _Names, kernels: _Names, per_step: float, median_us: float) -> str | None:
