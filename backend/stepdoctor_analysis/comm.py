@@ -197,11 +197,12 @@ def recorded_types(trace: RankTrace) -> I8:
     def evaluate() -> I8:
         h = trace.host
         out = np.full(len(h), -1, np.int8)
-        has = h.collective != NONE
-        for sid in np.unique(h.collective[has]).tolist():
-            kind = recorded_type(trace.strings[sid])
-            if kind is not None:
-                out[h.collective == sid] = COLLECTIVE_TYPES.index(kind)
+        idx = np.flatnonzero(h.collective != NONE)
+        if idx.size:  # a code per distinct value, gathered for the ops that record one
+            sids, which = np.unique(h.collective[idx], return_inverse=True)
+            kinds = [recorded_type(trace.strings[sid]) for sid in sids.tolist()]
+            codes = np.array([-1 if k is None else COLLECTIVE_TYPES.index(k) for k in kinds], np.int8)
+            out[idx] = codes[which]
         return out
 
     return trace.memo("comm.recorded_types", evaluate)
@@ -214,13 +215,15 @@ def message_bytes(trace: RankTrace) -> I64:
     def evaluate() -> I64:
         h = trace.host
         out = np.full(len(h), NONE, np.int64)
-        elems = np.maximum(h.in_nelems, h.out_nelems)
-        has = (h.msg_dtype != NONE) & (elems >= 0)
-        for sid in np.unique(h.msg_dtype[has]).tolist():
-            size = dtype_bytes(trace.strings[sid])
-            if size is not None:
-                sel = has & (h.msg_dtype == sid)
-                out[sel] = elems[sel] * size
+        idx = np.flatnonzero(h.msg_dtype != NONE)  # only ops that record a message look further
+        elems = np.maximum(h.in_nelems[idx], h.out_nelems[idx])
+        idx, elems = idx[elems >= 0], elems[elems >= 0]
+        if idx.size:
+            sids, which = np.unique(h.msg_dtype[idx], return_inverse=True)
+            sizes = [dtype_bytes(trace.strings[sid]) for sid in sids.tolist()]
+            per = np.array([-1 if b is None else b for b in sizes], np.int64)[which]
+            known = per >= 0
+            out[idx[known]] = elems[known] * per[known]
         return out
 
     return trace.memo("comm.message_bytes", evaluate)
