@@ -233,6 +233,8 @@ def _recorded_bytes(trace: RankTrace, starts: I64, ends: I64) -> dict[str, tuple
     """Per recorded type, over the steps: (calls, calls with a known size, their total bytes)."""
     codes = recorded_types(trace)
     ops = np.flatnonzero(codes >= 0)
+    if ops.size == 0:  # no op recorded its collective
+        return {}
     ops = ops[tl.in_windows(trace.host.ts[ops], starts, ends)]
     size = message_bytes(trace)[ops]
     out = {}
@@ -365,4 +367,4 @@ def _arrival(first_ts: np.ndarray, starts: I64, ends: I64) -> float | None:
     ok[ok] = ts[k[ok]] < ends[ok]
     if not ok.any():
         return None
-    return float((ts[k[ok]] - starts[ok]).mean())
+    return tl.mean_or_zero(ts[k[ok]] - starts[ok])
