@@ -110,8 +110,8 @@ def analyze_ops(trace: RankTrace, steps: list[Step], minimums: Mapping[str, floa
     )
     precision = matmul_precisions(trace, kernels, n)
     stats = {
-        "top_kernels": _top(trace, g.name[kernels], g.dur[kernels]) if len(g) else [],
-        "top_ops": _top(trace, h.name[ops], h.dur[ops]),
+        "top_kernels": ranked(trace, steps, "kernels", 10),
+        "top_ops": ranked(trace, steps, "ops", 10),
         "ops_per_step": int(np.count_nonzero(ops)) / n,
         "median_op_ns": float(np.median(h.dur[ops])) if ops.any() else 0.0,
         "kernels_per_step": int(np.count_nonzero(kernels)) / n,
@@ -155,20 +155,50 @@ def median_dur_by_name(trace: RankTrace, mask: np.ndarray) -> np.ndarray:
     return out
 
 
-def _top(trace: RankTrace, names: np.ndarray, durs: np.ndarray, k: int = 10) -> list[NamedTime]:
+def ranked(trace: RankTrace, steps: list[Step], which: str, k: int) -> list[NamedTime]:
+    """The ``k`` names with the most total time among the steps' CPU ops (``which="ops"``) or
+    kernels (``"kernels"``). Ranked once per trace: the op statistics read the first 10, the
+    dashboard's tables (``tables``) the first 50."""
+
+    def evaluate() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if which == "ops":
+            mask = trace.host_kind(HostKind.CPU_OP) & tl.host_in_steps(trace, steps)
+            return _ranking(trace, trace.host.name[mask], trace.host.dur[mask])
+        if not len(trace.gpu):
+            return _ranking(trace, np.zeros(0, np.int32), np.zeros(0, np.int64))
+        mask = trace.gpu_kind(GpuKind.KERNEL) & tl.gpu_in_steps(trace, steps)
+        return _ranking(trace, trace.gpu.name[mask], trace.gpu.dur[mask])
+
+    ids, counts, sums = trace.memo(("ops.ranked", which, tuple(steps)), evaluate)
+    return _named_times(trace, ids[:k], counts[:k], sums[:k])
+
+
+def _ranking(
+    trace: RankTrace, names: np.ndarray, durs: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(name ids, counts, total ns) of every name, most total time first."""
     if names.size == 0:
-        return []
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64)
     # Name ids are dense (< len(strings)): bincount replaces a sort-based unique, same sums and order.
     n = len(trace.strings)
     all_counts = np.bincount(names, minlength=n)
     ids = all_counts.nonzero()[0]
     counts = all_counts[ids]
     sums = np.bincount(names, weights=durs.astype(np.float64), minlength=n)[ids]
-    order = (-sums).argsort()[:k]
+    order = (-sums).argsort()
+    return ids[order], counts[order], sums[order]
+
+
+def _named_times(trace: RankTrace, ids: np.ndarray, counts: np.ndarray, sums: np.ndarray) -> list[NamedTime]:
     return [
         NamedTime(trace.strings[i], c, int(t))
-        for i, c, t in zip(ids[order].tolist(), counts[order].tolist(), sums[order].tolist(), strict=True)
+        for i, c, t in zip(ids.tolist(), counts.tolist(), sums.tolist(), strict=True)
     ]
+
+
+def _top(trace: RankTrace, names: np.ndarray, durs: np.ndarray, k: int = 10) -> list[NamedTime]:
+    ids, counts, sums = _ranking(trace, names, durs)
+    return _named_times(trace, ids[:k], counts[:k], sums[:k])
 
 
 def _inside(trace: RankTrace, outer: np.ndarray, inner: np.ndarray) -> np.ndarray:

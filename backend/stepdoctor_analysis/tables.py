@@ -17,11 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from . import timeline as tl
-from .model import GpuKind, HostKind, RankTrace, Step
-from .ops import _top
+from .model import GpuKind, RankTrace, Step
+from .ops import NamedTime, ranked
 from .precision import matmul_precision
 
 TOP_ROWS = 50
@@ -35,15 +33,14 @@ def build_tables(trace: RankTrace, steps: list[Step], limit: int = TOP_ROWS) -> 
         return {"ops": [], "kernels": [], "tensor_core_share": None}
     starts, ends = tl.step_windows(steps)
     step_ns = int((ends - starts).sum())
-    h, g = trace.host, trace.gpu
-    ops = trace.host_kind(HostKind.CPU_OP) & tl.host_in_steps(trace, steps)
-    op_rows = _rows(trace, h.name[ops], h.dur[ops], step_ns, limit)
+    g = trace.gpu
+    op_rows = _rows(ranked(trace, steps, "ops", limit), step_ns)
     if not len(g):
         return {"ops": op_rows, "kernels": [], "tensor_core_share": None}
     kernels = trace.gpu_kind(GpuKind.KERNEL) & tl.gpu_in_steps(trace, steps)
     kernel_ns = int(g.dur[kernels].sum())
     tensor = kernels & trace.gpu_named(_on_tensor_cores, "tables.tensor_core")
-    kernel_rows = _rows(trace, g.name[kernels], g.dur[kernels], kernel_ns, limit)
+    kernel_rows = _rows(ranked(trace, steps, "kernels", limit), kernel_ns)
     for row in kernel_rows:
         row["tensor_core"] = _on_tensor_cores(row["name"])
     return {
@@ -57,9 +54,7 @@ def _on_tensor_cores(name: str) -> bool:
     return matmul_precision(name) in TENSOR_CORE_PRECISIONS
 
 
-def _rows(
-    trace: RankTrace, names: np.ndarray, durs: np.ndarray, whole_ns: int, limit: int
-) -> list[dict[str, Any]]:
+def _rows(top: list[NamedTime], whole_ns: int) -> list[dict[str, Any]]:
     return [
         {
             "name": t.name,
@@ -68,5 +63,5 @@ def _rows(
             "mean_us": round(t.total_ns / t.count / 1e3, 3),
             "share": round(t.total_ns / whole_ns, 4) if whole_ns else 0.0,
         }
-        for t in _top(trace, names, durs, k=limit)
+        for t in top
     ]
