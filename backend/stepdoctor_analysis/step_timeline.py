@@ -278,8 +278,11 @@ def _lane(
         s, e, label_ids, counts = _merge_close(s, e, e - s, label_ids, counts, gap)
         merged = 1
         gap *= 2
-    refs = [names.setdefault(trace.strings[i], len(names)) for i in label_ids.tolist()]
-    boxes = [list(box) for box in zip(_us_list(s), _us_list(e), refs, counts.tolist(), strict=True)]
+    ids = label_ids.tolist()
+    ref = {i: names.setdefault(trace.strings[i], len(names)) for i in dict.fromkeys(ids)}  # first-seen order
+    boxes = [
+        [a, b, ref[i], n] for a, b, i, n in zip(_us_list(s), _us_list(e), ids, counts.tolist(), strict=True)
+    ]
     return {"label": label, "kind": kind, "boxes": boxes, "merged": bool(merged)}
 
 
