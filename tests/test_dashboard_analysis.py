@@ -9,6 +9,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from stepdoctor_analysis import parse, steps, trim
@@ -167,3 +168,45 @@ def test_trimmed_trace_loads_in_torch_tb_profiler(tmp_path: Path) -> None:
     trim.trim_trace(TWO_STEPS, out, 552, 552)
     profile = data_mod.RunProfileData.parse("worker0", None, str(out), str(tmp_path))
     assert profile.steps_names == ["552"]
+
+
+@pytest.mark.parametrize("pairs", [1, 3, 16, 17, 60])
+def test_busiest_lanes_are_the_same_by_peeling_or_by_sorting(pairs: int) -> None:
+    """Few threads/streams are peeled off one at a time, many go through unique+bincount: same answer,
+    ties to the lower pair, returned in pair order."""
+    from stepdoctor_analysis.step_timeline import _busiest, _busiest_sorted
+
+    rng = np.random.default_rng(pairs)
+    which = rng.integers(0, pairs, 500)
+    a, b = (which // 4).astype(np.int64) * 1000, (which % 4).astype(np.int64) + 7
+    dur = rng.integers(1, 5, 500).astype(np.int64) * 100  # coarse: ties happen
+    for k in (1, 3, 6):
+        got = _busiest(a, b, dur, k)
+        assert got == _busiest_sorted(a, b, dur, k)
+        totals: dict[tuple[int, int], int] = {}
+        for x, y, d in zip(a.tolist(), b.tolist(), dur.tolist(), strict=True):
+            totals[(x, y)] = totals.get((x, y), 0) + d
+        expected = sorted(sorted(totals), key=lambda p: -totals[p])[:k]
+        assert got == sorted(expected)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_dominant_bins_give_each_bin_to_the_kind_covering_most_of_it(seed: int) -> None:
+    from stepdoctor_analysis.model import Step
+    from stepdoctor_analysis.step_timeline import _dominant_bins
+
+    rng = np.random.default_rng(seed)
+    step = Step(number=1, start=1_000, end=1_000 + int(rng.integers(50, 400)))
+    cuts = np.unique(rng.integers(step.start + 1, step.end, int(rng.integers(1, 40))))
+    edges = np.concatenate([[step.start], cuts, [step.end]]).astype(np.int64)
+    owner = rng.integers(0, 4, edges.size - 1)
+    kinds = ["compute", "launch", "sync", "other"]
+    parts = [(kind, (edges[:-1][owner == i], edges[1:][owner == i])) for i, kind in enumerate(kinds)]
+    names, lo, hi, code = _dominant_bins(parts, step, 16)
+    covered = np.zeros((len(names), step.end - step.start), bool)  # one cell per ns
+    for kind, (s, e) in parts:
+        for x, y in zip(s.tolist(), e.tolist(), strict=True):
+            covered[names.index(kind), x - step.start : y - step.start] = True
+    for j, (a, b) in enumerate(zip(lo.tolist(), hi.tolist(), strict=True)):
+        per_kind = covered[:, a - step.start : b - step.start].sum(axis=1)
+        assert per_kind[code[j]] == per_kind.max()

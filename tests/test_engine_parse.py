@@ -443,3 +443,32 @@ def test_a_long_logs_array_after_the_events_is_not_mistaken_for_their_end(tmp_pa
     path.write_text(json.dumps(top, indent=1))
     tr = load_trace(path)
     assert len(tr.host) == 1 and tr.metadata.get("traceName", "t.json") == "t.json"
+
+
+def test_name_tests_are_cached_across_traces_only_when_they_depend_on_the_name_alone(tmp_path: Path) -> None:
+    """``RankTrace.host_named`` keeps the answers of stateless predicates (module functions, compiled
+    patterns) per name across traces; a closure may answer differently next time, so it is asked again."""
+    from stepdoctor_analysis.model import _answers
+
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": n, "pid": 1, "tid": 1, "ts": i * 10, "dur": 5}
+        for i, n in enumerate(["aten::mm", "aten::add", "aten::mm_x"])
+    ]
+    first = load_trace(write_trace(tmp_path / "a.json", events))
+    second = load_trace(write_trace(tmp_path / "b.json", events))
+    rx = re.compile(r"^aten::mm")
+    assert _answers(rx.match) is not None and _answers(len) is None
+    assert first.host_named(rx.match, "t.mm").tolist() == [True, False, True]
+    cached = _answers(rx.match) or {}
+    assert {n: cached.get(n) for n in ("aten::mm", "aten::add", "aten::mm_x")} == {
+        "aten::mm": True,
+        "aten::add": False,
+        "aten::mm_x": True,
+    }
+
+    wanted = {"aten::add"}  # a closure over mutable state: never cached
+    assert _answers(lambda s: s in wanted) is None
+    assert first.host_named(lambda s: s in wanted, "t.closure").tolist() == [False, True, False]
+    wanted.clear()
+    wanted.add("aten::mm_x")
+    assert second.host_named(lambda s: s in wanted, "t.closure").tolist() == [False, False, True]

@@ -77,6 +77,30 @@ def test_claim_in_order_matches_claiming_one_layer_at_a_time(seed: int) -> None:
     assert np.array_equal(_cover(*got.free), _cover(ws, we) & ~taken)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_claimed_within_reads_each_windows_partition_from_the_sweep(seed: int) -> None:
+    """What a drawn step reads back: per layer, the normalised set it claimed inside the window;
+    the rest of the window is free (the step timeline's charged lane relies on this)."""
+    rng = np.random.default_rng(seed)
+    ws, we = _random_windows(rng, overlapping=seed % 2 == 1)
+    raw = [_random_set(rng) for _ in range(int(rng.integers(1, 5)))]
+    layers = [iv.union(s, e) for s, e in raw]
+    got = iv.claim_in_order(ws, we, layers)
+    for a, b in zip(ws.tolist(), we.tolist(), strict=True):
+        if b <= a:
+            continue
+        s, e, layer = got.within(a, b)
+        assert np.all(e > s) and np.all(s[1:] >= e[:-1])  # in time order, no overlap, nothing empty
+        free: iv.Intervals = (np.array([a], np.int64), np.array([b], np.int64))
+        for k, claim in enumerate(layers):  # the sequential claim the sweep stands for
+            owned = iv.intersect(free, iv.clip(claim, a, b))
+            free = iv.subtract(free, owned)
+            mine = (s[layer == k], e[layer == k])
+            assert mine[0].tolist() == owned[0].tolist() and mine[1].tolist() == owned[1].tolist()
+        assert _cover(s[layer == -1], e[layer == -1]).tolist() == _cover(*free).tolist()
+        assert not (layer == -2).any()  # inside a window: never "outside every window"
+
+
 def test_union_of_negative_times() -> None:
     s, e = iv.union(np.array([-50, -40, -10]), np.array([-30, -35, -5]))
     assert s.tolist() == [-50, -10] and e.tolist() == [-30, -5]
