@@ -109,13 +109,8 @@ def analyze_comm(trace: RankTrace, steps: list[Step]) -> CommStats:
     total = tl.per_step(comm, starts, ends)
     overlapped = tl.per_step(iv.intersect(comm, compute), starts, ends)
     exposed = total - overlapped  # the part no compute kernel hides
-    # Per kernel name (ids are dense: counted in place, in id order); float sums of ns are exact.
-    names = g.name[cmask]
-    all_counts = np.bincount(names)
-    ids = all_counts.nonzero()[0]
-    counts = all_counts[ids]
-    sums = np.bincount(names, weights=g.dur[cmask])[ids].astype(np.int64)
-    top = [(trace.strings[int(ids[k])], int(counts[k]), int(sums[k])) for k in (-sums).argsort()[:5]]
+    ids, counts, sums = (a[:5].tolist() for a in tl.rank_by_time(g.name[cmask], g.dur[cmask]))
+    top = [(trace.strings[i], c, t) for i, c, t in zip(ids, counts, sums, strict=True)]
     return CommStats(
         kernel_ns_per_step=tl.mean_or_zero(total),
         exposed_ns_per_step=tl.mean_or_zero(exposed),
@@ -326,7 +321,8 @@ def _stat(
     durs: np.ndarray,
 ) -> CollectiveStat:
     """One collective type's stat from its per-step time; ``hidden`` None: nothing overlaps it (host)."""
-    ids, top = _top_ids(names, durs)
+    top, _, _ = tl.rank_by_time(names, durs)
+    ids = np.sort(top).tolist()
     return CollectiveStat(
         type=kind,
         calls_per_step=calls_per_step,
@@ -334,7 +330,7 @@ def _stat(
         exposed_ns_per_step=tl.mean_or_zero(total if hidden is None else total - hidden),
         overlapped_ns_per_step=0.0 if hidden is None else tl.mean_or_zero(hidden),
         libraries=sorted({library(trace.strings[i]) for i in set(ids)}),
-        top=[trace.strings[i] for i in top],
+        top=[trace.strings[i] for i in top[:3].tolist()],
     )
 
 
@@ -348,13 +344,6 @@ def _outermost(trace: RankTrace, ops: I64) -> Mask:
         reach = np.maximum.accumulate(h.end[ops[sel]])  # the host table is sorted by start time
         out[sel[1:]] = h.ts[ops[sel[1:]]] >= reach[:-1]
     return out
-
-
-def _top_ids(names: np.ndarray, durs: np.ndarray, k: int = 3) -> tuple[list[int], list[int]]:
-    """Distinct name ids, and the ``k`` with the most total time (a bincount, not a Python loop)."""
-    ids = np.bincount(names).nonzero()[0]  # name ids are dense: same ids, in order, as np.unique
-    totals = np.bincount(names, weights=durs)[ids]
-    return ids.tolist(), ids[(-totals).argsort(kind="stable")[:k]].tolist()
 
 
 def _arrival(first_ts: np.ndarray, starts: I64, ends: I64) -> float | None:

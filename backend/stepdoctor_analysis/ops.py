@@ -163,30 +163,14 @@ def ranked(trace: RankTrace, steps: list[Step], which: str, k: int) -> list[Name
     def evaluate() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         if which == "ops":
             mask = trace.host_kind(HostKind.CPU_OP) & tl.host_in_steps(trace, steps)
-            return _ranking(trace, trace.host.name[mask], trace.host.dur[mask])
+            return tl.rank_by_time(trace.host.name[mask], trace.host.dur[mask])
         if not len(trace.gpu):
-            return _ranking(trace, np.zeros(0, np.int32), np.zeros(0, np.int64))
+            return tl.rank_by_time(np.zeros(0, np.int32), np.zeros(0, np.int64))
         mask = trace.gpu_kind(GpuKind.KERNEL) & tl.gpu_in_steps(trace, steps)
-        return _ranking(trace, trace.gpu.name[mask], trace.gpu.dur[mask])
+        return tl.rank_by_time(trace.gpu.name[mask], trace.gpu.dur[mask])
 
     ids, counts, sums = trace.memo(("ops.ranked", which, tuple(steps)), evaluate)
     return _named_times(trace, ids[:k], counts[:k], sums[:k])
-
-
-def _ranking(
-    trace: RankTrace, names: np.ndarray, durs: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(name ids, counts, total ns) of every name, most total time first."""
-    if names.size == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float64)
-    # Name ids are dense (< len(strings)): bincount replaces a sort-based unique, same sums and order.
-    n = len(trace.strings)
-    all_counts = np.bincount(names, minlength=n)
-    ids = all_counts.nonzero()[0]
-    counts = all_counts[ids]
-    sums = np.bincount(names, weights=durs.astype(np.float64), minlength=n)[ids]
-    order = (-sums).argsort()
-    return ids[order], counts[order], sums[order]
 
 
 def _named_times(trace: RankTrace, ids: np.ndarray, counts: np.ndarray, sums: np.ndarray) -> list[NamedTime]:
@@ -197,7 +181,7 @@ def _named_times(trace: RankTrace, ids: np.ndarray, counts: np.ndarray, sums: np
 
 
 def _top(trace: RankTrace, names: np.ndarray, durs: np.ndarray, k: int = 10) -> list[NamedTime]:
-    ids, counts, sums = _ranking(trace, names, durs)
+    ids, counts, sums = tl.rank_by_time(names, durs)
     return _named_times(trace, ids[:k], counts[:k], sums[:k])
 
 
