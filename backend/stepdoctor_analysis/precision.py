@@ -80,13 +80,6 @@ PRECISIONS = ("fp8", "int8", "bf16", "fp16", "tf32", "fp64", "fp32", "unknown")
 _CODE = {p: i for i, p in enumerate(PRECISIONS)}
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _precision_code(name: str) -> int:
-    """``matmul_precision`` as a code (-1: not matmul-class), for filling per-name lookup arrays."""
-    p = matmul_precision(name)
-    return -1 if p is None else _CODE[p]
-
-
 _TF32, _FP32, _UNKNOWN = _CODE["tf32"], _CODE["fp32"], _CODE["unknown"]
 
 # Host ops doing matmul-class work, whose input dtype is the precision of the kernels they launch
@@ -182,7 +175,7 @@ def _kernel_precisions(trace: RankTrace, kernels: np.ndarray) -> tuple[np.ndarra
     by_name = np.full(len(trace.strings), -1, np.int8)
     used_names = np.bincount(names, minlength=len(trace.strings)).nonzero()[0].tolist()
     strings = trace.strings
-    by_name[used_names] = [_precision_code(strings[i]) for i in used_names]
+    by_name[used_names] = [_CODE.get(matmul_precision(strings[i]) or "", -1) for i in used_names]
     name_code = by_name[names]
     op_code = kernel_op_precision(trace)[kernels]
     agree = (name_code == op_code) | ((name_code == _TF32) & (op_code == _FP32))
