@@ -58,8 +58,8 @@ BIG_OP_NS = 50_000  # other CPU ops at least this long do real arithmetic (eleme
 
 @dataclass(frozen=True)
 class Evidence:
-    """What step time is charged by: ``account`` and the drawn step (``step_timeline``) take the
-    same one, so the picture partitions time exactly as the numbers do."""
+    """What ``account`` charges step time by (the drawn steps of ``step_timeline`` read the
+    resulting partition back from the ``Accounting``)."""
 
     inputs: InputStats
     sync: SyncStats
@@ -71,14 +71,15 @@ def account(trace: RankTrace, steps: list[Step], ev: Evidence) -> Accounting:
     starts, ends = tl.step_windows(steps)
     step_ns = (ends - starts).astype(np.int64)
     idle: dict[str, iv.Intervals] = {}
-    if uses_gpu_timeline(trace, steps):
+    on_gpu = uses_gpu_timeline(trace, steps)
+    if on_gpu:
         kinds, claimed, layer_kinds, idle = _account_gpu(trace, starts, ends, ev.inputs, ev.sync, ev.memory)
     else:
         kinds, claimed, layer_kinds = _account_cpu(trace, starts, ends, ev.inputs, ev.comm_host)
     for k in (*KINDS, "other"):
         if k not in kinds:
             kinds[k] = np.zeros(len(steps), dtype=np.int64)
-    return Accounting(step_ns=step_ns, kinds=kinds, idle=idle, claimed=claimed, layer_kinds=layer_kinds)
+    return Accounting(step_ns, kinds, claimed, layer_kinds, on_gpu, idle)
 
 
 def _account_gpu(

@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from . import intervals as iv
-from .diagnose import uses_gpu_timeline
 from .model import GpuKind, HostKind, RankTrace, Step
 from .steps import step_marker_mask
 from .timeline import Accounting
@@ -55,11 +54,10 @@ def representative_steps(steps: list[Step]) -> list[tuple[Step, str]]:
 def build_timeline(trace: RankTrace, steps: list[Step], acc: Accounting) -> dict[str, Any]:
     """Lanes of the representative steps (see the module docstring)."""
     names: dict[str, int] = {}
-    on_gpu = uses_gpu_timeline(trace, steps)
     out = []
     for step, why in representative_steps(steps):
         lanes = _host_lanes(trace, step, names) + _gpu_lanes(trace, step, names)
-        lanes.append(_charged_lane(step, acc, on_gpu))
+        lanes.append(_charged_lane(step, acc))
         out.append(
             {
                 "number": step.number,
@@ -71,23 +69,18 @@ def build_timeline(trace: RankTrace, steps: list[Step], acc: Accounting) -> dict
     return {"steps": out, "names": list(names)}
 
 
-def _charged_lane(step: Step, acc: Accounting, on_gpu: bool) -> dict[str, Any]:
+def _charged_lane(step: Step, acc: Accounting) -> dict[str, Any]:
     """The step partitioned into kinds exactly as ``diagnose.account`` did: each layer's claim
     within the step, then what they left free: on a GPU, the charged idle stretches within it."""
-    parts: list[tuple[str, iv.Intervals]] = []
-    if acc.claimed is not None:
-        s, e, layer = acc.claimed.within(step.start, step.end)
-        parts = [(kind, (s[layer == k], e[layer == k])) for k, kind in enumerate(acc.layer_kinds)]
-        free = (s[layer < 0], e[layer < 0])
-    else:
-        free = (np.array([step.start], np.int64), np.array([step.end], np.int64))
-    if on_gpu:
+    s, e, layer = acc.claimed.within(step.start, step.end)
+    parts = [(kind, (s[layer == k], e[layer == k])) for k, kind in enumerate(acc.layer_kinds)]
+    if acc.on_gpu:
         parts += [(kind, iv.clip(ivs, step.start, step.end)) for kind, ivs in acc.idle.items()]
     else:
-        parts.append(("other", free))
+        parts.append(("other", (s[layer < 0], e[layer < 0])))
     idle = sum(iv.total(ivs) for kind, ivs in parts if kind not in _BUSY_KINDS)
     return {
-        "label": "device time charged to" if on_gpu else "step time charged to",
+        "label": "device time charged to" if acc.on_gpu else "step time charged to",
         "kind": "charged",
         "boxes": _charged_boxes(parts, step),
         "idle_us": _us(idle),

@@ -106,14 +106,18 @@ class Accounting:
 
     step_ns: np.ndarray
     kinds: dict[str, np.ndarray]
-    # GPU traces: the device's idle stretches over all steps, by the kind they were charged to
-    # (``diagnose.charge_idle``). The drawn step clips these instead of charging its idle time again,
-    # so a stretch crossing a step boundary is charged once, the same way in picture and numbers.
+    # How the steps were partitioned, for a drawn step to read its own part back
+    # (``step_timeline``) rather than partition it again:
+    # - the claim sweep over the steps and the kind of each of its layers, in claim order (a kind
+    #   may own several layers; ``Claimed.within``);
+    # - whether the device timeline decided (GPU traces), and then the device's idle stretches over
+    #   all steps by the kind they were charged to (``diagnose.charge_idle``): a stretch crossing a
+    #   step boundary is charged once, the same way in picture and numbers. CPU traces leave the
+    #   claim's free time to "other".
+    claimed: iv.Claimed = field(repr=False, compare=False)
+    layer_kinds: tuple[str, ...] = field(repr=False, compare=False)
+    on_gpu: bool
     idle: dict[str, iv.Intervals] = field(default_factory=dict, repr=False, compare=False)
-    # The claim sweep over the steps and the kind of each of its layers, in claim order (a kind
-    # may own several layers): a drawn step reads its partition from these (``Claimed.within``).
-    claimed: iv.Claimed | None = field(default=None, repr=False, compare=False)
-    layer_kinds: tuple[str, ...] = field(default=(), repr=False, compare=False)
     # Rules and the report ask for these dozens of times: each is computed once, on construction.
     means: dict[str, float] = field(init=False, repr=False, compare=False)
     shares: dict[str, float] = field(init=False, repr=False, compare=False)
