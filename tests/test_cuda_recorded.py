@@ -1,0 +1,81 @@
+"""Real CUDA traces recorded by our agent on an H100 (tests/fixtures/traces/cuda/, README there): the
+agent's windows read back as what was run, the unscheduled inference trace is cut into its real
+iterations, and each before/after pair compares as the measured fix did (``cases.json`` holds the
+step times measured without the profiler)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import pytest
+
+from stepdoctor_analysis.pipeline import analyze_path
+from stepdoctor_server.aggregate import TraceReport, aggregate_run
+from stepdoctor_server.compare import compare_diagnoses
+from support.fixtures import TRACES
+
+CUDA = TRACES / "cuda"
+CASES: dict[str, dict[str, Any]] = json.loads((CUDA / "cases.json").read_text())["cases"]
+RECORDED = sorted(p.name for p in CUDA.glob("*.json.gz") if not p.name.startswith("inference_"))
+PAIRS = sorted(n for n in CASES if (CUDA / f"{n}.after.json.gz").is_file())
+
+
+@functools.cache
+def _report(name: str) -> dict[str, Any]:
+    return analyze_path(CUDA / name).to_dict()
+
+
+def _run(name: str, trace_id: int) -> dict[str, Any]:
+    d = _report(name)
+    return aggregate_run([TraceReport(trace_id, d["rank"], 0, d)])
+
+
+def test_every_case_has_its_trace_and_timings() -> None:
+    assert len(CASES) >= 9 and len(PAIRS) >= 7
+    for name, case in CASES.items():
+        assert (CUDA / f"{name}.json.gz").is_file(), name
+        assert all(v > 0 for k, v in case.items() if k.endswith("_ms")), name
+
+
+@pytest.mark.parametrize("name", RECORDED)
+def test_agent_window_reads_back_as_recorded(name: str) -> None:
+    """The agent records steps 4-6 (skip 3, warm-up 1, active 3) with ProfilerStep markers."""
+    d = _report(name)
+    assert d["device"]["name"] == "NVIDIA H100 80GB HBM3" and d["device"]["arch"] == "sm_90"
+    assert "bf16" in d["device"]["precisions"]
+    assert d["iterations"]["source"] == "markers" and d["iterations"]["count"] == 3
+    assert d["iterations"]["warmup"]["count"] == 0
+    assert d["metrics"]["gpu"]["utilization"] > 0
+
+
+def test_unscheduled_inference_finds_its_iterations_and_sets_autotuning_apart() -> None:
+    """No schedule, no markers: ten ResNet-50 batches, the first autotuning every convolution
+    (cudnn.benchmark). The steady state is the other nine, and its step is the one measured
+    without the profiler, not the 5 s the whole trace would make of one step."""
+    d = _report("inference_unscheduled.json.gz")
+    it = d["iterations"]
+    assert it["source"] != "markers" and it["count"] == 9
+    assert it["warmup"]["count"] == 1 and it["warmup"]["ratio_to_median"] > 50
+    assert any("warm-up" in w for w in d["warnings"])
+    steady_us = CASES["inference_unscheduled"]["steady_ms"] * 1e3
+    assert 0.5 * steady_us < d["step_time_us"] < 2 * steady_us
+    assert d["workload"]["kind"] == "inference"
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_before_after_pair_compares_like_the_measured_fix(name: str) -> None:
+    """The compare page on the recorded pair: where the fix really sped the loop up (measured
+    without the profiler), the traces show it, the base run's first card no longer fires and the
+    base limiter's time fell; where it did not, the traces show no speedup either."""
+    measured = CASES[name]["before_ms"] / CASES[name]["after_ms"]
+    cmp = compare_diagnoses(_run(f"{name}.json.gz", 1), _run(f"{name}.after.json.gz", 2))
+    if measured >= 1.3:
+        assert cmp["speedup"] > 1.15, (name, cmp["speedup"])
+        followed = cmp["followed"]
+        assert followed is not None and followed["followed"], (name, followed)
+        fell = cmp["primary"]["base_kind_us"]
+        assert fell["other"] < 0.5 * fell["base"], (name, fell)
+    else:
+        assert cmp["speedup"] < 1.1, (name, cmp["speedup"])
