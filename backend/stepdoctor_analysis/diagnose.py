@@ -318,6 +318,15 @@ def basis_of(kind: str) -> str:
     return "estimate" if kind == "compute" else "measured"
 
 
+def report_basis(report: Mapping[str, Any], kind: str) -> str:
+    """The basis a stored report's ``limiter`` gives ``kind`` (a kind's best change may be an
+    estimate, e.g. pinned copies); reports from before it: ``basis_of``."""
+    limiter = report.get("limiter")
+    entry = limiter.get(kind) if isinstance(limiter, Mapping) else None
+    basis = entry.get("basis") if isinstance(entry, Mapping) else None
+    return basis if basis in ("measured", "estimate") else basis_of(kind)
+
+
 def classify(ctx: Context) -> Diagnosis:
     shares = {k: ctx.accounting.share(k) for k in KINDS}
     hits = [(rule, hit) for rule in RULES if (hit := rule.evaluate(ctx)) is not None]
@@ -327,6 +336,7 @@ def classify(ctx: Context) -> Diagnosis:
     )
     evidence = {rule.kind: hit.evidence for rule, hit in sorted(hits, key=lambda p: p[1].removable_ns)}
     removable = _removable_by_kind(ctx, recs)
+    best = _best_by_kind(recs)
     kind, reason = choose_limiter(shares, removable)
     limiter = {
         k: {
@@ -353,7 +363,7 @@ def classify(ctx: Context) -> Diagnosis:
         us_per_step=round(ctx.accounting.mean_ns(kind) / 1e3, 3),
         confidence=_confidence(weight, top_other, ctx),
         evidence=evidence.get(kind, {}),
-        gain=round(speedup(1.0, removable[kind][0]), 3) if ctx.iterations_found else 1.0,
+        gain=_gain(kind, removable[kind], best, ctx),
         basis=removable[kind][1],
         note=_note(kind, reason, cards, recs, ctx),
     )
@@ -364,7 +374,7 @@ def classify(ctx: Context) -> Diagnosis:
             us_per_step=round(ctx.accounting.mean_ns(k) / 1e3, 3),
             confidence=_confidence(shares[k], shares[kind], ctx),
             evidence=evidence.get(k, {}),
-            gain=round(speedup(1.0, removable[k][0]), 3) if ctx.iterations_found else 1.0,
+            gain=_gain(k, removable[k], best, ctx),
             basis=removable[k][1],
         )
         for k in others
@@ -376,12 +386,36 @@ def classify(ctx: Context) -> Diagnosis:
 
 
 def _removable_by_kind(ctx: Context, recs: list[Recommendation]) -> dict[str, tuple[float, str]]:
-    """Kind -> (fraction of the step its removal saves, basis): measured waits; compute from its rule."""
+    """Kind -> (fraction of the step its removal saves, basis): what the kind's best change removes
+    (the card that leads when the kind limits, so verdict and card agree), else for a wait no rule
+    has a change for, its measured time; compute has no removable time without a change."""
     step = ctx.step_ns or 1.0
     out = {k: (ctx.accounting.share(k), "measured") for k in WAIT_KINDS}
-    compute_us = max((r.removable_us_per_step for r in recs if r.kind == "compute" and r.change), default=0.0)
-    out["compute"] = (min(1.0, compute_us * 1e3 / step), "estimate")
+    out["compute"] = (0.0, "estimate")
+    for kind, rec in _best_by_kind(recs).items():
+        basis = basis_of(kind) if rec.basis == "single-pass" else rec.basis
+        out[kind] = (min(1.0, rec.removable_us_per_step * 1e3 / step), basis)
     return out
+
+
+def _best_by_kind(recs: list[Recommendation]) -> dict[str, Recommendation]:
+    """Each kind's highest-ranked finding with a code change (``recs`` is in rank order)."""
+    best: dict[str, Recommendation] = {}
+    for r in recs:
+        if r.change and r.kind not in best:
+            best[r.kind] = r
+    return best
+
+
+def _gain(kind: str, removable: tuple[float, str], best: dict[str, Recommendation], ctx: Context) -> float:
+    """The speedup the verdict states for ``kind``: its best card's (the high end of an estimate's
+    range, the number the card shows), else the speedup of its measured time."""
+    if not ctx.iterations_found:
+        return 1.0
+    rec = best.get(kind)
+    if rec is not None and rec.basis != "single-pass":
+        return rec.expected_speedup_range[1] if rec.expected_speedup_range else rec.expected_speedup
+    return round(speedup(1.0, removable[0]), 3)
 
 
 def _primary_first(kind: str, cards: list[Recommendation]) -> list[Recommendation]:
@@ -403,6 +437,11 @@ def _note(
     if cards and cards[0].kind == kind:
         return ""
     nxt = f" The next optimization targets {cards[0].kind} instead." if cards else ""
+    if kind == "communication" and ctx.ns("compute") < NO_COMPUTE_RATIO * ctx.ns("communication"):
+        return (
+            "There is almost no compute to hide communication behind: send less (fewer, larger or "
+            "compressed collectives) or fix a straggler rank." + nxt
+        )
     if reason == "largest share":
         return (
             f"Nothing in the step is removable at a meaningful gain; {kind} is only its largest part." + nxt
@@ -414,11 +453,6 @@ def _note(
         if ctx.has_gpu and (caps is None or caps.autocast_dtype is None):
             return "No faster precision is known for this device, so no compute change is proposed." + nxt
         return "The compute is busy with work no rule can make cheaper from the trace alone." + nxt
-    if kind == "communication" and ctx.ns("compute") < NO_COMPUTE_RATIO * ctx.ns("communication"):
-        return (
-            "There is almost no compute to hide communication behind: send less (fewer, larger or "
-            "compressed collectives) or fix a straggler rank." + nxt
-        )
     return f"No rule has a code change for {kind} waits in this trace." + nxt
 
 

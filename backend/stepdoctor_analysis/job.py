@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import BOTTLENECK_KINDS
-from .diagnose import basis_of, choose_limiter, report_removable
+from .diagnose import basis_of, choose_limiter, report_basis, report_removable
 
 
 @dataclass(frozen=True)
@@ -89,13 +89,19 @@ def weighted_removable(
 ) -> dict[str, tuple[float, str]]:
     """Kind -> (run-level removable fraction, basis): each report's ``limiter``, time-weighted."""
     owned: dict[str, float] = defaultdict(float)
+    estimated: set[str] = set()  # kinds some report's removable time is an estimate for
     total = 0.0
     for report, w, t in zip(reports, weights, times, strict=True):
         span = (t if t > 0 else 1.0) * w
         total += span
         for kind, frac in report_removable(report, kind_shares(report)).items():
             owned[kind] += frac * span
-    return {k: (owned[k] / total if total else 0.0, basis_of(k)) for k in BOTTLENECK_KINDS}
+            if frac > 0 and report_basis(report, kind) == "estimate":
+                estimated.add(kind)
+    return {
+        k: (owned[k] / total if total else 0.0, "estimate" if k in estimated else basis_of(k))
+        for k in BOTTLENECK_KINDS
+    }
 
 
 def num(value: Any) -> float:

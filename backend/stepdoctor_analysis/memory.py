@@ -15,6 +15,12 @@ the GPU idles is memory-bound, whatever else the first step does. The allocator'
 - ``thrashing``: the cache keeps missing after warm-up (fragmentation, ``empty_cache()`` in the
   loop, varying shapes): allocator calls in steady state, fewer than the disabled case;
 - ``ok``: no allocator calls after the first step.
+
+Who returns memory to the driver tells the fixes apart: the caching allocator frees cached blocks
+itself only when an allocation fails (its retry), inside the op that allocates (an ``aten::empty``
+or any ``aten::*`` range encloses the ``cudaFree``); ``torch.cuda.empty_cache()`` records no op, so
+its frees run outside any op (typically at the step's end). ``steady_frees_outside_ops_per_step``
+counts the latter.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import numpy as np
 from . import timeline as tl
 from .model import NONE, HostKind, MemoryEvents, RankTrace, Step
 
+_FREE_API_RE = re.compile(r"^(cuda|hip)Free(Async)?$|^cuMemFree(_v2)?$")
 _ALLOC_API_RE = re.compile(
     r"^(cuda|hip)(Malloc|Free|MallocAsync|FreeAsync|MallocHost|FreeHost)$|^cuMem(Alloc|Free)(_v2)?$"
 )
@@ -64,6 +71,8 @@ class MemoryStats:
     alloc_call_ns_per_step: float = 0.0
     allocator: str | None = None  # "disabled" | "thrashing" | "ok"; None without GPU allocator calls
     allocator_evidence: dict[str, object] = field(default_factory=dict)
+    steady_frees_per_step: float = 0.0  # cudaFree & co. after the first step
+    steady_frees_outside_ops_per_step: float = 0.0  # ... with no op around them (``empty_cache()``)
 
     def worst(self) -> DeviceMemory | None:
         return max(self.devices, key=lambda d: d.peak_fraction, default=None)
@@ -109,6 +118,8 @@ def analyze_memory(trace: RankTrace, steps: list[Step], *, host_memory: int = 0)
     steady_steps = max(1, len(steps) - 1)
     per_step = int(np.count_nonzero(calls)) / n
     steady_per_step = int(np.count_nonzero(steady)) / steady_steps
+    frees = steady & tl.host_name_mask(trace, _FREE_API_RE, "free_api", HostKind.RUNTIME, HostKind.DRIVER)
+    outside = int(np.count_nonzero(frees)) - int(np.count_nonzero(_inside_ops(trace, frees)))
     state, evidence = _allocator_state(
         trace, calls, per_step, steady_per_step if len(steps) > 1 else per_step
     )
@@ -125,7 +136,31 @@ def analyze_memory(trace: RankTrace, steps: list[Step], *, host_memory: int = 0)
         alloc_call_ns_per_step=int(h.dur[calls].sum()) / n if len(h) else 0.0,
         allocator=state,
         allocator_evidence=evidence,
+        steady_frees_per_step=int(np.count_nonzero(frees)) / steady_steps,
+        steady_frees_outside_ops_per_step=outside / steady_steps,
     )
+
+
+def _inside_ops(trace: RankTrace, calls: np.ndarray) -> np.ndarray:
+    """The selected host calls that an op on their own thread encloses."""
+    h = trace.host
+    out = np.zeros(len(h), dtype=np.bool_)
+    if not calls.any():
+        return out
+    ops = trace.host_kind(HostKind.CPU_OP)
+    for tid in np.unique(h.tid[calls]).tolist():
+        mine = np.flatnonzero(ops & (h.tid == tid))
+        at = np.flatnonzero(calls & (h.tid == tid))
+        if mine.size == 0:
+            continue
+        mine = mine[h.ts[mine].argsort(kind="stable")]
+        # The latest-ending op among those started before each call encloses it if any does.
+        reach = np.maximum.accumulate(h.end[mine])
+        j = h.ts[mine].searchsorted(h.ts[at], side="right") - 1
+        ok = j >= 0
+        ok[ok] = reach[j[ok]] >= h.end[at[ok]]
+        out[at[ok]] = True
+    return out
 
 
 def _allocator_state(

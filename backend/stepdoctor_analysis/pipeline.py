@@ -21,6 +21,7 @@ from . import hta_metrics as hta
 from . import timeline as tl
 from .comm import analyze_comm
 from .errors import TraceError
+from .floors import analyze_floors
 from .inputs import analyze_inputs, loader_settings
 from .memory import analyze_memory, memory_curves
 from .model import RankTrace
@@ -95,6 +96,7 @@ def analyze_trace(
         caps=trace_caps(trace),
         iterations_found=iters.found,
         workload=detect_workload(trace, step_list, metadata),
+        floors=analyze_floors(trace, step_list) if acc.on_gpu else None,
     )
     dx = diagnose.classify(ctx)
     per_kind = {k: acc.kinds[k].tolist() for k in (*KINDS, "other")}

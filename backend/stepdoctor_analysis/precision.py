@@ -435,3 +435,63 @@ def _launched_via_hip(trace: RankTrace) -> bool:
     if tensile.any() and tensile[np.flatnonzero(kernels)[:5000]].any():  # among the first 5000 kernels
         return True
     return any(s.startswith("hip") for s in trace.strings[:20000])
+
+
+# Dense peak throughput per precision (TFLOPS, no structured sparsity), from the vendors' datasheets:
+# NVIDIA V100 SXM2, T4, A100 SXM4, A10, L4, H100 SXM5 and B200 product briefs; AMD Instinct MI100,
+# MI250X and MI300X data sheets. NVIDIA "fp32" is the CUDA-core rate that SIMT sgemm kernels run at;
+# AMD "fp32" is the FP32 matrix-core rate rocBLAS/hipBLASLt sgemm use. A precision the device has
+# no fast units for is absent. One part stands for its architecture: ratios between precisions,
+# which is all the estimate uses, hold across the parts of one architecture.
+_PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "sm_70": {"fp32": 15.7, "fp16": 125.0},  # V100: no bf16, no tf32
+    "sm_75": {"fp32": 8.1, "fp16": 65.0},  # T4
+    "sm_80": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},  # A100
+    "sm_86": {"fp32": 31.2, "tf32": 62.5, "bf16": 125.0, "fp16": 125.0},  # A10
+    "sm_89": {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0, "fp16": 121.0},  # L4
+    "sm_90": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},  # H100 SXM
+    "sm_100": {"fp32": 80.0, "tf32": 1100.0, "bf16": 2250.0, "fp16": 2250.0},  # B200
+    "cdna1": {"fp32": 46.1, "bf16": 92.3, "fp16": 184.6},  # MI100
+    "cdna2": {"fp32": 95.7, "bf16": 383.0, "fp16": 383.0},  # MI250X
+    "cdna3": {"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4},  # MI300X
+}
+# Pinned host↔device copy rate over the x16 PCIe link each architecture's parts ship with, about 80%
+# of the link's raw rate per direction (PCIe 3.0: 15.75, 4.0: 31.5, 5.0: 63 GB/s, PCI-SIG).
+_HOST_LINK_GBPS: dict[str, float] = {
+    "sm_70": 12.0, "sm_75": 12.0, "sm_80": 24.0, "sm_86": 24.0, "sm_89": 24.0, "sm_90": 48.0,
+    "sm_100": 48.0, "cdna1": 12.0, "cdna2": 24.0, "cdna3": 48.0,
+}  # fmt: skip
+_DTYPE_KEY = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def _arch_key(caps: DeviceCaps | None, table: dict[str, Any]) -> str | None:
+    """The table row for the device: its arch, else the newest row of its major version at or
+    below it (``sm_87`` reads ``sm_86``; an ``sm_80+`` floor reads ``sm_80``)."""
+    if caps is None:
+        return None
+    arch = caps.arch.rstrip("+")
+    if arch in table:
+        return arch
+    m = re.fullmatch(r"sm_(\d+?)(\d)", arch)
+    if not m:
+        return None
+    major, minor = m.group(1), int(m.group(2))
+    rows = [k for k in table if k.startswith(f"sm_{major}") and len(k) == len(arch) and int(k[-1]) <= minor]
+    return max(rows, default=None)
+
+
+def peak_ratio(caps: DeviceCaps | None, source: str, target: str) -> float | None:
+    """How many times the device's dense peak in ``target`` ("bf16", "fp16", "tf32", or an autocast
+    dtype) exceeds its peak in ``source`` ("fp32", "tf32"); None when either is unknown."""
+    key = _arch_key(caps, _PEAK_TFLOPS)
+    if key is None:
+        return None
+    row = _PEAK_TFLOPS[key]
+    src, dst = row.get(source), row.get(_DTYPE_KEY.get(target, target))
+    return dst / src if src and dst else None
+
+
+def host_link_gbps(caps: DeviceCaps | None) -> float | None:
+    """A reference pinned copy rate for the device's host link (GB/s); None when unknown."""
+    key = _arch_key(caps, _HOST_LINK_GBPS)
+    return _HOST_LINK_GBPS[key] if key else None

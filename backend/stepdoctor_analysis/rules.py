@@ -19,12 +19,13 @@ from typing import Any
 
 from . import BOTTLENECK_KINDS, advice
 from .comm import CommStats
+from .floors import Floors, bounded
 from .hta_metrics import LaunchStats
 from .inputs import InputStats, LoaderSettings, suggested_workers
 from .memory import MemoryStats
 from .model import DeviceInfo
 from .ops import AntiPattern, OpStats
-from .precision import LOW_PRECISION, DeviceCaps
+from .precision import LOW_PRECISION, DeviceCaps, host_link_gbps, peak_ratio
 from .sync import SyncStats
 from .timeline import Accounting
 from .transfers import TransferStats
@@ -54,6 +55,7 @@ class Context:
     caps: DeviceCaps | None = None  # reduced-precision units of the GPU (None on CPU traces)
     iterations_found: bool = True  # False: no markers and nothing repeats, the trace is one span
     workload: Workload | None = None  # training or inference (``workload.detect_workload``)
+    floors: Floors | None = None  # what still runs after a change (GPU traces; ``floors``)
 
     def ns(self, kind: str) -> float:
         return self.accounting.mean_ns(kind)
@@ -107,6 +109,10 @@ class Rule:
     basis: str = "measured"
     workloads: tuple[str, ...] = ("training", "inference")  # where the advice applies (``advice``)
     thresholds: Mapping[str, float] = field(default_factory=dict)  # the query's other limits, by name
+    # The floors (``floors.Floors``: "host", "device", "kernels", "copies") the change leaves in
+    # place: after it the step is no shorter than the highest, so no more than step − that floor is
+    # removable, whatever the kind's time. Empty: the query bounds its own gain.
+    keeps: tuple[str, ...] = ()
 
     def evaluate(self, ctx: Context) -> Hit | None:
         workload = getattr(ctx, "workload", None)  # unit tests evaluate queries without a context
@@ -118,7 +124,22 @@ class Rule:
         if hit.confidence is None:
             excess = (hit.metric - self.threshold) / self.threshold if self.threshold > 0 else 1.0
             hit = dataclasses.replace(hit, confidence=round(0.5 + 0.45 * min(1.0, excess), 2))
+        floors = getattr(ctx, "floors", None)
+        if self.keeps and floors is not None:
+            hit = floored(hit, ctx.step_ns, floors.highest(self.keeps))
         return hit
+
+
+def floored(hit: Hit, step_ns: float, floor_ns: float) -> Hit:
+    """``hit`` with its removable time (and range) cut to what the step can lose above ``floor_ns``."""
+    rng = hit.removable_range_ns
+    return dataclasses.replace(
+        hit,
+        removable_ns=bounded(step_ns, hit.removable_ns, floor_ns),
+        removable_range_ns=None
+        if rng is None
+        else (bounded(step_ns, rng[0], floor_ns), bounded(step_ns, rng[1], floor_ns)),
+    )
 
 
 def speedup(total_ns: float, removable_ns: float) -> float:
@@ -164,21 +185,49 @@ def _input(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
 
 
 def _pageable(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
+    """Pinned copies run at the link's rate, and non_blocking lets them overlap the rest of the step.
+
+    Low end: the exposed pageable copies only get faster (pageable rate -> pinned rate, measured on
+    the trace's own large pinned copies, else the device's reference link rate). High end: they also
+    overlap everything else, so the step shrinks to the highest of what still runs: the copies at
+    the pinned rate, the kernels, the host's own work (``floors``), and by no more than the exposed
+    pageable copy time (other waits are not this change's to remove).
+    """
     t = ctx.transfers
     if t.pageable_count_per_step <= 0 or t.copy_ns_per_step <= 0:
         return None
     frac = min(1.0, t.pageable_ns_per_step / t.copy_ns_per_step)
-    removable = ctx.ns("transfer") * frac
+    exposed = ctx.ns("transfer") * frac
     htod = t.direction("HtoD")
+    pageable_gbps = t.pageable_bytes_per_step / t.pageable_ns_per_step if t.pageable_ns_per_step > 0 else 0.0
+    link = host_link_gbps(ctx.caps)
+    rate, source = (
+        (t.pinned_gbps, "pinned copies in this trace")
+        if t.pinned_gbps > 0
+        else (link, f"reference for the {ctx.caps.arch if ctx.caps else ''} host link")
+        if link
+        else (lim["pinned_over_pageable"] * pageable_gbps, "pageable rate x pinned_over_pageable")
+    )
+    rate = max(rate, pageable_gbps)  # pinned copies are never slower than staged ones
+    pinned_ns = t.pageable_bytes_per_step / rate if rate > 0 else t.pageable_ns_per_step
+    lo = min(exposed, max(0.0, t.pageable_ns_per_step - pinned_ns))
+    hi = exposed
+    f = ctx.floors
+    if f is not None:
+        floor = max(f.copies - t.pageable_ns_per_step + pinned_ns, f.kernels, f.host)
+        hi = max(lo, min(exposed, ctx.step_ns - floor))
     evidence = {
         "pageable_copies_per_step": round(t.pageable_count_per_step, 2),
         "pageable_mb_per_step": round(t.pageable_bytes_per_step / 2**20, 2),
         "exposed_copy_us_per_step": _us(ctx.ns("transfer")),
         "htod_bandwidth_gbps": round(htod.bandwidth_gbps, 2) if htod else None,
+        "pageable_gbps": round(pageable_gbps, 2),
+        "pinned_gbps": round(rate, 2),
+        "pinned_rate_source": source,
+        "pinned_copy_us_per_step": _us(pinned_ns),
     }
-    return Hit(
-        ctx.share("transfer"), removable, evidence, {"gbps": evidence["htod_bandwidth_gbps"] or 0.0}, 0.9
-    )
+    params = {"gbps": pageable_gbps, "pinned_gbps": rate, "source": source}
+    return Hit(ctx.share("transfer"), 0.5 * (lo + hi), evidence, params, 0.9, (lo, hi))
 
 
 def _exposed_copies(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
@@ -281,15 +330,34 @@ def _cpu_memory(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
 
 
 def _allocator(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
+    """Steady-state cudaMalloc/cudaFree; the fix follows who frees: frees outside any op are an
+    explicit ``torch.cuda.empty_cache()`` (expandable segments would not stop it), frees inside
+    ops are the allocator's own retry when an allocation finds no fitting block."""
     m = ctx.memory
     if m.steady_alloc_calls_per_step <= 0:
         return None
+    outside = m.steady_frees_outside_ops_per_step
+    explicit = m.steady_frees_per_step > 0 and outside >= lim["explicit_free_share"] * m.steady_frees_per_step
     evidence = {
         "cudaMalloc_cudaFree_per_step": round(m.steady_alloc_calls_per_step, 2),
         "host_us_per_step": _us(m.steady_alloc_call_ns_per_step),
         "gpu_idle_us_per_step": _us(ctx.ns("memory")),
+        "frees_per_step": round(m.steady_frees_per_step, 2),
+        "frees_outside_ops_per_step": round(outside, 2),
     }
-    return Hit(m.steady_alloc_calls_per_step, max(ctx.ns("memory"), 0.0), evidence)
+    if explicit:
+        change = "Remove torch.cuda.empty_cache() from the loop (call it, if at all, once outside the training loop)"
+        cause = (
+            f"{outside:.0f} of its {m.steady_frees_per_step:.0f} cudaFree calls per step run outside any op: "
+            "an explicit torch.cuda.empty_cache() hands the cache back, and the next step allocates it again"
+        )
+        caveat = "To release memory between phases (evaluation, another model), call it once there, not every step."
+    else:
+        change = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before the first CUDA allocation)"
+        cause = "the calls run inside allocating ops: the cache has no fitting block (fragmentation or varying shapes)"
+        caveat = "Varying input shapes cause this too: pad or bucket them."
+    params = {"change": change, "cause": cause, "caveat": caveat}
+    return Hit(m.steady_alloc_calls_per_step, max(ctx.ns("memory"), 0.0), evidence, params)
 
 
 def _pressure(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
@@ -358,9 +426,12 @@ def _compute(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     work = _fp32_matmul_work(ctx)
     if dtype is None or sum(work.values()) < lim["min_fp32_share"] * ctx.step_ns:
         return None  # already low precision, no matmul work, or no faster dtype on this device
-    lo = sum(work[p] * lim[f"{p}_gain_low"] for p in work)
-    mid = sum(work[p] * lim[f"{p}_gain"] for p in work)
-    hi = sum(work[p] * lim[f"{p}_gain_high"] for p in work)
+    est = precision_gain(ctx, lim, work, dtype)
+    if est is None:  # no peak figures for this device: fixed fractions of the matmul time
+        lo, mid, hi = (sum(work[p] * lim[f"{p}_gain{end}"] for p in work) for end in ("_low", "", "_high"))
+        basis = ""
+    else:
+        lo, mid, hi, basis = est
     evidence |= {
         "fp32_matmul_us_per_step": _us(work["fp32"]),
         "tf32_matmul_us_per_step": _us(work["tf32"]),
@@ -368,6 +439,8 @@ def _compute(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
         **_precision_sources(ctx),
         "device_arch": caps.arch if caps else None,
         "autocast_dtype": dtype,
+        "estimate_basis": basis
+        or "fixed fractions of the FP32 matmul time (no peak figures for this device)",
     }
     if dtype == "bfloat16":
         change = (
@@ -386,6 +459,8 @@ def _compute(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
             f"{caps.arch if caps else 'This GPU'} has FP16 tensor cores but no bf16: use float16 with a GradScaler "
             "(inference needs no scaler)."
         )
+    if basis:
+        hardware += f" Estimate: {basis}."
     params = {
         "change": change,
         "hardware": hardware,
@@ -394,6 +469,33 @@ def _compute(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
         "fp32_pct": 100 * sum(work.values()) / ctx.step_ns if ctx.step_ns else 0.0,
     }
     return Hit(ctx.share("compute"), mid, evidence, params, removable_range_ns=(lo, hi))
+
+
+def precision_gain(
+    ctx: Context, lim: Mapping[str, float], work: Mapping[str, float], target: str
+) -> tuple[float, float, float, str] | None:
+    """Matmul time per step that running ``work`` (ns per source precision) in ``target`` removes:
+    (low, point, high, basis in words); None when the device's peak figures are unknown.
+
+    Each source precision's matmuls run the device's dense peak ratio (``precision.peak_ratio``)
+    times an efficiency between ``peak_efficiency_low`` (reduced-precision kernels reach less of
+    their peak at small or awkward shapes) and ``peak_efficiency_high`` (large GEMMs reach as much
+    of it as FP32 SIMT kernels of theirs, or more); the point estimate takes the geometric mean.
+    """
+    lo = mid = hi = 0.0
+    said = []
+    for source, ns in work.items():
+        if ns <= 0:
+            continue
+        ratio = peak_ratio(ctx.caps, source, target)
+        if ratio is None:
+            return None
+        fast = [max(1.0, ratio * lim[k]) for k in ("peak_efficiency_low", "peak_efficiency_high")]
+        fast.insert(1, (fast[0] * fast[1]) ** 0.5)
+        lo, mid, hi = (acc + ns * (1.0 - 1.0 / f) for acc, f in zip((lo, mid, hi), fast, strict=True))
+        said.append(f"{source} matmuls {fast[0]:.1f}–{fast[2]:.1f}× faster ({ratio:.1f}× dense peak)")
+    arch = ctx.caps.arch if ctx.caps else "?"
+    return lo, mid, hi, f"{arch} {target}: " + ", ".join(said)
 
 
 def _precision_sources(ctx: Context) -> dict[str, Any]:
@@ -461,6 +563,20 @@ def _foreach(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     )
 
 
+def _tf32(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
+    """FP32 GEMMs on CUDA cores: what TF32 tensor cores remove, by the device's peak ratio (the
+    same model as the mixed-precision card, so the two cards' ranges compare)."""
+    p = ctx.pattern("fp32_matmul")
+    if p is None:
+        return None
+    est = precision_gain(ctx, lim, {"fp32": _fp32_matmul_work(ctx)["fp32"]}, "tf32")
+    if est is None:
+        return _pattern("fp32_matmul")(ctx, lim)
+    lo, mid, hi, basis = est
+    evidence = dict(p.evidence) | {"estimate_basis": basis}
+    return Hit(p.metric, mid, evidence, confidence=0.8, removable_range_ns=(lo, hi))
+
+
 def _pattern(pid: str) -> Query:
     def query(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
         p = ctx.pattern(pid)
@@ -486,6 +602,7 @@ RULES: list[Rule] = [
         trigger="DataLoader wait > 5% of the step (TensorBoard's threshold)",
         threshold=0.05,
         query=_input,
+        keeps=("device",),
         change="{change}",
         why="The training loop waits {kind_pct:.0f}% of each step in DataLoader.__next__: {cause}.",
         caveats=(
@@ -500,10 +617,13 @@ RULES: list[Rule] = [
         trigger="any pageable host↔device copy while copies are exposed ≥ 1% of the step",
         threshold=0.01,
         query=_pageable,
+        thresholds={"pinned_over_pageable": 2.0},
         change="DataLoader(..., pin_memory=True) and batch = batch.to(device, non_blocking=True)",
         why="Copies from pageable host memory are staged through a bounce buffer, block the host and run at "
-        "{gbps:.1f} GB/s; exposed copies take {kind_pct:.0f}% of the step.",
+        "{gbps:.1f} GB/s; exposed copies take {kind_pct:.0f}% of the step. Estimate: pinned at {pinned_gbps:.0f} "
+        "GB/s ({source}), from no overlap to full overlap with the rest of the step.",
         caveats=("Pinned memory is page-locked host RAM; pinning very large buffers can starve the OS.",),
+        basis="estimate",
     ),
     Rule(
         id="transfer.overlap_copies",
@@ -512,6 +632,7 @@ RULES: list[Rule] = [
         trigger="copies not overlapped by kernels > 10% of the step",
         threshold=0.10,
         query=_exposed_copies,
+        keeps=("host", "kernels", "copies"),
         change="Prefetch the next batch to the GPU on a side stream (torch.cuda.Stream) with non_blocking=True copies",
         why="Copies run while no kernel runs for {kind_pct:.0f}% of the step.",
         caveats=("Overlap needs pinned memory and enough memory for two batches on the device.",),
@@ -523,6 +644,7 @@ RULES: list[Rule] = [
         trigger="any synchronous cudaMemcpy in the step (Nsight's rule)",
         threshold=1.0,
         query=_sync_copies,
+        keeps=("host", "device"),
         change="Use tensor.to(device, non_blocking=True) from pinned memory instead of blocking copies",
         why="Synchronous memcpy blocks the host on every call.",
         caveats=("Small HtoD copies (<= 64 KB) of scalars are cheap; look at the largest first.",),
@@ -534,6 +656,7 @@ RULES: list[Rule] = [
         trigger="GPU idle after host syncs > 5% of the step",
         threshold=0.05,
         query=_host_sync,
+        keeps=("host", "device"),
         change="Remove per-step {trigger} calls (.item(), .cpu(), print(loss)): accumulate on the device, e.g. "
         "running_loss += loss.detach(), and read it every N steps",
         why="{calls:.0f} blocking syncs per step (mostly {trigger}) drain the GPU queue; the GPU then idles {kind_pct:.0f}% "
@@ -549,6 +672,7 @@ RULES: list[Rule] = [
         trigger="GPU waiting for the host to launch work > 10% of the step",
         threshold=0.10,
         query=_gpu_launch,
+        keeps=("device",),
         change='model = torch.compile(model, mode="reduce-overhead")  # captures CUDA graphs; or a larger batch per step',
         why="The GPU waits for the host to issue work {kind_pct:.0f}% of the step ({kernels:.0f} kernels per step, "
         "median {median_us:.1f} µs each): launching them costs more than running them.",
@@ -591,9 +715,11 @@ RULES: list[Rule] = [
         trigger="any cudaMalloc/cudaFree after the first step",
         threshold=0.01,
         query=_allocator,
-        change="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before the first CUDA allocation)",
-        why="The caching allocator keeps calling cudaMalloc/cudaFree after warm-up (fragmentation or varying shapes).",
-        caveats=("Varying input shapes cause this too: pad or bucket them.",),
+        keeps=("device",),
+        thresholds={"explicit_free_share": 0.5},
+        change="{change}",
+        why="The caching allocator keeps calling cudaMalloc/cudaFree after warm-up: {cause}.",
+        caveats=("{caveat}",),
     ),
     Rule(
         id="memory.pressure",
@@ -641,6 +767,8 @@ RULES: list[Rule] = [
             "tf32_gain_high": 0.5,
             "cpu_gain_low": 0.1,
             "cpu_gain": 0.3,
+            "peak_efficiency_low": 0.5,
+            "peak_efficiency_high": 1.2,
         },
         change="{change}",
         why="The device is busy with arithmetic {kind_pct:.0f}% of the step; its {work} work can run in {dtype}.",
@@ -694,7 +822,8 @@ RULES: list[Rule] = [
         title="Use tensor cores for FP32 matmuls",
         trigger="FP32 SIMT GEMM kernels on an sm_80+ GPU",
         threshold=1.0,
-        query=_pattern("fp32_matmul"),
+        query=_tf32,
+        thresholds={"peak_efficiency_low": 0.5, "peak_efficiency_high": 1.2},
         change='torch.set_float32_matmul_precision("high")  # TF32 tensor cores; or autocast to bf16',
         why="FP32 GEMMs run on CUDA cores although the GPU has tensor cores.",
         caveats=("TF32 keeps FP32 range with a 10-bit mantissa.",),
@@ -770,9 +899,11 @@ def rules_markdown() -> str:
         "",
         "Generated from `stepdoctor_analysis.rules.RULES` by `make docs`; do not edit by hand.",
         "A rule fires when its query's metric reaches **threshold**; its other limits are listed by name.",
+        "**still runs after**: the floors (host work, device, kernels, copies) its change leaves in place; its",
+        "gain is cut to the step time above the highest of them.",
         "",
-        "| id | kind | title | fires when | threshold | other limits | workloads | basis |",
-        "|---|---|---|---|---|---|---|---|",
+        "| id | kind | title | fires when | threshold | other limits | still runs after | workloads | basis |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in RULES:
         limits = ", ".join(f"`{k}`={_number(v)}" for k, v in r.thresholds.items())
@@ -783,6 +914,7 @@ def rules_markdown() -> str:
             r.trigger,
             _number(r.threshold),
             limits,
+            ", ".join(r.keeps),
             ", ".join(r.workloads),
             r.basis,
         )

@@ -23,6 +23,8 @@ _SYNC_COPY_RE = re.compile(
     r"^(cuda|hip)Memcpy(2D|3D|ToSymbol|FromSymbol|Peer)?$|^cuMemcpy(HtoD|DtoH|DtoD)?(_v2)?$"
 )
 
+RATE_MIN_BYTES = 1 << 20
+
 DIRECTIONS = {
     CopyKind.HTOD: "HtoD",
     CopyKind.DTOH: "DtoH",
@@ -56,6 +58,9 @@ class TransferStats:
     sync_copy_calls_per_step: float = 0.0  # cudaMemcpy & co.
     sync_copy_host_ns_per_step: float = 0.0
     small_htod_per_step: float = 0.0  # HtoD copies <= 64 KiB (Nsight's threshold for "ignore")
+    # Bytes / device time of the pinned host<->device copies of at least ``RATE_MIN_BYTES`` (smaller
+    # ones measure latency, not the link); 0 when the steps hold none.
+    pinned_gbps: float = 0.0
 
     def direction(self, name: str) -> DirectionStats | None:
         return next((d for d in self.directions if d.direction == name), None)
@@ -109,6 +114,9 @@ def analyze_transfers(trace: RankTrace, steps: list[Step]) -> TransferStats:
             )
         )
 
+    host_dev = (g.copy_kind == int(CopyKind.HTOD)) | (g.copy_kind == int(CopyKind.DTOH))
+    pinned = memcpy & host_dev & (g.host_mem == int(HostMem.PINNED)) & (g.bytes >= RATE_MIN_BYTES)
+    pinned_dur = int(g.dur[pinned].sum())
     h = trace.host
     sync_calls = sync_copy_call_mask(trace) & tl.host_in_steps(trace, steps)
     return TransferStats(
@@ -122,4 +130,5 @@ def analyze_transfers(trace: RankTrace, steps: list[Step]) -> TransferStats:
         sync_copy_calls_per_step=int(np.count_nonzero(sync_calls)) / n,
         sync_copy_host_ns_per_step=int(h.dur[sync_calls].sum()) / n,
         small_htod_per_step=int(np.count_nonzero(small_htod_copies(trace, steps))) / n,
+        pinned_gbps=float(g.bytes[pinned].sum()) / pinned_dur if pinned_dur > 0 else 0.0,
     )

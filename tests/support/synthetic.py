@@ -253,7 +253,11 @@ def launch_bound_trace(path: Path, steps: int = 5) -> Path:
 
 
 def sync_bound_trace(path: Path, steps: int = 5) -> Path:
-    """20 × per step: a 100 µs kernel, then ``.item()`` blocks, then 300 µs of host work on an idle GPU."""
+    """20 × per step: a 200 µs kernel, then ``.item()`` blocks, then 300 µs of host work on an idle GPU.
+
+    Without the sync the next kernel would run under the host work: the step would shrink to the
+    host's own work (its time less the blocked time), about 1.6× shorter.
+    """
     b = TraceBuilder()
     t = 100.0
     for n in range(steps):
@@ -261,13 +265,13 @@ def sync_bound_trace(path: Path, steps: int = 5) -> Path:
         t = _loader(b, t, 20)
         for _ in range(20):
             b.cpu_op("aten::mul", t, 10)
-            b.launch("void at::native::elementwise_kernel<128, 2>(mul)", t + 2, 6, t + 8, 100)
+            b.launch("void at::native::elementwise_kernel<128, 2>(mul)", t + 2, 6, t + 8, 200)
             # aten::item -> _local_scalar_dense -> DtoH copy + stream sync until the kernel finished.
-            b.cpu_op("aten::item", t + 10, 112)
-            b.cpu_op("aten::_local_scalar_dense", t + 11, 110)
-            b.memcpy("DtoH", t + 12, 5, t + 109, 2, 4)
-            b.runtime("cudaStreamSynchronize", t + 18, 100)
-            t += 122
+            b.cpu_op("aten::item", t + 10, 212)
+            b.cpu_op("aten::_local_scalar_dense", t + 11, 210)
+            b.memcpy("DtoH", t + 12, 5, t + 209, 2, 4)
+            b.runtime("cudaStreamSynchronize", t + 18, 200)
+            t += 222
             b.cpu_op("aten::lt", t + 20, 20)  # host-side Python work follows
             t += 300
         b.step(n + 1, start, t + 10 - start)
@@ -306,7 +310,8 @@ def exposed_nccl_trace(
 
 
 def allocator_churn_trace(path: Path, steps: int = 5) -> Path:
-    """Every step frees and re-mallocs a 4 GiB block (4 ms of host time on an idle GPU) near capacity."""
+    """Every step frees and re-mallocs a 4 GiB block (4 ms of host time on an idle GPU) near capacity:
+    the allocator's own retry, inside the ``aten::empty`` that found no fitting cached block."""
     b = TraceBuilder()
     block = 4 << 30
     base = int(A100_MEM * 0.9)
@@ -314,6 +319,7 @@ def allocator_churn_trace(path: Path, steps: int = 5) -> Path:
     for n in range(steps):
         start = t
         t = _loader(b, t, 20)
+        b.cpu_op("aten::empty", t - 1, 4_002)
         b.runtime("cudaFree", t, 1_000)
         b.memory(t + 1, -block, base - block, base - block, addr=0x7F0000000000)
         b.runtime("cudaMalloc", t + 1_000, 3_000)
