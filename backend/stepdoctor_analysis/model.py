@@ -94,6 +94,7 @@ class HostEvents:
     input_dtype: (
         I32  # record_shapes: a matmul-class op's first floating "Input type" ("c10::BFloat16"): strings index
     )
+    grad_seq: I64  # a matmul-class op's autograd "Sequence number": NONE unless autograd recorded the op
 
     def __len__(self) -> int:
         return int(self.ts.shape[0])

@@ -127,6 +127,9 @@ ARGS: tuple[Arg, ...] = (
     #   attribute             JSON key                       dtype  column(s) it fills
     Arg("external_id",        "External id",                 "i8",  host="external_id"),
     Arg("external_id_legacy", "external id",                 "i8",  host="external_id"),
+    # Autograd's sequence number on a matmul-class op: written only when autograd recorded the op, so
+    # none on a forward run under no_grad/inference_mode (``workload`` reads grad mode from it).
+    Arg("grad_seq",           "Sequence number",             "i8",  host="grad_seq", on_names=MATMUL_OPS),
     Arg("device",             "device",                      "i4",  gpu="device", absent="pid"),
     Arg("stream",             "stream",                      "i8",  gpu="stream", absent="tid"),
     Arg("correlation",        "correlation",                 "i8",  host="correlation", gpu="correlation"),
