@@ -79,3 +79,21 @@ def test_before_after_pair_compares_like_the_measured_fix(name: str) -> None:
         assert fell["other"] < 0.5 * fell["base"], (name, fell)
     else:
         assert cmp["speedup"] < 1.1, (name, cmp["speedup"])
+
+
+def test_graph_replayed_tiny_fp32_matmuls_get_no_precision_card() -> None:
+    """launch.after replays the whole step as one CUDA graph: the device is busy with 2-5 µs FP32
+    GEMMs (batch 32 × 256). Lower precision does not shorten kernels that launch latency bounds,
+    so no precision card claims a gain; the finding says why and what would (more work per
+    kernel). The profiler's own cudaDeviceSynchronize, after the last ProfilerStep range as the
+    window closes, is not the loop's sync."""
+    d = _report("launch.after.json.gz")
+    ids = [r["id"] for r in d["recommendations"]]
+    assert not {"compute.mixed_precision", "compute.tf32", "sync.host_sync"} & set(ids), ids
+    small = next(f for f in d["findings"] if f["id"] == "compute.small_matmuls")
+    assert small["evidence"]["short_fp32_matmul_us_per_step"] > 0.05 * d["step_time_us"]
+    assert d["metrics"]["sync"]["calls_per_step"] == 0
+    # The eager loop's long FP32 GEMMs (compute_fp32) still get the precision card, not this finding.
+    long = _report("compute_fp32.json.gz")
+    assert long["recommendations"][0]["id"] == "compute.mixed_precision"
+    assert "compute.small_matmuls" not in [f["id"] for f in long["findings"]]

@@ -87,6 +87,8 @@ class OpStats:
     patterns: list[AntiPattern] = field(default_factory=list)
     # Matmul-class (GEMM/conv/attention) kernel time per step by precision, read from kernel names.
     matmul_ns_by_precision: dict[str, float] = field(default_factory=dict)
+    # The part of it in kernels too short for precision to matter (``precision.LATENCY_BOUND_NS``).
+    matmul_short_ns_by_precision: dict[str, float] = field(default_factory=dict)
     # With record_shapes: that time by kernel name and by the launching op's input dtype, and where
     # they disagree (the op dtype is used); empty without op dtypes (``precision``).
     matmul_precision_evidence: dict[str, Any] = field(default_factory=dict)
@@ -117,6 +119,7 @@ def analyze_ops(trace: RankTrace, steps: list[Step], minimums: Mapping[str, floa
         "kernels_per_step": int(np.count_nonzero(kernels)) / n,
         "median_kernel_ns": float(np.median(g.dur[kernels])) if kernels.any() else 0.0,
         "matmul_ns_by_precision": {k: v / n for k, v in precision.ns_by_precision.items()},
+        "matmul_short_ns_by_precision": {k: v / n for k, v in precision.short_ns_by_precision.items()},
         "kernel_ns_per_step": float(g.dur[kernels].sum()) / n if len(g) else 0.0,
         "matmul_precision_evidence": precision.evidence,
     }

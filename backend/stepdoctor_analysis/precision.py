@@ -51,6 +51,10 @@ _TENSILE_DTYPE = {"H": "fp16", "B": "bf16", "S": "fp32", "D": "fp64", "I": "int8
 _TENSOR_CORE_FP32 = ("tensorop_s", "s1688gemm", "s16816gemm")
 
 LOW_PRECISION = ("fp8", "int8", "fp16", "bf16")
+# A matmul kernel shorter than this is bound by its launch-to-SM latency and operand loads, not by
+# arithmetic: cuBLAS GEMMs of a few hundred rows and columns take 3-10 µs on V100-H100 whatever the
+# dtype, so a faster precision barely shortens them (``MatmulPrecision.short_ns_by_precision``).
+LATENCY_BOUND_NS = 10_000
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -196,6 +200,7 @@ class MatmulPrecision:
     """The selected kernels' matmul precision, decided once for every reader (``_kernel_precisions``)."""
 
     ns_by_precision: dict[str, float]  # total kernel ns per matmul precision (non-matmul left out)
+    short_ns_by_precision: dict[str, float]  # the part of it in kernels under LATENCY_BOUND_NS
     # Where it came from, µs per step: kernel names, launching ops' input dtypes, and the kernels
     # where they disagree (the op dtype was used). Empty without op dtypes.
     evidence: dict[str, Any]
@@ -205,12 +210,13 @@ class MatmulPrecision:
 def matmul_precisions(trace: RankTrace, kernels: np.ndarray, n_steps: int) -> MatmulPrecision:
     """Precision of the selected kernels' matmul-class work, by name and by launching op."""
     if not kernels.any():
-        return MatmulPrecision({}, {}, np.zeros(0, np.int64))
+        return MatmulPrecision({}, {}, {}, np.zeros(0, np.int64))
     name_code, op_code, used = _kernel_precisions(trace, kernels)
     idx = kernels.nonzero()[0]
     durs = trace.gpu.dur[idx]
     return MatmulPrecision(
         _ns_by_code(used, durs),
+        _ns_by_code(np.where(durs < LATENCY_BOUND_NS, used, -1), durs),
         _evidence(trace, idx, durs, name_code, op_code, used, n_steps),
         idx[name_code == _FP32],
     )

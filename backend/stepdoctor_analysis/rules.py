@@ -25,7 +25,7 @@ from .inputs import InputStats, LoaderSettings, suggested_workers
 from .memory import MemoryStats
 from .model import DeviceInfo
 from .ops import AntiPattern, OpStats
-from .precision import LOW_PRECISION, DeviceCaps, host_link_gbps, peak_ratio
+from .precision import LATENCY_BOUND_NS, LOW_PRECISION, DeviceCaps, host_link_gbps, peak_ratio
 from .sync import SyncStats
 from .timeline import Accounting
 from .transfers import TransferStats
@@ -397,11 +397,16 @@ def _comm(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
 _FP32_CLASS = ("fp32", "tf32")  # matmul precisions that reduced precision speeds up
 
 
-def _fp32_matmul_work(ctx: Context) -> dict[str, float]:
-    """FP32/TF32 matmul-class time per step, scaled to the exposed compute (kernels may overlap)."""
+def _fp32_matmul_work(ctx: Context, *, short: bool = False) -> dict[str, float]:
+    """FP32/TF32 matmul-class time per step that a faster precision can shorten, scaled to the
+    exposed compute (kernels may overlap); ``short``: instead the time in kernels too short for
+    precision to matter (``precision.LATENCY_BOUND_NS``)."""
     o = ctx.ops
     scale = min(1.0, ctx.ns("compute") / o.kernel_ns_per_step) if o.kernel_ns_per_step > 0 else 0.0
-    return {p: o.matmul_ns_by_precision.get(p, 0.0) * scale for p in _FP32_CLASS}
+    short_ns = o.matmul_short_ns_by_precision
+    if short:
+        return {p: short_ns.get(p, 0.0) * scale for p in _FP32_CLASS}
+    return {p: (o.matmul_ns_by_precision.get(p, 0.0) - short_ns.get(p, 0.0)) * scale for p in _FP32_CLASS}
 
 
 def _compute(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
@@ -511,8 +516,11 @@ def _no_cheap_compute_win(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     by = ctx.ops.matmul_ns_by_precision
     matmul = sum(by.values())
     low = sum(v for k, v in by.items() if k in LOW_PRECISION)
-    if matmul <= 0 or sum(_fp32_matmul_work(ctx).values()) >= lim["min_fp32_share"] * ctx.step_ns:
+    floor = lim["min_fp32_share"] * ctx.step_ns
+    if matmul <= 0 or sum(_fp32_matmul_work(ctx).values()) >= floor:
         return None
+    if sum(_fp32_matmul_work(ctx, short=True).values()) >= floor:
+        return None  # FP32 matmuls too short for precision: compute.small_matmuls says so
     dtypes = ", ".join(
         k for k, v in sorted(by.items(), key=lambda kv: -kv[1]) if v >= lim["named_dtype_share"] * matmul
     )
@@ -522,6 +530,23 @@ def _no_cheap_compute_win(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
         **_precision_sources(ctx),
     }
     return Hit(ctx.share("compute"), 0.0, evidence, {"dtypes": dtypes, "low_pct": 100 * low / matmul}, 0.7)
+
+
+def _small_matmuls(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
+    """FP32 matmuls that are mostly microsecond kernels: lower precision would not shorten them."""
+    if not ctx.has_gpu or ctx.ns("compute") <= 0:
+        return None
+    short = sum(_fp32_matmul_work(ctx, short=True).values())
+    if short <= 0 or sum(_fp32_matmul_work(ctx).values()) >= lim["min_fp32_share"] * ctx.step_ns:
+        return None
+    evidence = {
+        "fp32_matmul_us_per_step": _us(sum(ctx.ops.matmul_ns_by_precision.get(p, 0.0) for p in _FP32_CLASS)),
+        "in_kernels_under_us": _us(LATENCY_BOUND_NS),
+        "short_fp32_matmul_us_per_step": _us(short),
+        "median_kernel_us": _us(ctx.ops.median_kernel_ns),
+    }
+    params = {"short_pct": 100 * short / ctx.step_ns, "bound_us": LATENCY_BOUND_NS / 1e3}
+    return Hit(short / ctx.step_ns, 0.0, evidence, params, 0.7)
 
 
 _TORCH_OPTIMIZERS = {
@@ -790,6 +815,20 @@ RULES: list[Rule] = [
         why="GEMM/conv/attention kernels already run in {dtypes} ({low_pct:.0f}% of their time in reduced precision): "
         "lower precision has nothing cheap left. Gains must come from doing less work (fused kernels such as "
         "scaled_dot_product_attention, torch.compile) or from the waits around the compute.",
+        basis="estimate",
+    ),
+    Rule(
+        id="compute.small_matmuls",
+        kind="compute",
+        title="FP32 matmuls too small for lower precision to help",
+        trigger="FP32 matmuls in kernels under 10 µs take > 5% of the step, longer ones < 5%",
+        threshold=0.05,
+        query=_small_matmuls,
+        thresholds={"min_fp32_share": 0.05},
+        change="",
+        why="{short_pct:.0f}% of the step is FP32 matmul kernels shorter than {bound_us:.0f} µs each: launch "
+        "latency and operand loads bound them, not arithmetic, so bf16/TF32 would barely shorten them. "
+        "Give each kernel more work instead: a larger batch, or fuse the small layers (torch.compile).",
         basis="estimate",
     ),
     Rule(
