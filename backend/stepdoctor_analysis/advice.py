@@ -1,9 +1,12 @@
 """Advice beyond single-node DDP training: by collective type, for the allocator, for inference.
 
 Rules here are data like those in ``rules.py`` (which appends them to ``RULES``): keyword specs of
-``rules.Rule`` whose queries read ``Context`` and the rule's own ``thresholds``. Two tables scope the existing rules:
+``rules.Rule`` whose queries read ``Context`` and the rule's own ``thresholds``. A rule names the
+workloads it fits (``Rule.workloads``): advice for both training and inference also fits a workload
+the trace cannot tell (``ANY``, "unknown" included); advice for one kind does not. Two tables scope
+the existing rules:
 - ``TRAINING_ONLY``: advice that only means something with a backward pass and an optimizer, never
-  given to an inference trace (``workload``);
+  given to an inference trace, nor to one whose workload is unknown (``workload``);
 - ``COLLECTIVE_SCOPE``: the communication advice that fits each collective type. DDP's bucket size
   and compression hook fix an exposed gradient all-reduce, not an MoE all-to-all or an FSDP
   all-gather: the advice follows the collective the step actually waits for (``comm.dominant``).
@@ -20,6 +23,7 @@ if TYPE_CHECKING:
 
 TRAINING = ("training",)
 INFERENCE = ("inference",)
+ANY = ("training", "inference", "unknown")  # advice that fits whatever the workload is
 
 # Rule id -> why it is training advice.
 TRAINING_ONLY: dict[str, str] = {
@@ -45,6 +49,8 @@ def scoped(rule: Rule) -> Rule:
     """``rule`` limited to the workloads, collective types and allocator states it fits."""
     if rule.id in TRAINING_ONLY:
         rule = dataclasses.replace(rule, workloads=TRAINING)
+    elif {"training", "inference"} <= set(rule.workloads):
+        rule = dataclasses.replace(rule, workloads=ANY)
     if rule.id in COLLECTIVE_SCOPE:
         rule = dataclasses.replace(rule, query=_when_dominant(COLLECTIVE_SCOPE[rule.id], rule.query))
     if rule.id in ALLOCATOR_SCOPE:
@@ -140,15 +146,24 @@ def _allocator_disabled(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
 
 
 def _inference_mode(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
+    """Grad was on in an inference forward: read from the ops autograd recorded (``grad_enabled``);
+    where no op tells, guessed from the absence of a grad-disabling context (less sure)."""
     w = ctx.workload
     if w is None or not w.inference or w.grad_disabled or w.server:
         return None
     evidence = {"workload": w.kind, "evidence": w.evidence, "stack_recorded": w.with_stack}
+    if w.grad_enabled:
+        evidence["grad"] = w.grad_evidence
+        conf, grad = lim["recorded_confidence"], f"grad enabled ({w.grad_evidence})"
+    else:  # without recorded ops or Python frames the trace cannot show grad mode
+        conf = lim["stack_confidence"] if w.with_stack else lim["guess_confidence"]
+        grad = "no grad-disabling context"
     # Autograd bookkeeping is a part of each op's dispatch cost: a modest share of the overhead.
     overhead = ctx.ns("launch")
-    conf = 0.75 if w.with_stack else 0.55  # without Python frames the trace cannot show grad mode
     gain = (lim["overhead_gain_low"], lim["overhead_gain"], lim["overhead_gain_high"])
-    return _hit(1.0, gain[1] * overhead, evidence, {}, conf, (gain[0] * overhead, gain[2] * overhead))
+    return _hit(
+        1.0, gain[1] * overhead, evidence, {"grad": grad}, conf, (gain[0] * overhead, gain[2] * overhead)
+    )
 
 
 def _inference_graphs(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
@@ -265,6 +280,7 @@ RULE_SPECS: list[dict[str, Any]] = [
             "DDP bucket sizes and gradient compression do not touch an all-to-all.",
             "If one rank is a straggler, the others' exposed time is waiting: fix the straggler first.",
         ),
+        "workloads": ANY,
     },
     {
         "id": "communication.fsdp_prefetch",
@@ -285,6 +301,7 @@ RULE_SPECS: list[dict[str, Any]] = [
             "Prefetching and reshard_after_forward=False hold more parameters in memory.",
             "HYBRID_SHARD replicates the model across nodes: each node must fit one sharded copy.",
         ),
+        "workloads": ANY,
     },
     {
         "id": "communication.pipeline_bubbles",
@@ -299,6 +316,7 @@ RULE_SPECS: list[dict[str, Any]] = [
         "why": "Stages wait {exposed} per step in exposed send/recv for their neighbours: pipeline "
         "bubbles, or a stage slower than the others.",
         "caveats": ("More micro-batches mean smaller ones: keep each large enough to fill the GPU.",),
+        "workloads": ANY,
     },
     {
         "id": "communication.tensor_parallel",
@@ -330,22 +348,31 @@ RULE_SPECS: list[dict[str, Any]] = [
         "off, so every tensor's allocation and free synchronises the device and the GPU idles "
         "{kind_pct:.0f}% of the step.",
         "caveats": ("Memory debugging tools (compute-sanitizer) need caching off; profile without them.",),
+        "workloads": ANY,
     },
     {
         "id": "inference.inference_mode",
         "kind": "launch",
         "title": "Run inference under torch.inference_mode()",
-        "trigger": "inference without a no_grad/inference_mode context in the trace",
+        "trigger": "inference whose forward ops autograd recorded (they carry a 'Sequence number'); "
+        "without such ops, inference with no no_grad/inference_mode context in the trace",
         "threshold": 1.0,
         "query": _inference_mode,
-        "thresholds": {"overhead_gain_low": 0.05, "overhead_gain": 0.15, "overhead_gain_high": 0.3},
+        "thresholds": {
+            "overhead_gain_low": 0.05,
+            "overhead_gain": 0.15,
+            "overhead_gain_high": 0.3,
+            "recorded_confidence": 0.85,  # the ops show grad on
+            "stack_confidence": 0.75,  # Python frames recorded and none enters no_grad/inference_mode
+            "guess_confidence": 0.55,  # nothing shows grad mode
+        },
         "change": "with torch.inference_mode(): output = model(batch)  # model.eval() alone still records "
         "autograd state for every op",
-        "why": "The trace runs a forward pass with no backward or optimizer, and no grad-disabling context: "
+        "why": "The trace runs a forward pass with no backward or optimizer, and {grad}: "
         "every op pays for autograd bookkeeping it never uses.",
         "caveats": (
-            "The trace shows grad mode only when recorded with with_stack=True; if torch.no_grad() is "
-            "already used, inference_mode() saves a little more.",
+            "Grad mode shows in the matmul-class ops autograd recorded, or in Python frames (with_stack=True); "
+            "if torch.no_grad() is already used, inference_mode() saves a little more.",
             "Tensors created under inference_mode cannot be used in autograd later.",
         ),
         "workloads": INFERENCE,

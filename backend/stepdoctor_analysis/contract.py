@@ -136,7 +136,10 @@ class Iterations(_Doc):
 
 
 class Workload(_Doc):
-    kind: Literal["training", "inference"]
+    """``workload.Workload``: "unknown" when nothing in the trace tells (a CUDA-graph replay, no host
+    ops), and then the report gives neither training-only nor inference-only advice."""
+
+    kind: Literal["training", "inference", "unknown"]
     phase: str | None
     source: str
     evidence: list[str]
@@ -146,6 +149,8 @@ class Workload(_Doc):
     server: bool
     kernels_per_step: float
     median_kernel_us: float
+    grad_enabled: bool | None  # autograd recorded the forward's matmul-class ops; None: no such op
+    grad_evidence: str
 
 
 class GpuSection(_Doc):

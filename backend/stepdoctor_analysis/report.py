@@ -43,9 +43,10 @@ stores). Times are microseconds; shares are fractions of the summed step wall ti
                       arrival_us, kinds_us, primary_kind, primary_share}], primary_kind}; the
                       top-level diagnosis is then a straggler's, else a rank's whose verdict is the job's
     warnings         [str]
-    workload         {kind: training|inference, phase: decode|prefill|prefill+decode|null, source,
-                      evidence[], grad_disabled, with_stack, cuda_graphs, kernels_per_step,
-                      median_kernel_us}: inference traces get inference advice only
+    workload         {kind: training|inference|unknown, phase: decode|prefill|prefill+decode|null,
+                      source, evidence[], grad_disabled, with_stack, cuda_graphs, kernels_per_step,
+                      median_kernel_us, grad_enabled, grad_evidence}: inference traces get inference
+                      advice only; unknown ones neither training-only nor inference-only advice
     tables           {ops[], kernels[]: {name, calls, total_us, mean_us, share}, tensor_core_share}
                      (``tables.build_tables``)
     timeline         {steps[{number, why, duration_us, lanes[{label, kind, boxes[[start_us, end_us,
@@ -209,6 +210,8 @@ def render_text(r: Report) -> str:
         where.insert(0, f"rank {r.rank}" + (f" of {r.world_size}" if r.world_size else ""))
     if r.workload and r.workload.get("kind") == "inference":
         where.append("inference" + (f" ({r.workload['phase']})" if r.workload.get("phase") else ""))
+    elif r.workload and r.workload.get("kind") == "unknown":
+        where.append("training or inference: the trace does not tell")
     lines += [f"stepdoctor {ENGINE_VERSION} — {r.source}", "  " + ", ".join(where), ""]
     p = r.primary
     lines += [
