@@ -20,7 +20,7 @@ from stepdoctor_analysis.pipeline import analyze_path
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "traces"
-TRACES = sorted(p for p in FIXTURES.rglob("*.json*") if p.is_file())
+TRACES = sorted(p for p in FIXTURES.rglob("*.json.gz") if p.is_file())  # every fixture trace is gzipped
 
 
 @functools.cache
