@@ -704,6 +704,9 @@ RULES: list[Rule] = [
         caveats=(
             "CUDA graphs need static shapes and no host syncs inside the captured region.",
             "Compilation takes time on the first steps.",
+            "The profiler adds its own cost to every op it records (more with record_shapes and "
+            "profile_memory), so a launch-bound step runs slower profiled and this bound overstates the "
+            "gain: time the loop without the profiler before and after.",
         ),
     ),
     Rule(
