@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 
 from . import breakdown as bd
-from . import diagnose, gpu_metrics, job, parse, ranks, step_timeline, steps, tables
+from . import diagnose, gpu_metrics, parse, step_timeline, steps, tables
 from . import hta_metrics as hta
 from . import timeline as tl
 from .comm import analyze_comm
@@ -280,6 +280,8 @@ def _job_report(path: Path, traces: list[RankTrace], reports: list[Report]) -> R
     The top-level diagnosis is that of a rank whose own verdict is the job's (a straggler first,
     then the slowest); when no rank's is, the slowest rank's report carries the job's verdict.
     """
+    from . import job, ranks  # directories only: a single trace's analysis (and CLI start) skips them
+
     dicts = [r.to_dict() for r in reports]
     verdict = ranks.rank_verdict([ranks.TraceEntry(d) for d in dicts])
     limiter = job.job_limiter(dicts)
