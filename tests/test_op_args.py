@@ -325,17 +325,36 @@ def autocast_linear_trace(path: Path, *, old_kineto: bool = False) -> Path:
 def test_autocast_cast_kernels_are_not_fp32_matmul_work(tmp_path: Path, old_kineto: bool) -> None:
     r = _report(autocast_linear_trace(tmp_path / "amp.json", old_kineto=old_kineto))
     ops = r["metrics"]["ops"]
-    if old_kineto:
-        # No launch names its op: the innermost matmul op running at the launch decides. The cast
-        # is launched inside aten::linear (FP32), so there it is counted with it: a known limit.
-        assert ops["matmul_ns_by_precision"] == {
-            "bf16": pytest.approx(10 * 400e3),
-            "fp32": pytest.approx(10 * 100e3),
-        }
-    else:
-        # The cast kernel's launch names aten::_to_copy: its work, not the FP32 linear's matmul.
-        assert ops["matmul_ns_by_precision"] == {"bf16": pytest.approx(10 * 400e3)}
-        assert "compute.mixed_precision" not in _ids(r)
+    # The cast is an elementwise kernel: never matmul work, whichever op launched it. With new
+    # Kineto its launch names aten::_to_copy; with old Kineto (no launch names its op) the innermost
+    # matmul op running at the launch, the FP32 aten::linear, would claim it but for its name.
+    assert ops["matmul_ns_by_precision"] == {"bf16": pytest.approx(10 * 400e3)}
+    assert "compute.mixed_precision" not in _ids(r)
+
+
+def test_layout_and_norm_kernels_of_a_conv_are_not_its_matmul(tmp_path: Path) -> None:
+    """cuDNN runs an FP32 NCHW convolution as NCHW->NHWC transform, an NHWC conv kernel, NHWC->NCHW,
+    all launched by the conv op, and batch norm is a cuDNN kernel too: only the conv kernel is
+    matmul work (cuda/inference_unscheduled: 4.2 of 5.1 ms 'FP32 matmul' per step were transforms
+    and batch norm, and earned a TF32 card)."""
+    b = TraceBuilder()
+    t = 100.0
+    for n in range(STEPS):
+        start = t
+        for _ in range(10):
+            b.cpu_op("aten::cudnn_convolution", t, 30, args={"Input type": [*FP32, "float"]})
+            b.launch("void cudnn::engines_precompiled::nchwToNhwcKernel<float, float>", t + 2, 4, t + 40, 150)
+            b.launch("sm90_xmma_fprop_implicit_gemm_f32f32_tf32f32_f32_nhwckrsc_nhwc", t + 8, 4, t + 200, 300)
+            b.launch(
+                "void cudnn::engines_precompiled::nhwcToNchwKernel<float, float>", t + 14, 4, t + 510, 100
+            )
+            b.cpu_op("aten::cudnn_batch_norm", t + 32, 10, args={"Input type": ["float"]})
+            b.launch("void cudnn::bn_fw_inf_1C11_kernel_NCHW<float, float, true, 1>", t + 34, 4, t + 620, 200)
+            t += 830
+        b.step(n + 1, start, t + 10 - start)
+        t += 20
+    r = _report(b.write(tmp_path / "conv.json"))
+    assert r["metrics"]["ops"]["matmul_ns_by_precision"] == {"tf32": pytest.approx(10 * 300e3)}
 
 
 # --- 3. real NCCL traces, against an oracle from their raw JSON ------------------------------------

@@ -34,6 +34,14 @@ _MATMUL_TOKENS = (
     "gemm", "cijk_", "cudnn", "xmma", "cutlass", "wgrad", "dgrad", "fprop", "flash", "fmha", "attn",
     "attention", "sdpa", "winograd", "matmul", "bmm", "cublas", "hipblas", "rocblas",
 )  # fmt: skip
+# Kernels a matmul-class op (or cuDNN) also launches that move, normalise or combine data rather
+# than multiply matrices: layout transforms around NHWC convolution kernels, batch norm, pointwise
+# and reduction kernels. Their speed does not follow the matmul precision, so neither their name
+# ("cudnn") nor the launching op's dtype makes them matmul work.
+_AUXILIARY_TOKENS = (
+    "nchwtonhwc", "nhwctonchw", "transpose", "bn_fw", "bn_bw", "batchnorm", "batch_norm",
+    "elementwise_kernel", "reduce_kernel", "pooling", "softmax", "layer_norm", "fill_kernel",
+)  # fmt: skip
 # Ordered: the first match wins (a bf16 GEMM accumulating in f32 names both).
 _PRECISION_TOKENS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("fp8", ("e4m3", "e5m2", "fp8", "f8f8", "_f8_")),
@@ -63,6 +71,8 @@ def matmul_precision(name: str) -> str | None:
     low = name.lower()
     if not any(t in low for t in _MATMUL_TOKENS) and "conv" not in low.replace("convert", ""):
         return None
+    if is_auxiliary(name):
+        return None
     if name.startswith("Cijk_"):
         tokens = name.split("_")
         if len(tokens) > 3 and tokens[3]:
@@ -77,6 +87,13 @@ def matmul_precision(name: str) -> str | None:
     if any(t in low for t in _TENSOR_CORE_FP32):
         return "tf32"
     return "unknown"
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def is_auxiliary(name: str) -> bool:
+    """A data-movement, normalisation or pointwise kernel (``_AUXILIARY_TOKENS``): never matmul work."""
+    low = name.lower()
+    return any(t in low for t in _AUXILIARY_TOKENS)
 
 
 # Codes for per-kernel precision arrays (-1: not matmul-class / not known).
@@ -182,6 +199,9 @@ def _kernel_precisions(trace: RankTrace, kernels: np.ndarray) -> tuple[np.ndarra
     by_name[used_names] = [_CODE.get(matmul_precision(strings[i]) or "", -1) for i in used_names]
     name_code = by_name[names]
     op_code = kernel_op_precision(trace)[kernels]
+    aux = np.zeros(len(trace.strings), np.bool_)
+    aux[used_names] = [is_auxiliary(strings[i]) for i in used_names]
+    op_code = np.where(aux[names], -1, op_code)  # a matmul op's layout/pointwise kernels are not its matmul
     agree = (name_code == op_code) | ((name_code == _TF32) & (op_code == _FP32))
     silent = (name_code < 0) | (name_code == _UNKNOWN)
     used = np.where((op_code < 0) | agree | ((op_code == _UNKNOWN) & ~silent), name_code, op_code)
