@@ -97,3 +97,17 @@ def test_graph_replayed_tiny_fp32_matmuls_get_no_precision_card() -> None:
     long = _report("compute_fp32.json.gz")
     assert long["recommendations"][0]["id"] == "compute.mixed_precision"
     assert "compute.small_matmuls" not in [f["id"] for f in long["findings"]]
+
+
+def test_unscheduled_inference_cards_match_their_measured_fixes() -> None:
+    """Both fixes the report weighs for the ResNet-50 inference loop were timed without the
+    profiler (bf16 weights 1.28x, pinned input copies 1.30x: a tie): each card's stated range
+    holds its measured gain, and no TF32 card counts cuDNN's layout transforms and batch norm
+    as FP32 matmul work."""
+    fixes = CASES["inference_unscheduled"]["fixes"]
+    recs = {r["id"]: r for r in _report("inference_unscheduled.json.gz")["recommendations"]}
+    for rid, key in (("inference.low_precision", "bf16_ms"), ("transfer.pinned_memory", "pinned_ms")):
+        lo, hi = recs[rid]["expected_speedup_range"]
+        measured = fixes["as_written_ms"] / fixes[key]
+        assert lo / 1.3 <= measured <= hi * 1.1, (rid, lo, hi, measured)
+    assert "compute.tf32" not in recs
