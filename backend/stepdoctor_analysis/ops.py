@@ -10,7 +10,7 @@ in a loop (→ vectorize), many small host→device copies (→ batch or create 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,7 @@ import numpy as np
 
 from . import timeline as tl
 from .model import GpuKind, HostKind, RankTrace, Step
-from .precision import MatmulPrecision, matmul_precisions, trace_caps
+from .precision import MatmulPrecision, is_layout_transform, matmul_precisions, trace_caps
 from .steps import launching_call
 from .transfers import small_htod_copies
 
@@ -93,6 +93,18 @@ class OpStats:
     # they disagree (the op dtype is used); empty without op dtypes (``precision``).
     matmul_precision_evidence: dict[str, Any] = field(default_factory=dict)
     kernel_ns_per_step: float = 0.0  # all kernels, summed (not a union)
+    layout_transform_ns_per_step: float = 0.0  # NCHW<->NHWC transform kernels, summed
+
+
+def _named_kernel_ns(trace: RankTrace, kernels: np.ndarray, test: Callable[[str], bool]) -> float:
+    """Summed duration of the selected kernels whose name passes ``test`` (asked once per name)."""
+    if not kernels.any():
+        return 0.0
+    names = trace.gpu.name[kernels]
+    seen = np.bincount(names, minlength=len(trace.strings)).nonzero()[0]
+    passing = np.zeros(len(trace.strings), np.bool_)
+    passing[seen] = [test(trace.strings[i]) for i in seen.tolist()]
+    return float(trace.gpu.dur[kernels][passing[names]].sum())
 
 
 def analyze_ops(trace: RankTrace, steps: list[Step], minimums: Mapping[str, float]) -> OpStats:
@@ -121,6 +133,7 @@ def analyze_ops(trace: RankTrace, steps: list[Step], minimums: Mapping[str, floa
         "matmul_ns_by_precision": {k: v / n for k, v in precision.ns_by_precision.items()},
         "matmul_short_ns_by_precision": {k: v / n for k, v in precision.short_ns_by_precision.items()},
         "kernel_ns_per_step": float(g.dur[kernels].sum()) / n if len(g) else 0.0,
+        "layout_transform_ns_per_step": _named_kernel_ns(trace, kernels, is_layout_transform) / n,
         "matmul_precision_evidence": precision.evidence,
     }
     patterns = [

@@ -42,6 +42,8 @@ _AUXILIARY_TOKENS = (
     "nchwtonhwc", "nhwctonchw", "transpose", "bn_fw", "bn_bw", "batchnorm", "batch_norm",
     "elementwise_kernel", "reduce_kernel", "pooling", "softmax", "layer_norm", "fill_kernel",
 )  # fmt: skip
+# cuDNN's (and MIOpen's) transposes between a channels-first tensor and a channels-last kernel.
+_LAYOUT_TOKENS = ("nchwtonhwc", "nhwctonchw", "nchw2nhwc", "nhwc2nchw")
 # Ordered: the first match wins (a bf16 GEMM accumulating in f32 names both).
 _PRECISION_TOKENS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("fp8", ("e4m3", "e5m2", "fp8", "f8f8", "_f8_")),
@@ -94,6 +96,13 @@ def is_auxiliary(name: str) -> bool:
     """A data-movement, normalisation or pointwise kernel (``_AUXILIARY_TOKENS``): never matmul work."""
     low = name.lower()
     return any(t in low for t in _AUXILIARY_TOKENS)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def is_layout_transform(name: str) -> bool:
+    """An NCHW<->NHWC transform around a convolution kernel that wants the other layout."""
+    low = name.lower()
+    return any(t in low for t in _LAYOUT_TOKENS)
 
 
 # Codes for per-kernel precision arrays (-1: not matmul-class / not known).

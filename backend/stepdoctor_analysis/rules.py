@@ -549,6 +549,21 @@ def _small_matmuls(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     return Hit(short / ctx.step_ns, 0.0, evidence, params, 0.7)
 
 
+def _channels_last(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
+    """NCHW<->NHWC transforms around convolution kernels: the time channels_last tensors remove."""
+    o = ctx.ops
+    if not ctx.has_gpu or o.layout_transform_ns_per_step <= 0:
+        return None
+    scale = min(1.0, ctx.ns("compute") / o.kernel_ns_per_step) if o.kernel_ns_per_step > 0 else 0.0
+    removable = o.layout_transform_ns_per_step * scale  # the part of them the step waits for
+    evidence = {
+        "layout_transform_us_per_step": _us(o.layout_transform_ns_per_step),
+        "exposed_us_per_step": _us(removable),
+    }
+    params = {"us": removable / 1e3}
+    return Hit(removable / ctx.step_ns if ctx.step_ns else 0.0, removable, evidence, params, 0.85)
+
+
 _TORCH_OPTIMIZERS = {
     "Adam",
     "AdamW",
@@ -833,6 +848,24 @@ RULES: list[Rule] = [
         "latency and operand loads bound them, not arithmetic, so bf16/TF32 would barely shorten them. "
         "Give each kernel more work instead: a larger batch, or fuse the small layers (torch.compile).",
         basis="estimate",
+    ),
+    Rule(
+        id="compute.channels_last",
+        kind="compute",
+        title="Keep convolution tensors channels-last",
+        trigger="NCHW<->NHWC transform kernels > 5% of the step",
+        threshold=0.05,
+        query=_channels_last,
+        keeps=("host",),
+        change="model = model.to(memory_format=torch.channels_last); "
+        "batch = batch.to(memory_format=torch.channels_last)  # cuDNN's fast convolution kernels are NHWC",
+        why="{kind_pct:.0f}% of the step ({us:.0f} µs) is spent transposing tensors between NCHW and NHWC "
+        "around the convolution kernels: the model keeps its activations channels-first while cuDNN runs "
+        "channels-last kernels.",
+        caveats=(
+            "Ops that need contiguous NCHW (some custom ops, view/reshape on channels) copy back: check the "
+            "transforms are gone in the next trace.",
+        ),
     ),
     Rule(
         id="launch.foreach_optimizer",
