@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -297,23 +298,33 @@ def test_tf32_kernel_under_fp32_op_agrees(tmp_path: Path) -> None:
     assert r["metrics"]["ops"]["matmul_ns_by_precision"] == {"tf32": pytest.approx(10_000e3)}
 
 
+def _repeated(b: TraceBuilder, iteration: Callable[[float], None], span: float) -> TraceBuilder:
+    """``STEPS`` marked steps of 10 ``iteration(t)`` calls each, ``span`` µs apart."""
+    t = 100.0
+    for n in range(STEPS):
+        start = t
+        for _ in range(10):
+            iteration(t)
+            t += span
+        b.step(n + 1, start, t + 10 - start)
+        t += 20
+    return b
+
+
 def autocast_linear_trace(path: Path, *, old_kineto: bool = False) -> Path:
     """``aten::linear`` on FP32 inputs under bf16 autocast: its ``_to_copy`` casts (an elementwise
     kernel, 100 µs) then ``aten::addmm`` on bf16 runs a nameless GEMM (400 µs). ``old_kineto``: the
     launches carry ids of their own that name no op."""
     b = TraceBuilder()
-    t = 100.0
-    for n in range(STEPS):
-        start = t
-        for _ in range(10):
-            b.cpu_op("aten::linear", t, 30, args={"Input type": [*FP32, "float"]})
-            b.cpu_op("aten::_to_copy", t + 2, 8, args={"Input type": ["float", "ScalarType"]})
-            b.launch("void at::native::unrolled_elementwise_kernel<copy>(float*)", t + 3, 4, t + 40, 100)
-            b.cpu_op("aten::addmm", t + 12, 15, args={"Input type": [*BF16, "c10::BFloat16"]})
-            b.launch("cutlass_80_tensorop_gemm", t + 14, 6, t + 140, 400)
-            t += 540
-        b.step(n + 1, start, t + 10 - start)
-        t += 20
+
+    def linear(t: float) -> None:
+        b.cpu_op("aten::linear", t, 30, args={"Input type": [*FP32, "float"]})
+        b.cpu_op("aten::_to_copy", t + 2, 8, args={"Input type": ["float", "ScalarType"]})
+        b.launch("void at::native::unrolled_elementwise_kernel<copy>(float*)", t + 3, 4, t + 40, 100)
+        b.cpu_op("aten::addmm", t + 12, 15, args={"Input type": [*BF16, "c10::BFloat16"]})
+        b.launch("cutlass_80_tensorop_gemm", t + 14, 6, t + 140, 400)
+
+    _repeated(b, linear, 540)
     if old_kineto:
         for e in b.events:
             if e.get("cat") == "cuda_runtime":
@@ -338,21 +349,16 @@ def test_layout_and_norm_kernels_of_a_conv_are_not_its_matmul(tmp_path: Path) ->
     matmul work (cuda/inference_unscheduled: 4.2 of 5.1 ms 'FP32 matmul' per step were transforms
     and batch norm, and earned a TF32 card)."""
     b = TraceBuilder()
-    t = 100.0
-    for n in range(STEPS):
-        start = t
-        for _ in range(10):
-            b.cpu_op("aten::cudnn_convolution", t, 30, args={"Input type": [*FP32, "float"]})
-            b.launch("void cudnn::engines_precompiled::nchwToNhwcKernel<float, float>", t + 2, 4, t + 40, 150)
-            b.launch("sm90_xmma_fprop_implicit_gemm_f32f32_tf32f32_f32_nhwckrsc_nhwc", t + 8, 4, t + 200, 300)
-            b.launch(
-                "void cudnn::engines_precompiled::nhwcToNchwKernel<float, float>", t + 14, 4, t + 510, 100
-            )
-            b.cpu_op("aten::cudnn_batch_norm", t + 32, 10, args={"Input type": ["float"]})
-            b.launch("void cudnn::bn_fw_inf_1C11_kernel_NCHW<float, float, true, 1>", t + 34, 4, t + 620, 200)
-            t += 830
-        b.step(n + 1, start, t + 10 - start)
-        t += 20
+
+    def conv(t: float) -> None:
+        b.cpu_op("aten::cudnn_convolution", t, 30, args={"Input type": [*FP32, "float"]})
+        b.launch("void cudnn::engines_precompiled::nchwToNhwcKernel<float, float>", t + 2, 4, t + 40, 150)
+        b.launch("sm90_xmma_fprop_implicit_gemm_f32f32_tf32f32_f32_nhwckrsc_nhwc", t + 8, 4, t + 200, 300)
+        b.launch("void cudnn::engines_precompiled::nhwcToNchwKernel<float, float>", t + 14, 4, t + 510, 100)
+        b.cpu_op("aten::cudnn_batch_norm", t + 32, 10, args={"Input type": ["float"]})
+        b.launch("void cudnn::bn_fw_inf_1C11_kernel_NCHW<float, float, true, 1>", t + 34, 4, t + 620, 200)
+
+    _repeated(b, conv, 830)
     r = _report(b.write(tmp_path / "conv.json"))
     assert r["metrics"]["ops"]["matmul_ns_by_precision"] == {"tf32": pytest.approx(10 * 300e3)}
 
