@@ -124,3 +124,15 @@ def test_layout_transforms_get_the_channels_last_card() -> None:
     assert card["expected_speedup"] / 1.1 <= measured <= card["expected_speedup"] * 1.1
     # Only convolution traces have the transforms: no card on the MLP loops.
     assert "compute.channels_last" not in [r["id"] for r in _report("compute_fp32.json.gz")["findings"]]
+
+
+def test_unscheduled_inference_is_transfer_bound_like_its_measured_fixes() -> None:
+    """The pinned-copy card only shortens a measured wait, so it counts for the low end of its range;
+    the bf16 card is an estimated kernel speedup, at half weight: transfer limits, as both runs of
+    the measured fixes say (pinned input >= bf16 weights)."""
+    for run in ("fixes", "fixes_earlier_run"):
+        fixes = CASES["inference_unscheduled"][run]
+        assert fixes["pinned_ms"] <= fixes["bf16_ms"], run
+    d = _report("inference_unscheduled.json.gz")
+    assert d["primary"]["kind"] == "transfer"
+    assert d["recommendations"][0]["id"] == "transfer.pinned_memory"

@@ -117,9 +117,11 @@ class StepRow(_Doc):
 
 class LimiterEntry(_Doc):
     share: float
+    # What the kind's best change surely removes (``diagnose.sure_share``): a measured wait all of it,
+    # an estimated kernel speedup ESTIMATE_WEIGHT of it, an estimated shortening of a wait its low end.
     removable_share: float
     basis: Basis
-    score: float
+    score: float  # what the verdict ranked (equal to removable_share since engine 0.3)
 
 
 class Warmup(_Doc):

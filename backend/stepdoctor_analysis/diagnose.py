@@ -249,12 +249,12 @@ def cpu_layers(trace: RankTrace, inputs: InputStats, comm_host: bool) -> list[tu
 # --- classification and ranking ------------------------------------------------------------------
 
 # How the verdict is chosen (one function, ``choose_limiter``, shared with the run aggregate):
-# every kind gets the time its removal would save, per step. For the waits (input, transfer,
-# launch, memory, sync, exposed communication) that is the measured time; for compute it is the
-# precision rule's estimate of what cheaper arithmetic saves, counted at ``ESTIMATE_WEIGHT``.
-# The kind with the most weighted removable time limits the step. The device counts as
-# compute-bound when compute kernels keep it busy at least ``BUSY_SHARE`` of the step and no wait
-# would gain ``COMPARABLE_GAIN``; when nothing is removable at all the largest share is named.
+# every kind gets the time its best change surely saves, per step (``sure_share``). For the waits
+# (input, transfer, launch, memory, sync, exposed communication) that is the measured time, or,
+# where the change only shortens a measured wait (pinned copies run faster, they do not vanish), the
+# low end of its estimated range. For compute it is the precision rule's estimate of what cheaper
+# arithmetic saves, counted at ``ESTIMATE_WEIGHT``: a measured wait counts more than an estimated
+# kernel speedup. The kind with the most such time limits the step.
 ESTIMATE_WEIGHT = 0.5
 BUSY_SHARE = 0.5
 COMPARABLE_GAIN = 1.2
@@ -272,9 +272,28 @@ class Diagnosis:
     limiter: dict[str, dict[str, object]] = field(default_factory=dict)
 
 
+def sure_share(removable_share: float, basis: str, kind: str, low_speedup: float | None = None) -> float:
+    """What a change surely removes, as a fraction of the step (module comment above ``ESTIMATE_WEIGHT``):
+    a measured wait all of its time; an estimated kernel speedup (compute) ``ESTIMATE_WEIGHT`` of it;
+    an estimate of how much of a measured wait a change removes, the low end of its range."""
+    if basis != "estimate":
+        return removable_share
+    if kind != "compute" and low_speedup is not None:
+        return min(removable_share, 1.0 - 1.0 / low_speedup if low_speedup > 1.0 else 0.0)
+    return removable_share * ESTIMATE_WEIGHT
+
+
 def score(removable_share: float, basis: str) -> float:
-    """Removable fraction of the step, with estimates counting ``ESTIMATE_WEIGHT`` of a measured wait."""
-    return removable_share * (1.0 if basis == "measured" else ESTIMATE_WEIGHT)
+    """A kind's rank in the verdict: its sure removable fraction (``_removable_by_kind`` and the run
+    aggregate already store ``sure_share``; the basis is kept for the report's readers)."""
+    return removable_share
+
+
+def rank_key(rec: Recommendation, step_ns: float) -> float:
+    """How recommendations are ranked: what each surely removes, as a fraction of the step."""
+    share = rec.removable_us_per_step * 1e3 / step_ns if step_ns > 0 else 0.0
+    low = rec.expected_speedup_range[0] if rec.expected_speedup_range else None
+    return sure_share(share, rec.basis, rec.kind, low)
 
 
 def choose_limiter(shares: dict[str, float], removable: dict[str, tuple[float, str]]) -> tuple[str, str]:
@@ -332,7 +351,7 @@ def classify(ctx: Context) -> Diagnosis:
     hits = [(rule, hit) for rule in RULES if (hit := rule.evaluate(ctx)) is not None]
     recs = sorted(
         (_render(rule, hit, ctx) for rule, hit in hits),
-        key=lambda r: (-score(r.removable_us_per_step, r.basis), -r.confidence, r.id),
+        key=lambda r: (-rank_key(r, ctx.step_ns), -r.confidence, r.id),
     )
     evidence = {rule.kind: hit.evidence for rule, hit in sorted(hits, key=lambda p: p[1].removable_ns)}
     removable = _removable_by_kind(ctx, recs)
@@ -394,7 +413,13 @@ def _removable_by_kind(ctx: Context, recs: list[Recommendation]) -> dict[str, tu
     out["compute"] = (0.0, "estimate")
     for kind, rec in _best_by_kind(recs).items():
         basis = basis_of(kind) if rec.basis == "single-pass" else rec.basis
-        out[kind] = (min(1.0, rec.removable_us_per_step * 1e3 / step), basis)
+        out[kind] = (
+            min(
+                1.0,
+                rank_key(rec, step) if rec.basis != "single-pass" else rec.removable_us_per_step * 1e3 / step,
+            ),
+            basis,
+        )
     return out
 
 

@@ -36,7 +36,7 @@ import msgspec
 
 from stepdoctor_analysis import BOTTLENECK_KINDS, BREAKDOWN_CATEGORIES
 from stepdoctor_analysis.contract import Recommendation, ReportDoc
-from stepdoctor_analysis.diagnose import MIN_CARD_SPEEDUP, score
+from stepdoctor_analysis.diagnose import MIN_CARD_SPEEDUP, sure_share
 from stepdoctor_analysis.job import job_limiter, step_count, step_time_us
 from stepdoctor_analysis.ranks import RankVerdict, rank_verdict, straggler_advice, with_straggler_advice
 from stepdoctor_analysis.ranks import TraceEntry as RankEntry
@@ -186,7 +186,12 @@ def merge_recommendations(
             out.append(entry)
     out.sort(
         key=lambda e: (
-            -score(e["removable_share"], str(e.get("basis") or "measured")),
+            -sure_share(
+                e["removable_share"],
+                str(e.get("basis") or "measured"),
+                str(e.get("kind") or ""),
+                e["expected_speedup_range"][0] if e.get("expected_speedup_range") else None,
+            ),
             -e["traces"],
             str(e["id"]),
         )
