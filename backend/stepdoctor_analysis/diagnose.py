@@ -283,12 +283,6 @@ def sure_share(removable_share: float, basis: str, kind: str, low_speedup: float
     return removable_share * ESTIMATE_WEIGHT
 
 
-def score(removable_share: float, basis: str) -> float:
-    """A kind's rank in the verdict: its sure removable fraction (``_removable_by_kind`` and the run
-    aggregate already store ``sure_share``; the basis is kept for the report's readers)."""
-    return removable_share
-
-
 def rank_key(rec: Recommendation, step_ns: float) -> float:
     """How recommendations are ranked: what each surely removes, as a fraction of the step."""
     share = rec.removable_us_per_step * 1e3 / step_ns if step_ns > 0 else 0.0
@@ -302,7 +296,7 @@ def choose_limiter(shares: dict[str, float], removable: dict[str, tuple[float, s
     ``shares``: kind -> fraction of step time; ``removable``: kind -> (fraction of the step its
     removal saves, basis). Pure, so a run's aggregate applies exactly the per-trace rule.
     """
-    scores = {k: score(*removable.get(k, (0.0, "measured"))) for k in KINDS}
+    scores = {k: removable.get(k, (0.0, "measured"))[0] for k in KINDS}  # already sure shares
     waits = {k: scores[k] for k in WAIT_KINDS}
     best_wait = max(waits, key=lambda k: (waits[k], k))
     if shares.get("compute", 0.0) >= BUSY_SHARE and speedup(1.0, waits[best_wait]) < COMPARABLE_GAIN:
@@ -362,7 +356,7 @@ def classify(ctx: Context) -> Diagnosis:
             "share": round(shares[k], 4),
             "removable_share": round(removable[k][0], 4),
             "basis": removable[k][1],
-            "score": round(score(*removable[k]), 4),
+            "score": round(removable[k][0], 4),
         }
         for k in KINDS
     }
@@ -373,7 +367,7 @@ def classify(ctx: Context) -> Diagnosis:
     others = sorted((k for k in KINDS if k != kind), key=lambda k: -shares[k])
     # Confidence from the verdict's own margin: its removable time (or, compute-bound, its busy
     # share) over the best other kind's weighted removable time.
-    scores = {k: score(*removable[k]) for k in KINDS}
+    scores = {k: removable[k][0] for k in KINDS}
     weight = shares[kind] if reason in ("busy", "largest share") else scores[kind]
     top_other = max((scores[k] for k in others), default=0.0)
     primary = Bottleneck(
@@ -405,21 +399,18 @@ def classify(ctx: Context) -> Diagnosis:
 
 
 def _removable_by_kind(ctx: Context, recs: list[Recommendation]) -> dict[str, tuple[float, str]]:
-    """Kind -> (fraction of the step its removal saves, basis): what the kind's best change removes
-    (the card that leads when the kind limits, so verdict and card agree), else for a wait no rule
-    has a change for, its measured time; compute has no removable time without a change."""
+    """Kind -> (fraction of the step its removal surely saves, basis): what the kind's best change
+    surely removes (``sure_share``; the card that leads when the kind limits, so verdict and card
+    agree), else for a wait no rule has a change for, its measured time; compute has no removable
+    time without a change."""
     step = ctx.step_ns or 1.0
     out = {k: (ctx.accounting.share(k), "measured") for k in WAIT_KINDS}
     out["compute"] = (0.0, "estimate")
     for kind, rec in _best_by_kind(recs).items():
-        basis = basis_of(kind) if rec.basis == "single-pass" else rec.basis
-        out[kind] = (
-            min(
-                1.0,
-                rank_key(rec, step) if rec.basis != "single-pass" else rec.removable_us_per_step * 1e3 / step,
-            ),
-            basis,
-        )
+        if rec.basis == "single-pass":
+            out[kind] = (min(1.0, rec.removable_us_per_step * 1e3 / step), basis_of(kind))
+        else:
+            out[kind] = (min(1.0, rank_key(rec, step)), rec.basis)
     return out
 
 
