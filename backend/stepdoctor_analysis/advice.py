@@ -3,7 +3,7 @@
 Rules here are data like those in ``rules.py`` (which appends them to ``RULES``): keyword specs of
 ``rules.Rule`` whose queries read ``Context`` and the rule's own ``thresholds``. A rule names the
 workloads it fits (``Rule.workloads``): advice for both training and inference also fits a workload
-the trace cannot tell (``ANY``, "unknown" included); advice for one kind does not. Two tables scope
+the trace cannot tell ("unknown", ``workload.fits``); advice for one kind does not. Two tables scope
 the existing rules:
 - ``TRAINING_ONLY``: advice that only means something with a backward pass and an optimizer, never
   given to an inference trace, nor to one whose workload is unknown (``workload``);
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 
 TRAINING = ("training",)
 INFERENCE = ("inference",)
-ANY = ("training", "inference", "unknown")  # advice that fits whatever the workload is
 
 # Rule id -> why it is training advice.
 TRAINING_ONLY: dict[str, str] = {
@@ -49,8 +48,6 @@ def scoped(rule: Rule) -> Rule:
     """``rule`` limited to the workloads, collective types and allocator states it fits."""
     if rule.id in TRAINING_ONLY:
         rule = dataclasses.replace(rule, workloads=TRAINING)
-    elif {"training", "inference"} <= set(rule.workloads):
-        rule = dataclasses.replace(rule, workloads=ANY)
     if rule.id in COLLECTIVE_SCOPE:
         rule = dataclasses.replace(rule, query=_when_dominant(COLLECTIVE_SCOPE[rule.id], rule.query))
     if rule.id in ALLOCATOR_SCOPE:
@@ -280,7 +277,6 @@ RULE_SPECS: list[dict[str, Any]] = [
             "DDP bucket sizes and gradient compression do not touch an all-to-all.",
             "If one rank is a straggler, the others' exposed time is waiting: fix the straggler first.",
         ),
-        "workloads": ANY,
     },
     {
         "id": "communication.fsdp_prefetch",
@@ -301,7 +297,6 @@ RULE_SPECS: list[dict[str, Any]] = [
             "Prefetching and reshard_after_forward=False hold more parameters in memory.",
             "HYBRID_SHARD replicates the model across nodes: each node must fit one sharded copy.",
         ),
-        "workloads": ANY,
     },
     {
         "id": "communication.pipeline_bubbles",
@@ -316,7 +311,6 @@ RULE_SPECS: list[dict[str, Any]] = [
         "why": "Stages wait {exposed} per step in exposed send/recv for their neighbours: pipeline "
         "bubbles, or a stage slower than the others.",
         "caveats": ("More micro-batches mean smaller ones: keep each large enough to fill the GPU.",),
-        "workloads": ANY,
     },
     {
         "id": "communication.tensor_parallel",
@@ -348,7 +342,6 @@ RULE_SPECS: list[dict[str, Any]] = [
         "off, so every tensor's allocation and free synchronises the device and the GPU idles "
         "{kind_pct:.0f}% of the step.",
         "caveats": ("Memory debugging tools (compute-sanitizer) need caching off; profile without them.",),
-        "workloads": ANY,
     },
     {
         "id": "inference.inference_mode",

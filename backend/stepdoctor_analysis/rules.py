@@ -29,7 +29,7 @@ from .precision import LATENCY_BOUND_NS, LOW_PRECISION, DeviceCaps, host_link_gb
 from .sync import SyncStats
 from .timeline import Accounting
 from .transfers import TransferStats
-from .workload import Workload
+from .workload import Workload, fits
 
 KINDS = BOTTLENECK_KINDS
 
@@ -116,7 +116,7 @@ class Rule:
 
     def evaluate(self, ctx: Context) -> Hit | None:
         workload = getattr(ctx, "workload", None)  # unit tests evaluate queries without a context
-        if workload is not None and workload.kind not in self.workloads:
+        if workload is not None and not fits(workload.kind, self.workloads):
             return None
         hit = self.query(ctx, self.thresholds)
         if hit is None or hit.metric < self.threshold:

@@ -195,6 +195,12 @@ class Workload:
         return self.kind == "inference"
 
 
+def fits(kind: str, workloads: tuple[str, ...]) -> bool:
+    """Whether advice for ``workloads`` fits a trace of ``kind``: an unknown workload (either kind)
+    gets only advice that fits both."""
+    return set(KINDS) <= set(workloads) if kind == "unknown" else kind in workloads
+
+
 def detect_workload(trace: RankTrace, steps: list[Step], metadata: dict[str, Any] | None = None) -> Workload:
     """Training, inference or unknown, from metadata, then from the ops the trace holds (module docstring)."""
     host_names = _names(trace, lambda: trace.host.name)
