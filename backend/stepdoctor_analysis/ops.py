@@ -10,7 +10,7 @@ in a loop (→ vectorize), many small host→device copies (→ batch or create 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,17 +96,6 @@ class OpStats:
     layout_transform_ns_per_step: float = 0.0  # NCHW<->NHWC transform kernels, summed
 
 
-def _named_kernel_ns(trace: RankTrace, kernels: np.ndarray, test: Callable[[str], bool]) -> float:
-    """Summed duration of the selected kernels whose name passes ``test`` (asked once per name)."""
-    if not kernels.any():
-        return 0.0
-    names = trace.gpu.name[kernels]
-    seen = np.bincount(names, minlength=len(trace.strings)).nonzero()[0]
-    passing = np.zeros(len(trace.strings), np.bool_)
-    passing[seen] = [test(trace.strings[i]) for i in seen.tolist()]
-    return float(trace.gpu.dur[kernels][passing[names]].sum())
-
-
 def analyze_ops(trace: RankTrace, steps: list[Step], minimums: Mapping[str, float]) -> OpStats:
     """Op and kernel statistics, and the anti-patterns whose metric reaches ``minimums[pattern id]``.
 
@@ -123,6 +112,7 @@ def analyze_ops(trace: RankTrace, steps: list[Step], minimums: Mapping[str, floa
         trace.gpu_kind(GpuKind.KERNEL) & tl.gpu_in_steps(trace, steps) if len(g) else np.zeros(0, np.bool_)
     )
     precision = matmul_precisions(trace, kernels, n)
+    layout = trace.gpu_named(is_layout_transform, "ops.layout_transform")
     stats = {
         "top_kernels": ranked(trace, steps, "kernels", 10),
         "top_ops": ranked(trace, steps, "ops", 10),
@@ -133,7 +123,7 @@ def analyze_ops(trace: RankTrace, steps: list[Step], minimums: Mapping[str, floa
         "matmul_ns_by_precision": {k: v / n for k, v in precision.ns_by_precision.items()},
         "matmul_short_ns_by_precision": {k: v / n for k, v in precision.short_ns_by_precision.items()},
         "kernel_ns_per_step": float(g.dur[kernels].sum()) / n if len(g) else 0.0,
-        "layout_transform_ns_per_step": _named_kernel_ns(trace, kernels, is_layout_transform) / n,
+        "layout_transform_ns_per_step": float(g.dur[kernels & layout].sum()) / n,
         "matmul_precision_evidence": precision.evidence,
     }
     patterns = [

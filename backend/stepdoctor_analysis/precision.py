@@ -38,12 +38,12 @@ _MATMUL_TOKENS = (
 # than multiply matrices: layout transforms around NHWC convolution kernels, batch norm, pointwise
 # and reduction kernels. Their speed does not follow the matmul precision, so neither their name
 # ("cudnn") nor the launching op's dtype makes them matmul work.
-_AUXILIARY_TOKENS = (
-    "nchwtonhwc", "nhwctonchw", "transpose", "bn_fw", "bn_bw", "batchnorm", "batch_norm",
-    "elementwise_kernel", "reduce_kernel", "pooling", "softmax", "layer_norm", "fill_kernel",
-)  # fmt: skip
 # cuDNN's (and MIOpen's) transposes between a channels-first tensor and a channels-last kernel.
 _LAYOUT_TOKENS = ("nchwtonhwc", "nhwctonchw", "nchw2nhwc", "nhwc2nchw")
+_AUXILIARY_TOKENS = (
+    *_LAYOUT_TOKENS, "transpose", "bn_fw", "bn_bw", "batchnorm", "batch_norm",
+    "elementwise_kernel", "reduce_kernel", "pooling", "softmax", "layer_norm", "fill_kernel",
+)  # fmt: skip
 # Ordered: the first match wins (a bf16 GEMM accumulating in f32 names both).
 _PRECISION_TOKENS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("fp8", ("e4m3", "e5m2", "fp8", "f8f8", "_f8_")),
@@ -208,9 +208,8 @@ def _kernel_precisions(trace: RankTrace, kernels: np.ndarray) -> tuple[np.ndarra
     by_name[used_names] = [_CODE.get(matmul_precision(strings[i]) or "", -1) for i in used_names]
     name_code = by_name[names]
     op_code = kernel_op_precision(trace)[kernels]
-    aux = np.zeros(len(trace.strings), np.bool_)
-    aux[used_names] = [is_auxiliary(strings[i]) for i in used_names]
-    op_code = np.where(aux[names], -1, op_code)  # a matmul op's layout/pointwise kernels are not its matmul
+    # A matmul op's layout/pointwise kernels are not its matmul.
+    op_code = np.where(trace.gpu_named(is_auxiliary, "precision.auxiliary")[kernels], -1, op_code)
     agree = (name_code == op_code) | ((name_code == _TF32) & (op_code == _FP32))
     silent = (name_code < 0) | (name_code == _UNKNOWN)
     used = np.where((op_code < 0) | agree | ((op_code == _UNKNOWN) & ~silent), name_code, op_code)
