@@ -348,8 +348,8 @@ def classify(ctx: Context) -> Diagnosis:
         key=lambda r: (-rank_key(r, ctx.step_ns), -r.confidence, r.id),
     )
     evidence = {rule.kind: hit.evidence for rule, hit in sorted(hits, key=lambda p: p[1].removable_ns)}
-    removable = _removable_by_kind(ctx, recs)
     best = _best_by_kind(recs)
+    removable = _removable_by_kind(ctx, best)
     kind, reason = choose_limiter(shares, removable)
     limiter = {
         k: {
@@ -398,7 +398,7 @@ def classify(ctx: Context) -> Diagnosis:
     )
 
 
-def _removable_by_kind(ctx: Context, recs: list[Recommendation]) -> dict[str, tuple[float, str]]:
+def _removable_by_kind(ctx: Context, best: dict[str, Recommendation]) -> dict[str, tuple[float, str]]:
     """Kind -> (fraction of the step its removal surely saves, basis): what the kind's best change
     surely removes (``sure_share``; the card that leads when the kind limits, so verdict and card
     agree), else for a wait no rule has a change for, its measured time; compute has no removable
@@ -406,7 +406,7 @@ def _removable_by_kind(ctx: Context, recs: list[Recommendation]) -> dict[str, tu
     step = ctx.step_ns or 1.0
     out = {k: (ctx.accounting.share(k), "measured") for k in WAIT_KINDS}
     out["compute"] = (0.0, "estimate")
-    for kind, rec in _best_by_kind(recs).items():
+    for kind, rec in best.items():
         if rec.basis == "single-pass":
             out[kind] = (min(1.0, rec.removable_us_per_step * 1e3 / step), basis_of(kind))
         else:

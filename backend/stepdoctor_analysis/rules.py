@@ -397,12 +397,19 @@ def _comm(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
 _FP32_CLASS = ("fp32", "tf32")  # matmul precisions that reduced precision speeds up
 
 
+def _exposed_kernel_fraction(ctx: Context) -> float:
+    """The part of summed kernel time the step waits for (compute time over summed kernels: kernels
+    on several streams overlap), to scale a kind of kernels' summed time to step time."""
+    o = ctx.ops
+    return min(1.0, ctx.ns("compute") / o.kernel_ns_per_step) if o.kernel_ns_per_step > 0 else 0.0
+
+
 def _fp32_matmul_work(ctx: Context, *, short: bool = False) -> dict[str, float]:
     """FP32/TF32 matmul-class time per step that a faster precision can shorten, scaled to the
     exposed compute (kernels may overlap); ``short``: instead the time in kernels too short for
     precision to matter (``precision.LATENCY_BOUND_NS``)."""
     o = ctx.ops
-    scale = min(1.0, ctx.ns("compute") / o.kernel_ns_per_step) if o.kernel_ns_per_step > 0 else 0.0
+    scale = _exposed_kernel_fraction(ctx)
     short_ns = o.matmul_short_ns_by_precision
     if short:
         return {p: short_ns.get(p, 0.0) * scale for p in _FP32_CLASS}
@@ -554,8 +561,7 @@ def _channels_last(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     o = ctx.ops
     if not ctx.has_gpu or o.layout_transform_ns_per_step <= 0:
         return None
-    scale = min(1.0, ctx.ns("compute") / o.kernel_ns_per_step) if o.kernel_ns_per_step > 0 else 0.0
-    removable = o.layout_transform_ns_per_step * scale  # the part of them the step waits for
+    removable = o.layout_transform_ns_per_step * _exposed_kernel_fraction(ctx)
     evidence = {
         "layout_transform_us_per_step": _us(o.layout_transform_ns_per_step),
         "exposed_us_per_step": _us(removable),
