@@ -26,7 +26,7 @@ import numpy as np
 from . import intervals as iv
 from . import timeline as tl
 from .model import GpuKind, RankTrace, Step
-from .steps import STEP_PREFIX, device_op_mask, launched_ops, step_marker_mask
+from .steps import device_op_mask, launched_ops, marker_ranges
 from .sync import blocking_call_mask
 
 I64 = iv.I64
@@ -84,15 +84,13 @@ def host_ranges(trace: RankTrace, steps: list[Step]) -> tuple[I64, I64]:
     nothing)."""
     starts, ends = tl.step_windows(steps)
     h = trace.host
-    marks = step_marker_mask(trace).nonzero()[0] if len(h) else np.zeros(0, np.int64)
-    if marks.size:
-        by_number = {
-            int(trace.strings[n][len(STEP_PREFIX) :]): i for i, n in zip(marks, h.name[marks], strict=True)
-        }
+    numbers, m_starts, m_ends = marker_ranges(trace)
+    if numbers:
+        by_number = {number: i for i, number in enumerate(numbers)}
         idx = [by_number.get(s.number) for s in steps]
         if all(i is not None for i in idx):
             at = np.array(idx, dtype=np.int64)
-            return h.ts[at].astype(np.int64), h.end[at].astype(np.int64)
+            return m_starts[at].astype(np.int64), m_ends[at].astype(np.int64)
     ops, calls = launched_ops(trace)
     hs, he = starts.copy(), ends.copy()
     if ops.size == 0:

@@ -87,15 +87,25 @@ def _launching_call(trace: RankTrace) -> I64:
     return out
 
 
+def marker_ranges(trace: RankTrace) -> tuple[list[int], I64, I64]:
+    """The ``ProfilerStep#N`` markers' numbers and host ranges, in start order (empty: no markers)."""
+
+    def evaluate() -> tuple[list[int], I64, I64]:
+        host = trace.host
+        marks = step_marker_mask(trace).nonzero()[0]
+        marks = marks[host.ts[marks].argsort(kind="stable")]
+        numbers = [int(trace.strings[n][len(STEP_PREFIX) :]) for n in host.name[marks].tolist()]
+        return numbers, host.ts[marks], host.end[marks]
+
+    return trace.memo("steps.marker_ranges", evaluate)
+
+
 def find_steps(trace: RankTrace) -> list[Step]:
     """Step windows in time order; one synthetic step (number 0) when the trace has no markers."""
-    host = trace.host
-    marks = step_marker_mask(trace).nonzero()[0]
-    if marks.size == 0:
+    numbers, starts, ends = marker_ranges(trace)
+    if not numbers:
         return _whole_trace_step(trace)
-    marks = marks[host.ts[marks].argsort(kind="stable")]
-    numbers = [int(trace.strings[n][len(STEP_PREFIX) :]) for n in host.name[marks].tolist()]
-    return _steps_from_ranges(trace, numbers, host.ts[marks], host.end[marks])
+    return _steps_from_ranges(trace, numbers, starts, ends)
 
 
 def _steps_from_ranges(trace: RankTrace, numbers: list[int], starts: I64, ends: I64) -> list[Step]:

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import timeline as tl
 from .model import HostKind, RankTrace, Step
-from .steps import launching_call, step_marker_mask
+from .steps import launching_call, marker_ranges
 from .transfers import sync_copy_call_mask
 
 _SYNC_API_RE = re.compile(r"^(cuda|hip)(Stream|Device|Event)Synchronize$|^cu(Stream|Ctx|Event)Synchronize$")
@@ -81,12 +81,12 @@ def analyze_sync(trace: RankTrace, steps: list[Step]) -> SyncStats:
     if not len(h) or not steps:
         return SyncStats()
     calls = (blocking_call_mask(trace) & tl.host_in_steps(trace, steps)).nonzero()[0]
-    marks = step_marker_mask(trace)
-    if calls.size and marks.any():
+    numbers, m_starts, m_ends = marker_ranges(trace)
+    if calls.size and numbers:
         # The loop's syncs run inside its ProfilerStep ranges (they tile the loop); a sync after
         # the last one is the profiler's own cudaDeviceSynchronize as it closes the window, which
         # step windows stretched over a device running behind the host would otherwise take in.
-        calls = calls[(h.ts[calls] >= h.ts[marks].min()) & (h.ts[calls] < h.end[marks].max())]
+        calls = calls[(h.ts[calls] >= m_starts[0]) & (h.ts[calls] < m_ends.max())]
     if calls.size == 0:
         return SyncStats()
     n = len(steps)
