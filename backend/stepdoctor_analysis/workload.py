@@ -224,7 +224,11 @@ def detect_workload(trace: RankTrace, steps: list[Step], metadata: dict[str, Any
     )
     declared = _declared(metadata)
     if declared in KINDS:
-        phase = _phase(host_names, kernel_names, per_step, median_us) if declared == "inference" else None
+        phase = (
+            _named_phase(host_names, kernel_names) or _shape_phase(per_step, median_us)
+            if declared == "inference"
+            else None
+        )
         return replace(
             base,
             kind=declared,
@@ -351,7 +355,3 @@ def _shape_phase(per_step: float, median_us: float) -> str | None:
     if per_step >= DECODE_MIN_KERNELS and 0 < median_us * 1e3 < DECODE_MAX_MEDIAN_NS:
         return "decode"
     return None
-
-
-def _phase(host: _Names, kernels: _Names, per_step: float, median_us: float) -> str | None:
-    return _named_phase(host, kernels) or _shape_phase(per_step, median_us)
