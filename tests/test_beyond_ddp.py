@@ -8,13 +8,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
 from stepdoctor_analysis.collectives import collective_type, is_collective_kernel_name
+from stepdoctor_analysis.contract import decode
 from stepdoctor_analysis.pipeline import analyze_path
-from stepdoctor_analysis.ranks import TraceEntry, rank_verdict
-from stepdoctor_server.aggregate import TraceReport, aggregate_run
+from stepdoctor_analysis.ranks import TraceEntry, rank_verdict, worker_name
+from stepdoctor_server.aggregate import StoredTrace, aggregate_run
 from support import synthetic_dist as sd
 from support.cpu_loops import _record
 from support.fixtures import HTA_TRACES, TRACELENS_TRACES
@@ -140,7 +142,9 @@ def test_tensor_parallel_inference_all_reduce(tmp_path: Path) -> None:
 def _server_diagnosis(directory: Path) -> dict[str, Any]:
     """The server's run diagnosis over the per-trace reports its worker stores."""
     reports = [analyze_path(f).to_dict() for f in sorted(directory.iterdir())]
-    return aggregate_run([TraceReport(i, r["rank"], 0, r) for i, r in enumerate(reports)])
+    verdict = aggregate_run([StoredTrace(i, r["rank"], 0, None, r) for i, r in enumerate(reports)])
+    out: dict[str, Any] = msgspec.to_builtins(verdict)
+    return out
 
 
 def test_straggler_is_the_rank_that_works_longer_and_both_paths_agree(tmp_path: Path) -> None:
@@ -177,10 +181,10 @@ def test_symmetric_job_verdict_agrees_on_both_paths(tmp_path: Path) -> None:
 def test_ranks_at_100_and_120_us_agree_on_both_paths() -> None:
     times = {0: 100.0, 1: 120.0}
     reports = {r: valid_report(rank=r, step_time_us=t, source=f"r{r}") for r, t in times.items()}
-    direct = rank_verdict([TraceEntry(rep) for rep in reports.values()])
-    server = aggregate_run([TraceReport(r, r, 0, rep) for r, rep in reports.items()])
+    direct = rank_verdict([TraceEntry(decode(rep)) for rep in reports.values()])
+    server = aggregate_run([StoredTrace(r, r, 0, None, rep) for r, rep in reports.items()])
     assert direct.straggler_ranks() == [1]
-    assert [s["rank"] for s in server["stragglers"]] == [1]
+    assert [s.rank for s in server.stragglers] == [1]
 
 
 # --- 4. windows are not ranks --------------------------------------------------------------------
@@ -201,8 +205,8 @@ def test_two_windows_of_one_rank_are_windows(tmp_path: Path) -> None:
 
 def test_traces_without_rank_group_by_tensorboard_worker() -> None:
     entries = [
-        TraceEntry({"source": "host_11.100.pt.trace.json", "step_time_us": 100.0}),
-        TraceEntry({"source": "host_11.200.pt.trace.json", "step_time_us": 300.0}),
+        TraceEntry(decode(valid_report(source=name, step_time_us=t)), worker=worker_name(name))
+        for name, t in (("host_11.100.pt.trace.json", 100.0), ("host_11.200.pt.trace.json", 300.0))
     ]
     verdict = rank_verdict(entries)
     assert verdict.count == 1 and verdict.windows == 2 and verdict.stragglers == []

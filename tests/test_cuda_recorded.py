@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 from stepdoctor_analysis.pipeline import analyze_path
-from stepdoctor_server.aggregate import TraceReport, aggregate_run
+from stepdoctor_server.aggregate import StoredTrace
 from stepdoctor_server.compare import compare_diagnoses
 from support.fixtures import TRACES
+from support.reports import as_verdict, server_run
 
 CUDA = TRACES / "cuda"
 CASES: dict[str, dict[str, Any]] = json.loads((CUDA / "cases.json").read_text())["cases"]
@@ -29,7 +30,7 @@ def _report(name: str) -> dict[str, Any]:
 
 def _run(name: str, trace_id: int) -> dict[str, Any]:
     d = _report(name)
-    return aggregate_run([TraceReport(trace_id, d["rank"], 0, d)])
+    return server_run([StoredTrace(trace_id, d["rank"], 0, None, d)])
 
 
 def test_every_case_has_its_trace_and_timings() -> None:
@@ -70,7 +71,9 @@ def test_before_after_pair_compares_like_the_measured_fix(name: str) -> None:
     without the profiler), the traces show it, the base run's first card no longer fires and the
     base limiter's time fell; where it did not, the traces show no speedup either."""
     measured = CASES[name]["before_ms"] / CASES[name]["after_ms"]
-    cmp = compare_diagnoses(_run(f"{name}.json.gz", 1), _run(f"{name}.after.json.gz", 2))
+    cmp = compare_diagnoses(
+        as_verdict(_run(f"{name}.json.gz", 1)), as_verdict(_run(f"{name}.after.json.gz", 2))
+    )
     if measured >= 1.3:
         assert cmp["speedup"] > 1.15, (name, cmp["speedup"])
         followed = cmp["followed"]

@@ -15,6 +15,7 @@ from stepdoctor_analysis.ranks import TraceEntry, rank_verdict
 from stepdoctor_analysis.report import plain
 from stepdoctor_analysis.rules import KINDS, RULES, Hit, Rule, speedup
 from support import synthetic
+from support.reports import typed
 
 
 def test_speedup_is_total_over_remaining() -> None:
@@ -67,7 +68,7 @@ def test_loader_settings_from_agent_metadata_shape() -> None:
 
 def test_rank_spread_names_the_slow_rank() -> None:
     def spread(times: dict[int, float]):  # type: ignore[no-untyped-def]
-        return rank_verdict([TraceEntry({"step_time_us": t}, rank=r) for r, t in times.items()])
+        return rank_verdict([TraceEntry(typed(step_time_us=t), rank=r) for r, t in times.items()])
 
     verdict = spread({0: 100.0, 1: 101.0, 2: 99.0, 3: 130.0})
     assert verdict.straggler_ranks() == [3]

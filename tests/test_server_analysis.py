@@ -192,29 +192,29 @@ def test_reanalyze_and_stale_reports(client: TestClient, app: FastAPI, read_toke
     assert denied.status_code == 403
     assert drain(app) == 1
 
-    # A report made by an older engine is redone when someone asks for it.
+    # A report made by an older engine is flagged when read, and redone by the workers' sweep.
     with app.state.db.session() as session:
         session.execute(
             update(Analysis).where(Analysis.trace_id == trace_id).values(engine_version="0.0.0-old")
         )
     report = client.get(f"/api/v1/traces/{trace_id}/report").json()
-    assert report["stale"] is True and report["status"] == "pending" and report["report"] is not None
+    assert report["stale"] is True and report["status"] == "done" and report["report"] is not None
+    assert SqlJobQueue(app.state.db).requeue_outdated() == [trace_id]
     assert drain(app) == 1
     fresh = client.get(f"/api/v1/traces/{trace_id}/report").json()
     assert fresh["stale"] is False and fresh["status"] == "done"
 
-    # Same on demand for a whole run.
+    # Same for a whole run: flagged when read, redone by the sweep.
     run_id = client.get(f"/api/v1/traces/{trace_id}").json()["run_id"]
     with app.state.db.session() as session:
         session.execute(update(Analysis).where(Analysis.trace_id == trace_id).values(schema_version=0))
     run_diag = client.get(f"/api/v1/runs/{run_id}/diagnosis").json()
-    assert run_diag["stale"] is True and run_diag["requeued"] == [trace_id]
-    assert run_diag["trace_status"] == {"pending": 1} and run_diag["diagnosis"]["traces"] == 1
+    assert run_diag["stale"] is True and "requeued" not in run_diag
+    assert run_diag["trace_status"] == {"done": 1} and run_diag["diagnosis"]["traces"] == 1
+    assert SqlJobQueue(app.state.db).requeue_outdated() == [trace_id]
     assert drain(app) == 1
     run_diag = client.get(f"/api/v1/runs/{run_id}/diagnosis").json()
-    assert (
-        run_diag["stale"] is False and run_diag["requeued"] == [] and run_diag["trace_status"] == {"done": 1}
-    )
+    assert run_diag["stale"] is False and run_diag["trace_status"] == {"done": 1}
     assert client.post("/api/v1/traces/999999/reanalyze").status_code == 404
 
 

@@ -7,12 +7,14 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
-from stepdoctor_server.aggregate import TraceReport, aggregate_run, merge_recommendations
+from stepdoctor_analysis.run_verdict import merge_recommendations
+from stepdoctor_server.aggregate import StoredTrace, aggregate_run
 from stepdoctor_server.compare import compare_diagnoses
 from stepdoctor_server.tensorboard_export import ExportItem, archive_names, stream_zip, worker_name
-from support.reports import recommendation, report
+from support.reports import recommendation, report, verdict
 from support.reports import steps as step_rows
 
 
@@ -32,11 +34,27 @@ def _report(
     )
 
 
+def _aggregate(traces: list[StoredTrace], **counts: int) -> dict[str, Any]:
+    """The server's run diagnosis as the API returns it."""
+    out: dict[str, Any] = msgspec.to_builtins(aggregate_run(traces, **counts))
+    return out
+
+
+def _merge(traces: list[StoredTrace]) -> list[dict[str, Any]]:
+    """The run's merged cards over readable reports (100 µs steps in these tests)."""
+    from stepdoctor_analysis.ranks import TraceEntry
+    from stepdoctor_server.reports import read_report
+
+    entries = [TraceEntry(doc, rank=t.rank) for t in traces if (doc := read_report(t.report)) is not None]
+    out: list[dict[str, Any]] = msgspec.to_builtins(merge_recommendations(entries, 100.0, None))
+    return out
+
+
 def test_aggregate_weights_by_steps_and_picks_the_limiter() -> None:
     # rank 0: 1 step of 100 µs, 90% input; rank 1: 3 steps of 300 µs, 60% compute / 40% input.
     a = _report(10.0, 90.0, steps=1, shares={"input": 0.9, "compute": 0.1, "other": 0.0}, recs=["in.workers"])
     b = _report(180.0, 120.0, steps=3, shares={"input": 0.4, "compute": 0.6}, recs=["amp", "in.workers"])
-    diag = aggregate_run([TraceReport(1, 0, 0, a), TraceReport(2, 1, 0, b)])
+    diag = _aggregate([StoredTrace(1, 0, 0, None, a), StoredTrace(2, 1, 0, None, b)])
 
     assert diag["traces"] == 2 and diag["steps"] == 4
     assert diag["breakdown"]["kernel"] == pytest.approx((10.0 * 1 + 180.0 * 3) / 4)
@@ -59,7 +77,7 @@ def test_aggregate_weights_by_steps_and_picks_the_limiter() -> None:
 
 def test_other_time_never_becomes_the_primary_kind() -> None:
     rep = _report(10.0, 0.0, steps=1, shares={"other": 0.8, "launch": 0.2}, recs=[])
-    assert aggregate_run([TraceReport(1, 0, 0, rep)])["primary"]["kind"] == "launch"
+    assert _aggregate([StoredTrace(1, 0, 0, None, rep)])["primary"]["kind"] == "launch"
 
 
 def test_recommendations_merge_by_id_with_run_level_gain() -> None:
@@ -67,11 +85,15 @@ def test_recommendations_merge_by_id_with_run_level_gain() -> None:
         return recommendation(rid, kind="launch", change="x", removable_us_per_step=removable_us)
 
     reports = [
-        TraceReport(1, 0, 0, report(step_time_us=100.0, recommendations=[rec("a", 10.0), rec("b", 5.0)])),
-        TraceReport(2, 1, 0, report(step_time_us=100.0, recommendations=[rec("b", 50.0)])),
-        TraceReport(3, 2, 0, report(step_time_us=100.0, recommendations=[rec("b", 20.0), rec("a", 1.0)])),
+        StoredTrace(
+            1, 0, 0, None, report(step_time_us=100.0, recommendations=[rec("a", 10.0), rec("b", 5.0)])
+        ),
+        StoredTrace(2, 1, 0, None, report(step_time_us=100.0, recommendations=[rec("b", 50.0)])),
+        StoredTrace(
+            3, 2, 0, None, report(step_time_us=100.0, recommendations=[rec("b", 20.0), rec("a", 1.0)])
+        ),
     ]
-    merged = merge_recommendations(reports)
+    merged = _merge(reports)
     assert [m["id"] for m in merged] == ["b", "a"]
     assert merged[0]["traces"] == 3 and merged[0]["first_in"] == 2 and merged[0]["ranks"] == [0, 1, 2]
     # b removes (5 + 50 + 20) / 300 of the run's time: 25% -> 1.33x, not the best window's 2x.
@@ -82,17 +104,18 @@ def test_recommendations_merge_by_id_with_run_level_gain() -> None:
 
 def test_tiny_gains_are_not_cards() -> None:
     reports = [
-        TraceReport(
+        StoredTrace(
             1,
             0,
             0,
+            None,
             report(
                 step_time_us=100.0,
                 recommendations=[recommendation("a", kind="launch", change="x", removable_us_per_step=1.0)],
             ),
         )
     ]
-    assert merge_recommendations(reports) == []
+    assert _merge(reports) == []
 
 
 def test_outdated_reports_are_left_out_of_the_run_and_counted() -> None:
@@ -106,20 +129,26 @@ def test_outdated_reports_are_left_out_of_the_run_and_counted() -> None:
         "recommendations": [{"id": "old.rule", "change": "x", "expected_speedup": "fast"}],
     }
     typo = {**current, "step_time_us": "100"}  # a mistyped field is not read as 0 either
-    diag = aggregate_run(
-        [TraceReport(1, 0, 0, current), TraceReport(2, 1, 0, old_engine), TraceReport(3, 2, 0, typo)]
+    diag = _aggregate(
+        [
+            StoredTrace(1, 0, 0, None, current),
+            StoredTrace(2, 1, 0, None, old_engine),
+            StoredTrace(3, 2, 0, None, typo),
+        ]
     )
-    alone = aggregate_run([TraceReport(1, 0, 0, current)])
-    assert diag["outdated"] == 2 and "outdated" not in alone
-    assert {k: v for k, v in diag.items() if k != "outdated"} == alone
-    assert [r["id"] for r in merge_recommendations([TraceReport(2, 1, 0, old_engine)])] == []
+    alone = _aggregate([StoredTrace(1, 0, 0, None, current)])
+    assert diag["outdated"] == 2 and alone["outdated"] == 0
+    assert {k: v for k, v in diag.items() if k != "outdated"} == {
+        k: v for k, v in alone.items() if k != "outdated"
+    }
+    assert [r["id"] for r in _merge([StoredTrace(2, 1, 0, None, old_engine)])] == []
 
-    only_old = aggregate_run([TraceReport(2, 1, 0, old_engine)], pending=1)
+    only_old = _aggregate([StoredTrace(2, 1, 0, None, old_engine)], pending=1)
     assert only_old["primary"] is None and only_old["traces"] == 0 and only_old["outdated"] == 1
 
 
 def test_empty_run_has_no_primary() -> None:
-    diag = aggregate_run([], failed=2)
+    diag = _aggregate([], failed=2)
     assert diag["primary"] is None and diag["failed"] == 2
 
 
@@ -128,15 +157,15 @@ def test_compare_deltas_speedup_and_findings() -> None:
         "step_time_us": 200.0,
         "breakdown": {"kernel": 100.0, "dataloader": 100.0},
         "primary": {"kind": "input"},
-        "findings": [{"id": "input.workers"}, {"id": "launch.graphs"}],
+        "findings": [{"id": "input.workers", "kind": "input"}, {"id": "launch.graphs", "kind": "launch"}],
     }
     other = {
         "step_time_us": 125.0,
         "breakdown": {"kernel": 100.0, "dataloader": 25.0},
         "primary": {"kind": "compute"},
-        "findings": [{"id": "launch.graphs"}, {"id": "compute.amp"}],
+        "findings": [{"id": "launch.graphs", "kind": "launch"}, {"id": "compute.amp", "kind": "compute"}],
     }
-    cmp = compare_diagnoses(base, other)
+    cmp = compare_diagnoses(verdict(**base), verdict(**other))
     assert cmp["speedup"] == pytest.approx(1.6)
     assert cmp["categories"]["dataloader"]["delta_us"] == pytest.approx(-75.0)
     assert cmp["categories"]["dataloader"]["delta_pct"] == pytest.approx(-75.0)
@@ -156,15 +185,17 @@ def test_a_diagnosis_compare_cannot_read_is_a_409_not_a_crash() -> None:
     from stepdoctor_server.models import Run
     from stepdoctor_server.services.runs import run_diagnosis
 
-    good = {"traces": 1, "step_time_us": 5.0, "findings": [{"id": "a", "title": "A", "traces": 1}]}
-    assert run_diagnosis(Run(id=7, diagnosis=good)) is good  # returned as stored
+    good = msgspec.to_builtins(
+        verdict(traces=1, step_time_us=5.0, findings=[{"id": "a", "title": "A", "traces": 1}])
+    )
+    assert run_diagnosis(Run(id=7, diagnosis=good)).findings[0].title == "A"  # read typed
     with pytest.raises(ApiError) as err:
         run_diagnosis(Run(id=7, diagnosis={"traces": 1, "step_time_us": "fast"}))
     assert (err.value.status, err.value.code) == (409, "outdated")
 
 
 def test_compare_handles_zero_base() -> None:
-    cmp = compare_diagnoses({"step_time_us": 0.0, "breakdown": {"memset": 0.0}}, {"step_time_us": 5.0})
+    cmp = compare_diagnoses(verdict(step_time_us=0.0, breakdown={"memset": 0.0}), verdict(step_time_us=5.0))
     assert cmp["speedup"] is None and cmp["categories"]["memset"]["delta_pct"] is None
 
 

@@ -13,9 +13,10 @@ import pytest
 
 from stepdoctor_analysis.pipeline import analyze_path
 from stepdoctor_analysis.report import Report
-from stepdoctor_server.aggregate import TraceReport, aggregate_run
+from stepdoctor_server.aggregate import StoredTrace
 from stepdoctor_server.compare import compare_diagnoses
 from support.fixtures import TRACES
+from support.reports import as_verdict, server_run
 
 ALL = sorted(p.relative_to(TRACES).as_posix() for p in TRACES.rglob("*.json.gz"))
 
@@ -53,12 +54,12 @@ def test_verdict_and_first_recommendation_agree_everywhere(rel: str) -> None:
     if primary["note"]:
         assert primary["note"] in text
     # Run aggregate (API /runs/{id}/diagnosis, run page): one trace -> the same verdict and card.
-    run = aggregate_run([TraceReport(1, d["rank"], 0, d)])
+    run = server_run([StoredTrace(1, d["rank"], 0, None, d)])
     assert run["primary"]["kind"] == primary["kind"]
     assert [r["id"] for r in run["recommendations"]][:1] == [r["id"] for r in recs][:1]
     _consistent(run["primary"], run["recommendations"])
     # Compare page: a run against itself keeps its limiter.
-    change = compare_diagnoses(run, run)["primary"]
+    change = compare_diagnoses(as_verdict(run), as_verdict(run))["primary"]
     assert change["base"] == change["other"] == primary["kind"] and not change["changed"]
     # A GPU trace is never shown as CPU only; one figure per concept: the compute share (computation
     # kernels running) never exceeds GPU utilization (any kernel running) over the same steps.

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from stepdoctor_analysis.pipeline import analyze_path
-from stepdoctor_server.aggregate import TraceReport, aggregate_run
+from stepdoctor_server.aggregate import StoredTrace
 from stepdoctor_server.compare import compare_diagnoses
 from support import verdict_traces as vt
+from support.reports import as_verdict, server_run
 
 
 def _analyze(path: Path) -> dict[str, Any]:
@@ -57,10 +58,10 @@ def test_fixed_loader_turns_the_run_compute_bound_and_compare_says_so(
     fixed = resnet["workers4"]
     assert fixed["primary"]["kind"] == "compute"
     assert fixed["recommendations"][0]["id"] == "compute.mixed_precision"
-    base = aggregate_run([TraceReport(1, None, 0, resnet["workers0"])])
-    other = aggregate_run([TraceReport(2, None, 0, fixed)])
+    base = server_run([StoredTrace(1, None, 0, None, resnet["workers0"])])
+    other = server_run([StoredTrace(2, None, 0, None, fixed)])
     assert base["primary"]["kind"] == "input" and base["recommendations"][0]["kind"] == "input"
-    change = compare_diagnoses(base, other)["primary"]
+    change = compare_diagnoses(as_verdict(base), as_verdict(other))["primary"]
     assert (change["base"], change["other"], change["changed"]) == ("input", "compute", True)
     assert change["base_kind_us"]["delta_pct"] < -90  # the input stall all but vanished
     assert "input to compute" in change["sentence"]
@@ -68,10 +69,10 @@ def test_fixed_loader_turns_the_run_compute_bound_and_compare_says_so(
 
 def test_run_verdict_comes_from_all_windows_not_the_first(resnet: dict[str, dict[str, Any]]) -> None:
     # Three fixed windows and one slow one: the run is compute-bound, whichever trace came first.
-    reports = [TraceReport(1, None, 0, resnet["workers0"])] + [
-        TraceReport(i, None, i, resnet["workers4"]) for i in range(2, 5)
+    reports = [StoredTrace(1, None, 0, None, resnet["workers0"])] + [
+        StoredTrace(i, None, i, None, resnet["workers4"]) for i in range(2, 5)
     ]
-    run = aggregate_run(reports)
+    run = server_run(reports)
     assert run["primary"]["kind"] == "compute"
     assert run["recommendations"][0]["kind"] == "compute"
     # The input card's gain is the run's (one window in four), below what that window alone claims.

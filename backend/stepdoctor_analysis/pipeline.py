@@ -274,43 +274,67 @@ def _host_memory(metadata: dict[str, Any] | None) -> int:
 
 
 def _job_report(path: Path, traces: list[RankTrace], reports: list[Report]) -> Report:
-    """A directory: the job's limiter (``job.job_limiter``), ranks, windows and stragglers
-    (``ranks.rank_verdict``): the functions the server's run diagnosis calls, so both agree.
+    """A directory: the run's verdict (``run_verdict.run_verdict``, the function the server's run
+    diagnosis calls, so both agree) on the report of the trace that stands for the run.
 
-    The top-level diagnosis is that of a rank whose own verdict is the job's (a straggler first,
-    then the slowest); when no rank's is, the slowest rank's report carries the job's verdict.
+    The verdict's figures replace the lead trace's: step time, breakdown, shares and time per kind,
+    the limiter and its gain, the merged cards, ranks and windows. The lead's per-step rows, tables
+    and drawn steps stay as the run's example.
     """
-    from . import job, ranks  # directories only: a single trace's analysis (and CLI start) skips them
+    from . import ranks, run_verdict  # directories only: a single trace's analysis (and CLI start) skips them
 
-    dicts = [r.to_dict() for r in reports]
-    verdict = ranks.rank_verdict([ranks.TraceEntry(d) for d in dicts])
-    limiter = job.job_limiter(dicts)
-    lead = {s.rank for s in verdict.stragglers}
-    agreeing = [i for i, r in enumerate(reports) if r.primary.kind == limiter.kind]
-    pool = [i for i in agreeing if reports[i].rank in lead] or agreeing or list(range(len(reports)))
-    top = reports[max(pool, key=lambda i: reports[i].step_time_us)]
-    if limiter.kind is not None and top.primary.kind != limiter.kind:
-        removable, basis = limiter.removable.get(limiter.kind, (0.0, "measured"))
+    entries = [
+        ranks.TraceEntry(r.typed(), window=i, worker=ranks.worker_name(t.source))
+        for i, (t, r) in enumerate(zip(traces, reports, strict=True))
+    ]
+    verdict = run_verdict.run_verdict(entries)
+    top = reports[verdict.lead if verdict.lead is not None else 0]
+    step = verdict.step_time_us
+    if verdict.primary is not None:
+        p = verdict.primary
+        own = top.primary.kind == p.kind
         top.primary = msgspec.structs.replace(
             top.primary,
-            kind=limiter.kind,
-            share=round(limiter.shares.get(limiter.kind, 0.0), 4),
-            us_per_step=round(limiter.shares.get(limiter.kind, 0.0) * top.step_time_us, 3),
-            evidence={},
-            gain=round(1.0 / max(1.0 - removable, 0.05), 3),
-            basis=basis,
-            note="This is the job's limiter over all ranks; no single rank's own verdict is.",
+            kind=p.kind,
+            share=round(p.share, 4),
+            us_per_step=p.us_per_step,
+            evidence=top.primary.evidence if own else {},
+            gain=p.gain,
+            basis=p.basis,
+            note=p.note
+            or ("" if own else "This is the job's limiter over all ranks; no single rank's own verdict is."),
         )
-    top.ranks = plain(verdict.to_dict() | {"limiter": limiter.kind, "limiter_reason": limiter.reason})
+    top.secondary = [
+        msgspec.structs.replace(
+            b, share=round(verdict.shares.get(b.kind, 0.0), 4), us_per_step=verdict.kinds_us.get(b.kind, 0.0)
+        )
+        for b in top.secondary
+        if verdict.primary is None or b.kind != verdict.primary.kind
+    ]
+    top.step_time_us = round(step, 3)
+    top.breakdown = dict(verdict.breakdown)
+    top.metrics = {
+        **top.metrics,
+        "step_time_us": {**top.metrics["step_time_us"], "mean": step},
+        "shares": {k: round(verdict.shares.get(k, 0.0), 4) for k in top.metrics["shares"]},
+        "kinds_us": {k: round(verdict.kinds_us.get(k, 0.0), 3) for k in top.metrics["kinds_us"]},
+    }
+    top.recommendations = [_card(c) for c in verdict.recommendations]
+    top.findings = [_card(f) for f in verdict.findings]
+    top.ranks = plain(
+        verdict.rank_section().to_dict()
+        | {
+            "steps": verdict.steps,
+            "limiter": verdict.primary.kind if verdict.primary else None,
+            "limiter_reason": verdict.primary.reason if verdict.primary else "",
+        }
+    )
     top.source = str(path)
-    if verdict.count == 1 and len(reports) > 1:
-        top.warnings.append(
-            f"{len(reports)} traces of one rank: these are capture windows, averaged by step, not ranks"
-        )
-    for st in verdict.stragglers:
-        top.warnings.append(f"straggler: {st.sentence()}; the other ranks wait for it in collectives")
-    if (card := ranks.straggler_advice(verdict)) is not None:  # the others wait: fix the straggler first
-        rec = diagnose.Recommendation(**card)
-        top.recommendations = ranks.with_straggler_advice(top.recommendations, rec, top.primary.kind)
-        top.findings = ranks.with_straggler_advice(top.findings, rec, top.primary.kind)
+    top.warnings = [*top.warnings, *verdict.warnings]
     return top
+
+
+def _card(card: Any) -> diagnose.Recommendation:
+    """A run card or finding as the report's recommendation (the run-only counts left out)."""
+    fields = {f: getattr(card, f) for f in diagnose.Recommendation.__struct_fields__}
+    return diagnose.Recommendation(**fields)

@@ -2,9 +2,11 @@
 ``stepdoctor analyze DIR`` and the server's run diagnosis both call.
 
 - **Ranks vs windows.** A trace belongs to a rank by its ``distributedInfo`` rank (or the rank the
-  run metadata gave at upload); without one, by its worker name in TensorBoard's file convention
-  (``{host}_{pid}.{time}.pt.trace.json``). Several traces of one rank are capture *windows* of that
-  rank, never several ranks; traces with no rank information at all are windows of one unknown rank.
+  run metadata gave at upload); without one, by the process that wrote it (``TraceEntry.worker``:
+  the worker name in TensorBoard's file convention ``{host}_{pid}.{time}.pt.trace.json`` for the
+  CLI, the agent's host and pid for the server). Several traces of one rank are capture *windows*
+  of that rank, never several ranks; traces with no rank information at all are windows of one
+  unknown rank, and a name the server gave a stored file never makes a rank.
 - **Stragglers by the work done before the collective, not by step time.** With synchronised
   collectives every rank's step lasts as long as the slowest rank's, and the rank with the longest
   step is usually one that *waited* longest. So each rank's step is split into the time it waits in
@@ -19,31 +21,39 @@ from __future__ import annotations
 
 import re
 import statistics
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Any
+from typing import TypeVar
+
+import msgspec
 
 from . import BOTTLENECK_KINDS
-from .job import job_limiter, num, step_count, step_time_us
+from .contract import Recommendation, ReportDoc
+from .job import job_limiter, step_count, step_time_us
 
 STRAGGLER = 0.10
+T = TypeVar("T")
 _WORKER_RE = re.compile(r"^(.*?)(\.\d+)?\.pt\.trace\.json(\.gz)?$")  # TensorBoard's run-file pattern
-
-RankKey = int | str | None  # a rank number, a worker name, or unknown
 
 
 @dataclass(frozen=True)
 class TraceEntry:
-    """One analysed trace: its report (JSON form) and the rank the caller knows, if any."""
+    """One analysed trace: its typed report and what the caller knows of where it came from.
 
-    report: Mapping[str, Any]
-    rank: int | None = None  # from upload metadata; else the report's own ``rank``
+    ``rank``: from upload metadata, else the report's own (``distributedInfo``). ``worker``: the
+    process that wrote it when no rank is known (``host_pid``: the TensorBoard file name for the
+    CLI, the agent's host and pid for the server); never a name the server gave the file, so the
+    windows of one process stay windows of one worker.
+    """
+
+    report: ReportDoc
+    rank: int | None = None
     window: int | None = None
+    worker: str | None = None
 
 
-@dataclass(frozen=True)
-class RankSummary:
+class RankSummary(msgspec.Struct, kw_only=True):
     rank: int | None
     worker: str | None  # TensorBoard worker name when the rank is unknown
     traces: int  # capture windows of this rank
@@ -61,8 +71,7 @@ class RankSummary:
         return f"rank {self.rank}" if self.rank is not None else (self.worker or "unknown rank")
 
 
-@dataclass(frozen=True)
-class Straggler:
+class Straggler(msgspec.Struct, kw_only=True):
     rank: int | None
     worker: str | None
     busy_us: float
@@ -72,12 +81,18 @@ class Straggler:
     arrival_late_us: float | None  # how much later than the others' median it reaches the collective
     cause: str | None  # the kind with the largest excess over the others' median
     cause_excess_us: float
+    why: str = ""  # ``sentence()``, filled on construction
+
+    def __post_init__(self) -> None:
+        if not self.why:
+            self.why = self.sentence()
+
+    @property
+    def label(self) -> str:
+        return f"rank {self.rank}" if self.rank is not None else (self.worker or "a rank")
 
     def sentence(self) -> str:
-        who = f"rank {self.rank}" if self.rank is not None else (self.worker or "a rank")
-        text = (
-            f"{who} works {100 * (self.over_median - 1):.0f}% longer before its collectives than the others"
-        )
+        text = f"{self.label} works {100 * (self.over_median - 1):.0f}% longer before its collectives than the others"
         if self.arrival_late_us is not None and self.arrival_late_us > 0:
             text += f" (arrives {self.arrival_late_us:.0f} µs later)"
         if self.cause:
@@ -85,14 +100,13 @@ class Straggler:
         return text
 
 
-@dataclass(frozen=True)
-class RankVerdict:
+class RankVerdict(msgspec.Struct, kw_only=True):
     ranks: list[RankSummary]
     windows: int  # traces in all
     basis: str  # "busy time before collectives" or "step time" (no communication anywhere)
     median_busy_us: float
     spread: float  # (max - min busy) / median busy, over ranks with a known identity
-    stragglers: list[Straggler] = field(default_factory=list)
+    stragglers: list[Straggler] = msgspec.field(default_factory=list)
 
     @property
     def count(self) -> int:
@@ -102,7 +116,8 @@ class RankVerdict:
     def straggler_ranks(self) -> list[int | str]:
         return [s.rank if s.rank is not None else (s.worker or "?") for s in self.stragglers]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
+        """The ``ranks`` section of a directory's report."""
         return {
             "count": self.count,
             "windows": self.windows,
@@ -110,8 +125,8 @@ class RankVerdict:
             "median_busy_us": self.median_busy_us,
             "spread": self.spread,
             "stragglers": self.straggler_ranks(),
-            "straggler_details": [asdict(s) | {"why": s.sentence()} for s in self.stragglers],
-            "per_rank": [asdict(r) for r in self.ranks],
+            "straggler_details": msgspec.to_builtins(self.stragglers),
+            "per_rank": msgspec.to_builtins(self.ranks),
         }
 
 
@@ -136,8 +151,8 @@ _STRAGGLER_DEFAULT = (
 )
 
 
-def straggler_advice(verdict: RankVerdict) -> dict[str, Any] | None:
-    """The job-level card when one rank holds the others back (JSON form of a recommendation).
+def straggler_advice(verdict: RankVerdict) -> Recommendation | None:
+    """The job-level card when one rank holds the others back.
 
     Removable: the straggler's extra busy time, which every other rank spends waiting in its
     collectives: a measured wait, like the other communication cards.
@@ -147,24 +162,24 @@ def straggler_advice(verdict: RankVerdict) -> dict[str, Any] | None:
     worst = max(verdict.stragglers, key=lambda st: st.busy_us - st.others_busy_us)
     excess = max(0.0, worst.busy_us - worst.others_busy_us)
     step = worst.step_time_us
-    who = f"rank {worst.rank}" if worst.rank is not None else (worst.worker or "one rank")
-    return {
-        "id": "communication.straggler",
-        "title": f"Even out the ranks: {who} holds the others back",
-        "kind": "communication",
-        "change": _STRAGGLER_CHANGE.get(worst.cause or "", _STRAGGLER_DEFAULT),
-        "why": worst.sentence() + "; every other rank waits for it in each collective.",
-        "expected_speedup": round(step / max(step - excess, 0.05 * step), 3) if step > 0 else 1.0,
-        "removable_us_per_step": round(excess, 3),
-        "confidence": 0.8,
-        "caveats": ["DDP bucket sizes or compression do not help while the others are waiting, not sending."],
-        "evidence": asdict(worst),
-        "basis": "measured",
-        "expected_speedup_range": None,
-    }
+    return Recommendation(
+        id="communication.straggler",
+        title=f"Even out the ranks: {worst.label if worst.rank is not None or worst.worker else 'one rank'} "
+        "holds the others back",
+        kind="communication",
+        change=_STRAGGLER_CHANGE.get(worst.cause or "", _STRAGGLER_DEFAULT),
+        why=worst.sentence() + "; every other rank waits for it in each collective.",
+        expected_speedup=round(step / max(step - excess, 0.05 * step), 3) if step > 0 else 1.0,
+        removable_us_per_step=round(excess, 3),
+        confidence=0.8,
+        caveats=["DDP bucket sizes or compression do not help while the others are waiting, not sending."],
+        evidence=msgspec.to_builtins(worst),
+        basis="measured",
+        expected_speedup_range=None,
+    )
 
 
-def with_straggler_advice(cards: list[Any], card: Any, primary_kind: str | None) -> list[Any]:
+def with_straggler_advice(cards: list[T], card: T, primary_kind: str | None) -> list[T]:
     """``cards`` with the straggler card first when the job is communication-bound (the others'
     waits are the verdict), else second, so the first card still addresses the verdict."""
     at = 0 if primary_kind == "communication" or not cards else 1
@@ -178,18 +193,17 @@ def worker_name(source: str) -> str | None:
 
 
 def rank_of(entry: TraceEntry) -> tuple[int | None, str | None]:
-    """(rank, worker) of one trace: the caller's rank, else the report's, else the worker name."""
+    """(rank, worker) of one trace: the caller's rank, else the report's, else the caller's worker."""
     if entry.rank is not None:
         return entry.rank, None
-    r = entry.report.get("rank")
-    if isinstance(r, int) and not isinstance(r, bool):
-        return r, None
-    return None, worker_name(str(entry.report.get("source") or ""))
+    if entry.report.rank is not None:
+        return entry.report.rank, None
+    return None, entry.worker
 
 
 def rank_verdict(entries: Sequence[TraceEntry]) -> RankVerdict:
     """Group traces into ranks and windows, then find stragglers (module docstring)."""
-    groups: dict[tuple[int | None, str | None], list[Mapping[str, Any]]] = {}
+    groups: dict[tuple[int | None, str | None], list[ReportDoc]] = {}
     for e in entries:
         groups.setdefault(rank_of(e), []).append(e.report)
     summaries = [
@@ -203,7 +217,14 @@ def rank_verdict(entries: Sequence[TraceEntry]) -> RankVerdict:
     median = statistics.median(busy) if busy else 0.0
     spread = (max(busy) - min(busy)) / median if len(busy) > 1 and median > 0 else 0.0
     stragglers = [st for s in known if (st := _straggler(s, [o for o in known if o is not s]))]
-    return RankVerdict(summaries, len(entries), basis, median, spread, stragglers)
+    return RankVerdict(
+        ranks=summaries,
+        windows=len(entries),
+        basis=basis,
+        median_busy_us=median,
+        spread=spread,
+        stragglers=stragglers,
+    )
 
 
 def _order(key: tuple[int | None, str | None]) -> tuple[int, int, str]:
@@ -211,7 +232,7 @@ def _order(key: tuple[int | None, str | None]) -> tuple[int, int, str]:
     return (0, rank, "") if rank is not None else (1, 0, worker or "~")
 
 
-def _summarise(rank: int | None, worker: str | None, reports: list[Mapping[str, Any]]) -> RankSummary:
+def _summarise(rank: int | None, worker: str | None, reports: list[ReportDoc]) -> RankSummary:
     weights = [step_count(r) for r in reports]
     total = sum(weights)
 
@@ -221,7 +242,7 @@ def _summarise(rank: int | None, worker: str | None, reports: list[Mapping[str, 
     step = mean([step_time_us(r) for r in reports])
     kinds: dict[str, float] = {}
     for k in (*BOTTLENECK_KINDS, "other"):
-        kinds[k] = mean([num(_kinds(r).get(k)) for r in reports])
+        kinds[k] = mean([_kinds(r).get(k, 0.0) for r in reports])
     wait = kinds.get("communication", 0.0)
     arrivals = [(a, w) for r, w in zip(reports, weights, strict=True) if (a := _arrival(r)) is not None]
     arrival = sum(a * w for a, w in arrivals) / sum(w for _, w in arrivals) if arrivals else None
@@ -272,25 +293,14 @@ def _straggler(s: RankSummary, others: list[RankSummary]) -> Straggler | None:
     )
 
 
-def _metrics(report: Mapping[str, Any]) -> Mapping[str, Any]:
-    m = report.get("metrics")
-    return m if isinstance(m, Mapping) else {}
-
-
-def _kinds(report: Mapping[str, Any]) -> Mapping[str, Any]:
+def _kinds(report: ReportDoc) -> dict[str, float]:
     """µs per step by kind: ``metrics.kinds_us``, else shares × step time."""
-    k = _metrics(report).get("kinds_us")
-    if isinstance(k, Mapping) and k:
-        return k
-    shares = _metrics(report).get("shares")
-    if isinstance(shares, Mapping):
-        step = step_time_us(report)
-        return {kind: num(v) * step for kind, v in shares.items()}
-    return {}
+    if report.metrics.kinds_us:
+        return dict(report.metrics.kinds_us)
+    step = step_time_us(report)
+    return {kind: v * step for kind, v in report.metrics.shares.items()}
 
 
-def _arrival(report: Mapping[str, Any]) -> float | None:
-    comm = _metrics(report).get("communication")
-    if isinstance(comm, Mapping) and isinstance(comm.get("arrival_ns_per_step"), int | float):
-        return float(comm["arrival_ns_per_step"]) / 1e3
-    return None
+def _arrival(report: ReportDoc) -> float | None:
+    arrival = report.metrics.communication.arrival_ns_per_step
+    return arrival / 1e3 if arrival is not None else None

@@ -201,12 +201,18 @@ def _gain_text(rec: Recommendation) -> str:
 def render_text(r: Report) -> str:
     """Plain-words terminal report: the primary bottleneck, the next change, the breakdown, findings."""
     lines: list[str] = []
-    where = [f"{len(r.steps)} step{'s' if len(r.steps) != 1 else ''}", f"mean step {_fmt_us(r.step_time_us)}"]
+    n_steps = int(r.ranks["steps"]) if r.ranks and "steps" in r.ranks else len(r.steps)
+    where = [f"{n_steps} step{'s' if n_steps != 1 else ''}", f"mean step {_fmt_us(r.step_time_us)}"]
+    if r.ranks:  # a directory: the run's figures over every rank and window
+        count, windows = r.ranks["count"], r.ranks["windows"]
+        where.insert(
+            0, f"{count} rank{'s' if count != 1 else ''}, {windows} trace{'s' if windows != 1 else ''}"
+        )
     if r.device:
         where.insert(0, str(r.device.get("name") or "GPU (name unknown)"))
     else:
         where.insert(0, "CPU only")
-    if r.rank is not None:
+    if r.rank is not None and not r.ranks:
         where.insert(0, f"rank {r.rank}" + (f" of {r.world_size}" if r.world_size else ""))
     if r.workload and r.workload.get("kind") == "inference":
         where.append("inference" + (f" ({r.workload['phase']})" if r.workload.get("phase") else ""))

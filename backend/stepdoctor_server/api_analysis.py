@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any
 
+import msgspec
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
@@ -18,8 +19,8 @@ from sqlalchemy import select
 from stepdoctor_server import compare
 from stepdoctor_server.auth import AdminTeam, ReadTeam, UploadTeam
 from stepdoctor_server.db import SessionDep
-from stepdoctor_server.models import Analysis, DeepAnalysis, Trace
-from stepdoctor_server.queue import is_outdated, reset_to_pending
+from stepdoctor_server.models import DeepAnalysis, Trace
+from stepdoctor_server.queue import reset_to_pending
 from stepdoctor_server.schemas import ErrorResponse, ReportJSON
 from stepdoctor_server.services import deep, runs, traces
 
@@ -82,7 +83,7 @@ def reanalyze_run(run_id: int, principal: AdminTeam, session: SessionDep) -> Req
     "/traces/{trace_id}/report",
     response_model=ReportOut,
     responses=_ERRORS,
-    summary="The trace's report; one from an older engine is re-queued and returned marked stale",
+    summary="The trace's report; one from an older engine is returned marked stale (the workers redo it)",
 )
 def get_report(trace_id: int, principal: ReadTeam, session: SessionDep) -> ReportOut:
     trace, _, _ = traces.load_trace(session, principal, trace_id)
@@ -98,8 +99,9 @@ def get_report(trace_id: int, principal: ReadTeam, session: SessionDep) -> Repor
 
 class RunDiagnosisOut(BaseModel):
     run_id: int
-    stale: bool = Field(description="true while traces analysed by an older engine are being redone")
-    requeued: list[int] = Field(description="trace ids this request queued for re-analysis")
+    stale: bool = Field(
+        description="true while the diagnosis or a trace's report comes from an older engine (the workers redo it)"
+    )
     trace_status: dict[str, int]
     diagnosis: dict[str, Any] | None
 
@@ -108,25 +110,16 @@ class RunDiagnosisOut(BaseModel):
     "/runs/{run_id}/diagnosis",
     response_model=RunDiagnosisOut,
     responses=_ERRORS,
-    summary="The run's diagnosis; traces analysed by an older engine are re-queued and it is marked stale",
+    summary="The run's diagnosis, marked stale while reports from an older engine are redone",
 )
 def get_run_diagnosis(run_id: int, principal: ReadTeam, session: SessionDep) -> RunDiagnosisOut:
     run, _ = runs.load_run(session, principal, run_id)
-    rows = session.execute(
-        select(Trace.id, Trace.status, Analysis.engine_version, Analysis.schema_version)
-        .join(Analysis, Analysis.trace_id == Trace.id)
-        .where(Trace.run_id == run.id)
-    ).all()
-    outdated = [r for r in rows if is_outdated(r.engine_version, r.schema_version)]
-    requeue = [r.id for r in outdated if r.status in ("done", "failed")]
-    reset_to_pending(session, requeue)
-    counts = runs.trace_status_counts(session, run.id)
+    state = runs.run_state(session, run)
     return RunDiagnosisOut(
         run_id=run.id,
-        stale=bool(outdated),
-        requeued=sorted(requeue),
-        trace_status=counts,
-        diagnosis=run.diagnosis,
+        stale=state.stale,
+        trace_status=state.trace_status,
+        diagnosis=msgspec.to_builtins(state.verdict) if state.verdict is not None else None,
     )
 
 
@@ -147,12 +140,17 @@ def compare_runs(
     base_diag = runs.run_diagnosis(base_run)
     other_diag = runs.run_diagnosis(other_run)
     return CompareOut(
-        base={"id": base_run.id, "project": base_project.name, "name": base_run.name, "diagnosis": base_diag},
+        base={
+            "id": base_run.id,
+            "project": base_project.name,
+            "name": base_run.name,
+            "diagnosis": msgspec.to_builtins(base_diag),
+        },
         other={
             "id": other_run.id,
             "project": other_project.name,
             "name": other_run.name,
-            "diagnosis": other_diag,
+            "diagnosis": msgspec.to_builtins(other_diag),
         },
         comparison=compare.compare_diagnoses(base_diag, other_diag),
     )

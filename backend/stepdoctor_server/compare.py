@@ -1,6 +1,6 @@
-"""Before/after comparison of two run diagnoses (as built by ``aggregate.aggregate_run``).
+"""Before/after comparison of two runs' verdicts (``run_verdict.RunVerdict``, typed).
 
-Pure, over the typed view of each stored diagnosis (``DiagnosisView``). Speedup follows the usual convention: base step time / other step time, so > 1 means the
+Pure. Speedup follows the usual convention: base step time / other step time, so > 1 means the
 other run is faster. Deltas are other - base (negative = time saved).
 """
 
@@ -9,49 +9,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import msgspec
+from stepdoctor_analysis import BREAKDOWN_CATEGORIES as CATEGORIES
+from stepdoctor_analysis.run_verdict import RunCard, RunFinding, RunVerdict
 
-from stepdoctor_server.aggregate import CATEGORIES
-
-
-class Card(msgspec.Struct):
-    """A run's merged recommendation or finding, as far as a comparison reads it."""
-
-    id: str
-    title: str = ""
-    kind: str | None = None
-    basis: str | None = None
-    expected_speedup: float | None = None
+Card = RunCard | RunFinding
 
 
-class Primary(msgspec.Struct):
-    kind: str | None = None
-
-
-class DiagnosisView(msgspec.Struct):
-    """The fields of a stored run diagnosis (``aggregate.aggregate_run``) a comparison reads, typed;
-    other fields are ignored, and ``read_diagnosis`` refuses one whose fields have the wrong type."""
-
-    step_time_us: float = 0.0
-    breakdown: dict[str, float] = {}
-    shares: dict[str, float] = {}
-    primary: Primary | None = None
-    recommendations: list[Card] = []
-    findings: list[Card] = []
-
-
-def read_diagnosis(diagnosis: Mapping[str, Any] | DiagnosisView) -> DiagnosisView:
-    """A stored diagnosis as ``DiagnosisView``; ``msgspec.ValidationError`` when it is not one."""
-    if isinstance(diagnosis, DiagnosisView):
-        return diagnosis
-    return msgspec.convert(dict(diagnosis), DiagnosisView)
-
-
-def compare_diagnoses(
-    base: Mapping[str, Any] | DiagnosisView, other: Mapping[str, Any] | DiagnosisView
-) -> dict[str, Any]:
+def compare_diagnoses(b: RunVerdict, o: RunVerdict) -> dict[str, Any]:
     """Per-category deltas (µs and %), speedup, finding changes and primary-kind change."""
-    b, o = read_diagnosis(base), read_diagnosis(other)
     return {
         "step_time_us": {
             "base": b.step_time_us,
@@ -68,12 +33,12 @@ def compare_diagnoses(
     }
 
 
-def _speedup(base: DiagnosisView, other: DiagnosisView) -> float | None:
+def _speedup(base: RunVerdict, other: RunVerdict) -> float | None:
     b, o = base.step_time_us, other.step_time_us
     return b / o if b > 0 and o > 0 else None
 
 
-def kind_deltas(base: DiagnosisView, other: DiagnosisView) -> dict[str, dict[str, float]]:
+def kind_deltas(base: RunVerdict, other: RunVerdict) -> dict[str, dict[str, float]]:
     """µs per step of each bottleneck kind (share × mean step time), before and after, largest change first."""
     out = {}
     for kind in {*base.shares, *other.shares}:
@@ -92,7 +57,7 @@ def finding_titles(base: Sequence[Card], other: Sequence[Card]) -> dict[str, str
     return titles
 
 
-def followed_recommendation(base: DiagnosisView, other: DiagnosisView) -> dict[str, Any] | None:
+def followed_recommendation(base: RunVerdict, other: RunVerdict) -> dict[str, Any] | None:
     """The base run's next optimization, its predicted speedup, and what the other run measured.
 
     "Followed" means the recommendation no longer fires on the other run; either way the measured
@@ -102,7 +67,7 @@ def followed_recommendation(base: DiagnosisView, other: DiagnosisView) -> dict[s
     if not recs:
         return None
     rec = recs[0]
-    still = {r.id for r in [*other.recommendations, *other.findings]}
+    still = {r.id for r in other.recommendations} | {f.id for f in other.findings}
     return {
         "id": rec.id,
         "title": rec.title or rec.id,
@@ -148,10 +113,10 @@ def _delta(base: float, other: float) -> dict[str, float | None]:
     return {"delta_us": other - base, "delta_pct": (other - base) / base * 100.0 if base else None}
 
 
-def _primary_change(base: DiagnosisView, other: DiagnosisView) -> dict[str, Any]:
+def _primary_change(base: RunVerdict, other: RunVerdict) -> dict[str, Any]:
     """The limiter before and after, with how much of the base limiter's time is left.
 
-    Both kinds come from each run's aggregate (``aggregate.aggregate_run``), the same verdict the
+    Both kinds come from each run's aggregate (``run_verdict.run_verdict``), the same verdict the
     run pages show, so "input → compute" here is what the two run pages say.
     """
     b = base.primary.kind if base.primary else None

@@ -186,7 +186,7 @@ def _blueprint() -> Any:
     @bp.task(name="stepdoctor.sweep_pending", queue=QUEUE_AGGREGATION, pass_context=True)
     def sweep_pending(context: Any, timestamp: int) -> None:
         from stepdoctor_server.models import Trace
-        from stepdoctor_server.queue import requeue_or_give_up
+        from stepdoctor_server.queue import requeue_or_give_up, requeue_outdated
 
         runtime: Runtime = context.additional_context["runtime"]
         no_live_job = (
@@ -194,6 +194,7 @@ def _blueprint() -> Any:
             "AND j.status IN ('todo', 'doing'))"
         )
         with runtime.db.session() as session:
+            requeue_outdated(session)  # reports another engine wrote: redone by this job, not by a GET
             # Running with no delivery left (its job failed for good, e.g. retries exhausted
             # during a long outage): back to pending, or failed after MAX_ATTEMPTS.
             orphans = session.scalars(

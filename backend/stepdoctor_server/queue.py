@@ -26,14 +26,18 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
 
+import msgspec
 from sqlalchemy import ColumnElement, delete, func, null, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from stepdoctor_server.aggregate import TraceReport, aggregate_run
+from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
+from stepdoctor_analysis.run_verdict import DIAGNOSIS_VERSION
+from stepdoctor_server.aggregate import StoredTrace, aggregate_run, read_verdict
 from stepdoctor_server.db import Database
 from stepdoctor_server.limits import process_alive
 from stepdoctor_server.models import Analysis, DeepAnalysis, Run, Trace
+from stepdoctor_server.reports import is_stale
 
 # A job claimed more often than this (its worker died each time) is failed, not retried forever.
 MAX_ATTEMPTS = 3
@@ -79,6 +83,9 @@ class JobQueue(Protocol):
 
     def requeue_worker(self, worker_id: str) -> int:
         """Put back the jobs held by one worker (the pool saw it die)."""
+
+    def requeue_outdated(self) -> list[int]:
+        """Put back finished traces whose report another engine wrote (``queue.requeue_outdated``)."""
 
 
 def make_queue(db: Database) -> JobQueue:
@@ -281,6 +288,10 @@ class SqlJobQueue:
         """Requeue the jobs held by one worker (its process just died)."""
         return self._requeue_running(lambda table: table.claimed_by == worker_id)
 
+    def requeue_outdated(self) -> list[int]:
+        with self.db.session() as session:
+            return requeue_outdated(session)
+
     def _requeue_running(self, which: Callable[[JobTable], ColumnElement[bool]]) -> int:
         """Requeue (or give up on) the running jobs of every job table that match ``which``."""
         with self.db.session() as session:
@@ -476,25 +487,32 @@ def reset_to_pending(session: Session, trace_ids: Sequence[int]) -> int:
     return int(result.rowcount)  # type: ignore[attr-defined]
 
 
-def is_outdated(engine_version: str, schema_version: int) -> bool:
-    """An analysis made by another engine or report schema than this one is redone on demand."""
-    from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
+def requeue_outdated(session: Session) -> list[int]:
+    """The re-analysis job for stale reports (``reports.is_stale``): finished traces whose analysis
+    another engine or schema wrote go back to pending (behind fresh uploads), and runs whose stored
+    diagnosis is another layout are re-aggregated. Run by the workers' sweep, never by a GET."""
+    rows = session.execute(
+        select(Trace.id, Analysis.engine_version, Analysis.schema_version)
+        .join(Analysis, Analysis.trace_id == Trace.id)
+        .where(Trace.status.in_(("done", "failed")))
+        .where((Analysis.engine_version != ENGINE_VERSION) | (Analysis.schema_version != SCHEMA_VERSION))
+    ).all()
+    ids = [r.id for r in rows if is_stale(r.engine_version, r.schema_version)]
+    reset_to_pending(session, ids)
+    for run_id, diagnosis in session.execute(select(Run.id, Run.diagnosis).where(Run.diagnosis.is_not(None))):
+        if diagnosis_stale(diagnosis):
+            refresh_run_diagnosis(session, run_id)
+    return ids
 
-    return engine_version != ENGINE_VERSION or schema_version != SCHEMA_VERSION
 
-
-def requeue_if_stale(session: Session, trace: Trace, analysis: Analysis | None) -> bool:
-    """Called when a report is read: a done trace analysed by an older engine goes back to pending.
-
-    Returns True when the report shown is stale (outdated, re-analysis queued or under way).
-    """
-
-    if analysis is None or not is_outdated(analysis.engine_version, analysis.schema_version):
-        return False
-    if trace.status in ("done", "failed"):
-        reset_to_pending(session, [trace.id])
-        session.refresh(trace)
-    return True
+def diagnosis_stale(stored: dict[str, Any] | None) -> bool:
+    """A stored run diagnosis of another layout (``run_verdict.DIAGNOSIS_VERSION``) or engine."""
+    verdict = read_verdict(stored)
+    return (
+        verdict is None
+        or verdict.diagnosis_version != DIAGNOSIS_VERSION
+        or (verdict.engine_version is not None and verdict.engine_version != ENGINE_VERSION)
+    )
 
 
 def diagnosis_due(session: Session, run_id: int, *, min_interval: timedelta = DIAGNOSIS_MIN_INTERVAL) -> bool:
@@ -533,7 +551,7 @@ def refresh_run_diagnosis(session: Session, run_id: int, *, force: bool = True) 
     if not force and session.scalar(select(Run.diagnosis_basis).where(Run.id == run_id)) == basis:
         return None
     rows = session.execute(
-        select(Trace.id, Trace.rank, Trace.window_index, Analysis.report)
+        select(Trace.id, Trace.rank, Trace.window_index, Trace.meta, Analysis.report)
         .join(Analysis, Analysis.trace_id == Trace.id)
         .where(Trace.run_id == run_id)
         .order_by(Trace.id)
@@ -543,18 +561,14 @@ def refresh_run_diagnosis(session: Session, run_id: int, *, force: bool = True) 
             select(Trace.status, func.count()).where(Trace.run_id == run_id).group_by(Trace.status)
         ).all()
     )
-    reports = [
-        TraceReport(trace_id=tid, rank=rank, window_index=win, report=report)
-        for tid, rank, win, report in rows
-    ]
-    diagnosis = aggregate_run(
-        reports,
+    verdict = aggregate_run(
+        [StoredTrace(*row) for row in rows],
         failed=int(counts.get("failed", 0)),
         pending=int(counts.get("pending", 0)) + int(counts.get("running", 0)),
     )
-    diagnosis["computed_at"] = _now().isoformat()
-    primary = diagnosis.get("primary") or {}
-    engine_version = diagnosis.get("engine_version")
+    verdict.computed_at = _now().isoformat()
+    diagnosis: dict[str, Any] = msgspec.to_builtins(verdict)
+    engine_version = verdict.engine_version
     session.execute(
         update(Run)
         .where(Run.id == run_id)
@@ -562,7 +576,7 @@ def refresh_run_diagnosis(session: Session, run_id: int, *, force: bool = True) 
             diagnosis=diagnosis,
             diagnosis_basis=basis,
             aggregations=Run.aggregations + 1,
-            primary_kind=primary.get("kind"),
+            primary_kind=verdict.primary.kind if verdict.primary else None,
             diagnosis_engine_version=engine_version if isinstance(engine_version, str) else None,
             updated_at=_now(),
         )

@@ -3,8 +3,12 @@
 The API returns the stored JSON as it is (its schema is the contract's); everything that *reads* a
 report (the run aggregate, the dashboard's trace page) decodes it here first and then reads
 attributes, so a missing or mistyped field fails in one place instead of being guarded at every
-``.get``. A stored report that does not decode was written by another engine or schema: it counts as
-outdated, like ``queue.is_outdated``: aggregates skip it and pages show it as being re-analysed.
+``.get``.
+
+**Is this stale?** is answered here and nowhere else (``is_stale``, ``read_analysis``): a report
+written by another engine or schema, or one that does not decode, is stale. Reading never writes:
+the API and the pages show a stale report flagged, and re-queueing it is a job of its own
+(``queue.requeue_outdated``, run by the workers' sweep) or an explicit ``POST .../reanalyze``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
 from stepdoctor_analysis.contract import Device, GpuSection, ReportDoc, Tables, decode
 
 log = logging.getLogger(__name__)
@@ -29,6 +34,22 @@ def read_report(stored: Mapping[str, Any] | bytes | str | None) -> ReportDoc | N
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         log.info("stored report does not match the report contract, treated as outdated: %s", exc)
         return None
+
+
+def is_stale(engine_version: str | None, schema_version: int | None) -> bool:
+    """A report made by another engine or report schema than this one is stale (redone by a job)."""
+    return engine_version != ENGINE_VERSION or schema_version != SCHEMA_VERSION
+
+
+def read_analysis(
+    stored: Mapping[str, Any] | None, engine_version: str | None, schema_version: int | None
+) -> tuple[ReportDoc | None, bool]:
+    """A stored analysis: its report typed (None when there is none or it does not decode) and
+    whether it is stale. Writes nothing."""
+    if stored is None:
+        return None, False
+    doc = read_report(stored)
+    return doc, doc is None or is_stale(engine_version, schema_version)
 
 
 class ReportFacts(msgspec.Struct, kw_only=True):

@@ -459,8 +459,12 @@ class Pool:
         try:
             queue = make_queue(db)
             # Jobs left running by dead workers (previous server, killed process) resume.
-            return (queue.requeue_dead_local() if dead_local else 0) + queue.requeue_stale(
-                stale_after(self.settings)
+            # Reports another engine wrote are redone here, never by the GET that reads them.
+            outdated = len(queue.requeue_outdated())
+            return (
+                (queue.requeue_dead_local() if dead_local else 0)
+                + queue.requeue_stale(stale_after(self.settings))
+                + outdated
             )
         except Exception as exc:  # database not up yet: retried at the next sweep
             log.warning("could not requeue interrupted jobs: %s", _first_line(exc))

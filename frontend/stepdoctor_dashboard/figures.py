@@ -18,6 +18,7 @@ from typing import Any
 import plotly.io as pio
 
 from stepdoctor_analysis.contract import StepRow
+from stepdoctor_analysis.ranks import RankSummary
 
 # The TensorBoard profiler plugin's categories, in its priority order, with stable colours.
 CATEGORY_COLORS = {
@@ -159,12 +160,11 @@ def steps_figure(steps: Sequence[StepRow], title: str = "Where each step's time 
     )
 
 
-def ranks_figure(ranks: Sequence[Mapping[str, Any]], title: str = "Step time per rank") -> Fig:
-    labels = ["?" if r.get("rank") is None else str(r["rank"]) for r in ranks]
+def ranks_figure(ranks: Sequence[RankSummary], title: str = "Step time per rank") -> Fig:
     bar = {
         "type": "bar",
-        "x": labels,
-        "y": [_num(r.get("step_time_us")) / 1000.0 for r in ranks],
+        "x": [r.label for r in ranks],
+        "y": [r.step_time_us / 1000.0 for r in ranks],
         "marker": {"color": "#4c78a8"},
     }
     return figure([bar], title, xaxis=_axis("rank", type="category"), yaxis=_axis("ms per step"))

@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stepdoctor_analysis import BOTTLENECK_KINDS
+from stepdoctor_analysis.run_verdict import RunVerdict
 from stepdoctor_dashboard import assets, figures, formatting
 from stepdoctor_server import compare, sessions
 from stepdoctor_server.auth import Principal, authenticate
@@ -228,17 +229,18 @@ def _paged_runs(session: Session, viewer: Principal, project_id: int | None, f: 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
 def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep) -> HTMLResponse:
     run, project = runs.load_run(session, viewer, run_id)
-    diagnosis = run.diagnosis or {}
+    state = runs.run_state(session, run)
+    d = state.verdict or RunVerdict()
     trace_rows, trace_count = runs.run_traces(session, run.id, MAX_TRACES_LISTED)
     rep_id, warnings = runs.run_facts(session, run.id)
     facts = runs.facts_report(session, rep_id) if rep_id is not None else None
     figs = {}
-    if diagnosis.get("breakdown"):
-        figs["breakdown"] = figures.to_json(figures.breakdown_figure(diagnosis["breakdown"]))
-    if diagnosis.get("shares"):
-        figs["shares"] = figures.to_json(figures.shares_figure(diagnosis["shares"]))
-    if len(diagnosis.get("ranks") or []) > 1:
-        figs["ranks"] = figures.to_json(figures.ranks_figure(diagnosis["ranks"]))
+    if d.breakdown:
+        figs["breakdown"] = figures.to_json(figures.breakdown_figure(d.breakdown))
+    if d.shares:
+        figs["shares"] = figures.to_json(figures.shares_figure(d.shares))
+    if len(d.ranks) > 1:
+        figs["ranks"] = figures.to_json(figures.ranks_figure(d.ranks))
     others = runs.sibling_runs(session, run, 200)
     waiting = any(t.status in ("pending", "running") for t, _, _ in trace_rows)
     return _render(
@@ -247,12 +249,13 @@ def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep)
         viewer,
         run=run,
         project=project,
-        d=diagnosis,
+        d=d,
+        stale=state.stale,
         traces=[(t, kind, _steps_label(t, steps)) for t, kind, steps in trace_rows],
         trace_count=trace_count,
         figs=figs,
         others=others,
-        warnings=diagnosis.get("warnings") or warnings,
+        warnings=[*d.warnings, *(w for w in warnings if w not in d.warnings)],
         facts=_device_facts(facts),
         tables=(facts.tables if facts is not None else None) or {},
         rep_trace=rep_id,
@@ -311,7 +314,7 @@ def trace_page(
     step: Annotated[int | None, Query(ge=0, lt=2**31)] = None,
 ) -> HTMLResponse:
     trace, run, project = traces.load_trace(session, viewer, trace_id)
-    doc, reanalysing = traces.readable_report(session, trace)
+    doc, stale = traces.trace_report(session, trace)
     figs = {}
     if doc is not None:
         figs["breakdown"] = figures.to_json(figures.breakdown_figure(msgspec.structs.asdict(doc.breakdown)))
@@ -340,7 +343,7 @@ def trace_page(
         run=run,
         project=project,
         r=doc or {},
-        reanalysing=reanalysing,
+        stale=stale,
         figs=figs,
         facts=_device_facts(facts_of(doc) if doc is not None else None),
         drawn=drawn,

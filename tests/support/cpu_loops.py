@@ -36,18 +36,45 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Ten
 
 def _record(path: Path, steps: Iterator[None]) -> Path:
     """Run ``steps`` (one item per training step) under the profiler and export one trace."""
-    schedule = torch.profiler.schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE, repeat=1)
+    return _record_windows(lambda _window: path, steps, repeat=1)[0]
+
+
+def _record_windows(path_of: Callable[[int], Path], steps: Iterator[None], *, repeat: int) -> list[Path]:
+    """``repeat`` capture windows of one process, as the agent's ``repeat=N`` takes them: window
+    ``i`` is exported to ``path_of(i)``."""
+    schedule = torch.profiler.schedule(wait=WAIT, warmup=WARMUP, active=ACTIVE, repeat=repeat)
+    written: list[Path] = []
+
+    def export(prof: torch.profiler.profile) -> None:
+        written.append(path_of(len(written)))
+        prof.export_chrome_trace(str(written[-1]))
+
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU],
         schedule=schedule,
         profile_memory=True,
         record_shapes=True,
-        on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
+        on_trace_ready=export,
     ) as prof:
-        for _ in range(WAIT + WARMUP + ACTIVE):
+        for _ in range((WAIT + WARMUP + ACTIVE) * repeat):
             next(steps)
             prof.step()
-    return path
+    return written
+
+
+def compute_bound_windows(directory: Path, *, repeat: int = 3) -> list[Path]:
+    """One process, ``repeat`` capture windows of the compute-bound loop, named as TensorBoard's
+    profiler names them (``{host}_{pid}.{n}.pt.trace.json``): windows of one worker, not ranks."""
+    model, opt = _mlp()
+    x, y = torch.randn(512, 256), torch.randn(512, 256)
+
+    def steps() -> Iterator[None]:
+        while True:
+            _train_step(model, opt, x, y)
+            yield
+
+    directory.mkdir(parents=True, exist_ok=True)
+    return _record_windows(lambda i: directory / f"host_1234.{i + 1}.pt.trace.json", steps(), repeat=repeat)
 
 
 class SlowDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):

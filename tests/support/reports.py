@@ -16,6 +16,7 @@ from msgspec import inspect as mi
 
 from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
 from stepdoctor_analysis.contract import Bottleneck, Recommendation, ReportDoc, StepRow, decode
+from stepdoctor_analysis.run_verdict import RunCard, RunFinding, RunPrimary, RunVerdict
 
 
 def _zero(t: mi.Type) -> Any:
@@ -90,3 +91,30 @@ def report(**over: Any) -> dict[str, Any]:
 def typed(**over: Any) -> ReportDoc:
     """``report(**over)`` as the contract's type."""
     return msgspec.convert(report(**over), ReportDoc)
+
+
+def verdict(**over: Any) -> RunVerdict:
+    """A run verdict (``run_verdict.RunVerdict``) with ``over``; its primary, cards and findings
+    are filled with zeros like a report's, so a test names only the fields it reads."""
+    cards = {"primary": RunPrimary, "recommendations": RunCard, "findings": RunFinding}
+    fields = dict(over)
+    for key, tp in cards.items():
+        value = fields.get(key)
+        if isinstance(value, dict):
+            fields[key] = _merge(_blank(tp), {"reason": "", **value} if tp is RunPrimary else value)
+        elif isinstance(value, list):
+            fields[key] = [_merge(_blank(tp), v) for v in value]
+    return msgspec.convert(fields, RunVerdict)
+
+
+def server_run(traces: Any, **counts: int) -> dict[str, Any]:
+    """The server's run diagnosis (``aggregate.aggregate_run``) as the API returns it (JSON values)."""
+    from stepdoctor_server.aggregate import aggregate_run
+
+    out: dict[str, Any] = msgspec.to_builtins(aggregate_run(traces, **counts))
+    return out
+
+
+def as_verdict(diagnosis: dict[str, Any]) -> RunVerdict:
+    """A run diagnosis as the API returns it, typed again (what compare and the pages read)."""
+    return msgspec.convert(diagnosis, RunVerdict)

@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import msgspec
 from fastapi.responses import StreamingResponse
 from sqlalchemy import ColumnElement, cast, exists, func, select
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 
-from stepdoctor_server import compare, tensorboard_export
+from stepdoctor_analysis.run_verdict import RunVerdict
+from stepdoctor_server import tensorboard_export
+from stepdoctor_server.aggregate import read_verdict
 from stepdoctor_server.auth import Principal
 from stepdoctor_server.errors import ApiError, check_id, not_found
 from stepdoctor_server.models import Analysis, Project, Run, Trace
-from stepdoctor_server.reports import ReportFacts, read_facts
+from stepdoctor_server.queue import diagnosis_stale
+from stepdoctor_server.reports import ReportFacts, is_stale, read_facts
 from stepdoctor_server.storage import TraceStore
 
 
@@ -42,23 +45,43 @@ def trace_status_counts(session: Session, run_id: int) -> dict[str, int]:
     return {str(status): int(n) for status, n in session.execute(query)}
 
 
-def run_diagnosis(run: Run) -> dict[str, Any]:
-    """The run's stored diagnosis, which the worker refreshes as its traces finish; 409 while it has none.
+def run_diagnosis(run: Run) -> RunVerdict:
+    """This run's verdict as stored (the workers refresh it as its traces finish), typed; 409 while
+    it has none, or while the stored one is stale (``queue.diagnosis_stale``: the workers redo it).
 
     Reading it (rather than re-aggregating every report on the request path) keeps compare, the run
     page and ``GET /runs/{id}`` on one source of truth.
     """
-    if not run.diagnosis or not run.diagnosis.get("traces"):
-        raise ApiError(409, "not_analyzed", f"run {run.id} has no analysed traces yet")
-    try:
-        compare.read_diagnosis(run.diagnosis)  # what compare reads must be typed right
-    except msgspec.ValidationError as exc:
+    verdict = read_verdict(run.diagnosis)
+    if run.diagnosis and (verdict is None or diagnosis_stale(run.diagnosis)):
         raise ApiError(
-            409,
-            "outdated",
-            f"run {run.id}'s stored diagnosis is outdated ({exc}); it is rebuilt as its traces are analysed",
-        ) from None
-    return run.diagnosis
+            409, "outdated", f"run {run.id}'s stored diagnosis is outdated; it is rebuilt by the workers"
+        )
+    if verdict is None or not verdict.traces:
+        raise ApiError(409, "not_analyzed", f"run {run.id} has no analysed traces yet")
+    return verdict
+
+
+def run_state(session: Session, run: Run) -> RunState:
+    """The run's verdict (None before any, or while stale), whether it or any of its traces' reports
+    is stale, and its traces' states: what ``GET /runs/{id}/diagnosis`` and the run page show. Writes
+    nothing."""
+    rows = session.execute(
+        select(Analysis.engine_version, Analysis.schema_version)
+        .join(Trace, Trace.id == Analysis.trace_id)
+        .where(Trace.run_id == run.id)
+    ).all()
+    stale_traces = sum(is_stale(e, v) for e, v in rows)
+    verdict = read_verdict(run.diagnosis)
+    stale = bool(stale_traces) or (run.diagnosis is not None and diagnosis_stale(run.diagnosis))
+    return RunState(verdict=verdict, stale=stale, trace_status=trace_status_counts(session, run.id))
+
+
+@dataclass(frozen=True)
+class RunState:
+    verdict: RunVerdict | None
+    stale: bool
+    trace_status: dict[str, int]
 
 
 def has_tag(session: Session, tag: str) -> ColumnElement[bool]:

@@ -1,4 +1,4 @@
-"""Traces: the caller's trace, its analysis (re-queued when stale), its report and its bytes."""
+"""Traces: the caller's trace, its analysis and report (flagged when stale), and its bytes."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from stepdoctor_analysis.contract import ReportDoc
 from stepdoctor_server.auth import Principal
 from stepdoctor_server.errors import ApiError, check_id, not_found
 from stepdoctor_server.models import Analysis, Project, Run, Trace
-from stepdoctor_server.queue import requeue_if_stale, reset_to_pending
-from stepdoctor_server.reports import read_report
+from stepdoctor_server.reports import read_analysis
 from stepdoctor_server.storage import TraceStore
 
 
@@ -33,30 +32,26 @@ def load_trace(session: Session, principal: Principal, trace_id: int) -> tuple[T
 
 
 def current_analysis(session: Session, trace: Trace) -> tuple[Analysis | None, bool]:
-    """The trace's stored analysis and whether it is stale; a stale one (older engine) is still
-    returned, flagged, while this call re-queues the trace."""
+    """The trace's stored analysis and whether it is stale (``reports.read_analysis``); reading
+    writes nothing: a stale report is redone by the workers' sweep (``queue.requeue_outdated``)."""
     analysis = session.scalar(select(Analysis).where(Analysis.trace_id == trace.id))
-    return analysis, requeue_if_stale(session, trace, analysis)
+    if analysis is None:
+        return None, False
+    _, stale = read_analysis(analysis.report, analysis.engine_version, analysis.schema_version)
+    return analysis, stale
 
 
-def stored_report(session: Session, trace_id: int) -> dict[str, Any]:
-    """The trace's report as stored ({} before its analysis)."""
-    report = session.scalar(select(Analysis.report).where(Analysis.trace_id == trace_id))
-    return report if isinstance(report, dict) else {}
-
-
-def readable_report(session: Session, trace: Trace) -> tuple[ReportDoc | None, bool]:
-    """The trace's report typed (``reports.read_report``), and whether it is being re-analysed: a
-    stored report that does not decode is outdated, so, like ``requeue_if_stale``, a finished trace
-    goes back to pending and the page says so instead of failing on it."""
-    stored = stored_report(session, trace.id)
-    doc = read_report(stored)
-    if doc is not None or not stored:
-        return doc, False
-    if trace.status in ("done", "failed"):
-        reset_to_pending(session, [trace.id])
-        session.refresh(trace)
-    return None, True
+def trace_report(session: Session, trace: Trace) -> tuple[ReportDoc | None, bool]:
+    """This trace's report, typed (None before its analysis or when it does not decode), and
+    whether it is stale: the question the API's ``GET /traces/{id}`` and the trace page both ask."""
+    row = session.execute(
+        select(Analysis.report, Analysis.engine_version, Analysis.schema_version).where(
+            Analysis.trace_id == trace.id
+        )
+    ).first()
+    if row is None:
+        return None, False
+    return read_analysis(*row)
 
 
 def public_report(report: dict[str, Any], filename: str) -> dict[str, Any]:
