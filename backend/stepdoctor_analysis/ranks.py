@@ -28,6 +28,7 @@ from . import BOTTLENECK_KINDS
 from .job import job_limiter, num, step_count, step_time_us
 
 STRAGGLER = 0.10
+STRAGGLER_ID = "communication.straggler"  # the job-level card (``straggler_advice``)
 _WORKER_RE = re.compile(r"^(.*?)(\.\d+)?\.pt\.trace\.json(\.gz)?$")  # TensorBoard's run-file pattern
 
 RankKey = int | str | None  # a rank number, a worker name, or unknown
@@ -149,7 +150,7 @@ def straggler_advice(verdict: RankVerdict) -> dict[str, Any] | None:
     step = worst.step_time_us
     who = f"rank {worst.rank}" if worst.rank is not None else (worst.worker or "one rank")
     return {
-        "id": "communication.straggler",
+        "id": STRAGGLER_ID,
         "title": f"Even out the ranks: {who} holds the others back",
         "kind": "communication",
         "change": _STRAGGLER_CHANGE.get(worst.cause or "", _STRAGGLER_DEFAULT),

@@ -803,7 +803,8 @@ RULES: list[Rule] = [
         id="compute.mixed_precision",
         kind="compute",
         title="Make the compute itself cheaper: mixed precision",
-        trigger="FP32 matmul/conv/attention kernels >= 5% of the step, on a device with faster reduced-precision units",
+        trigger="compute > 30% of the step with FP32 matmul/conv/attention kernels >= 5% of it, on a device with "
+        "faster reduced-precision units",
         threshold=0.30,
         query=_compute,
         thresholds={
@@ -963,41 +964,3 @@ def pattern_minimums() -> dict[str, float]:
 # The verdict text (``diagnose``) says "almost no compute to hide communication behind" with the
 # same limit the overlap rule applies.
 NO_COMPUTE_RATIO = rule("communication.overlap").thresholds["no_compute_ratio"]
-
-
-def _cell(text: object) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
-
-
-def _number(value: float) -> str:
-    return f"{value:g}"
-
-
-def rules_markdown() -> str:
-    """docs/rules.md: the table of every rule, rendered from ``RULES`` (``make docs`` writes it)."""
-    lines = [
-        "# Rules",
-        "",
-        "Generated from `stepdoctor_analysis.rules.RULES` by `make docs`; do not edit by hand.",
-        "A rule fires when its query's metric reaches **threshold**; its other limits are listed by name.",
-        "**still runs after**: the floors (host work, device, kernels, copies) its change leaves in place; its",
-        "gain is cut to the step time above the highest of them.",
-        "",
-        "| id | kind | title | fires when | threshold | other limits | still runs after | workloads | basis |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in RULES:
-        limits = ", ".join(f"`{k}`={_number(v)}" for k, v in r.thresholds.items())
-        row = (
-            r.id,
-            r.kind,
-            r.title,
-            r.trigger,
-            _number(r.threshold),
-            limits,
-            ", ".join(r.keeps),
-            ", ".join(r.workloads),
-            r.basis,
-        )
-        lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
-    return "\n".join(lines) + "\n"
