@@ -121,7 +121,7 @@ def _wait_ready(server: subprocess.Popen[bytes], url: str, log_path: Path) -> No
 
 def _create_token(scope: str, name: str) -> str:
     out = subprocess.run(
-        _cli("token", "create", "--team", TEAM, "--scope", scope, "--name", name),
+        _cli("token", "create", "--team", TEAM, "--create-team", "--scope", scope, "--name", name),
         capture_output=True,
         text=True,
         timeout=120,

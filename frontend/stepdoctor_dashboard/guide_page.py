@@ -28,7 +28,7 @@ def href(kind: str, rule_id: str | None = None) -> str:
 
 @cache
 def guide_html() -> str:
-    """The guide as HTML (our own packaged text, not user input)."""
+    """The guide as HTML: our own packaged text, not user input (guide.html marks it safe)."""
     return markdown.markdown(guide.text(), extensions=["fenced_code", "tables", "toc"])
 
 
