@@ -442,3 +442,25 @@ def test_the_server_image_runs_as_a_non_root_user() -> None:
     assert f"chown {user}" in runs or f"chown {uid}" in runs, "the data directory must belong to the user"
     env = " ".join(i.args for i in final if i.keyword == "ENV")
     assert "STEPDOCTOR_DATA_DIR=/data" in env and "/data" in runs
+
+
+def test_the_compose_services_run_what_the_image_installs() -> None:
+    """Each service built from the Dockerfile runs a ``stepdoctor`` command of the ``server`` extra
+    (what the image installs), keeps its data where the image's user may write, on the exposed port."""
+    yaml = pytest.importorskip("yaml")
+    from stepdoctor.cli import COMMANDS
+
+    final = dockerfile_stages()[-1]
+    image_env = dict(word.split("=", 1) for i in final if i.keyword == "ENV" for word in shlex.split(i.args))
+    exposed = {i.args.split("/")[0] for i in final if i.keyword == "EXPOSE"}
+    services = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+    built = {name: s for name, s in services.items() if s.get("build") in (".", "./")}
+    assert {"migrate", "api", "worker"} <= set(built), sorted(built)
+    for name, service in built.items():
+        program, command, *_ = service["command"]
+        assert program == "stepdoctor" and COMMANDS[command].extra == "server", (name, service["command"])
+        data_dir = service["environment"].get("STEPDOCTOR_DATA_DIR", image_env["STEPDOCTOR_DATA_DIR"])
+        assert data_dir == image_env["STEPDOCTOR_DATA_DIR"], name
+    (published,) = built["api"]["ports"]
+    assert published.rsplit(":", 1)[1] in exposed
+    assert "--port" in built["api"]["command"] and published.rsplit(":", 1)[1] in built["api"]["command"]
