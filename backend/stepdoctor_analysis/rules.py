@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import BOTTLENECK_KINDS, advice
+from . import intervals as iv
 from .comm import CommStats
 from .floors import Floors, bounded
 from .hta_metrics import LaunchStats
@@ -26,7 +27,8 @@ from .memory import MemoryStats
 from .model import DeviceInfo
 from .ops import AntiPattern, OpStats
 from .precision import LATENCY_BOUND_NS, LOW_PRECISION, DeviceCaps, host_link_gbps, peak_ratio
-from .sync import SyncStats
+from .recurrence import PassWaits
+from .sync import BlockingCalls, SyncStats
 from .timeline import Accounting
 from .transfers import TransferStats
 from .workload import Workload, fits
@@ -56,6 +58,9 @@ class Context:
     iterations_found: bool = True  # False: no markers and nothing repeats, the trace is one span
     workload: Workload | None = None  # training or inference (``workload.detect_workload``)
     floors: Floors | None = None  # what still runs after a change (GPU traces; ``floors``)
+    # One-pass GPU traces (``iterations_found`` False): each kind's spread over the pass, which
+    # tells recurring waits from one-time ones (``recurrence``); empty otherwise.
+    pass_waits: Mapping[str, PassWaits] = field(default_factory=dict)
 
     def ns(self, kind: str) -> float:
         return self.accounting.mean_ns(kind)
@@ -153,6 +158,13 @@ def _us(ns: float) -> float:
     return round(ns / 1e3, 1)
 
 
+def idle_ns(ctx: Context, kind: str) -> float:
+    """Device idle time charged to ``kind`` per step (``diagnose.charge_idle``): for transfer, the
+    idle around blocking host-to-device copies, apart from the copies' own (busy) time."""
+    stretches = ctx.accounting.idle.get(kind)
+    return iv.total(stretches) / ctx.n_steps if stretches is not None and ctx.n_steps else 0.0
+
+
 # --- queries -----------------------------------------------------------------------------------
 
 
@@ -196,10 +208,15 @@ def _pageable(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     t = ctx.transfers
     if t.pageable_count_per_step <= 0 or t.copy_ns_per_step <= 0:
         return None
-    frac = min(1.0, t.pageable_ns_per_step / t.copy_ns_per_step)
-    exposed = ctx.ns("transfer") * frac
+    bulk_ns, bulk_bytes = t.pageable_ns_per_step, t.pageable_bytes_per_step
+    frac = min(1.0, bulk_ns / t.copy_ns_per_step)
+    # The device idle while the host blocks in host-to-device copies and relaunches after them
+    # (``sync.htod_blocking_mask``): gone with non_blocking copies, all of it (the low end too);
+    # the exposed copies themselves only run faster.
+    blocked = idle_ns(ctx, "transfer")
+    exposed = (ctx.ns("transfer") - blocked) * frac + blocked
     htod = t.direction("HtoD")
-    pageable_gbps = t.pageable_bytes_per_step / t.pageable_ns_per_step if t.pageable_ns_per_step > 0 else 0.0
+    pageable_gbps = bulk_bytes / bulk_ns if bulk_ns > 0 else 0.0
     link = host_link_gbps(ctx.caps)
     rate, source = (
         (t.pinned_gbps, "pinned copies in this trace")
@@ -209,25 +226,52 @@ def _pageable(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
         else (lim["pinned_over_pageable"] * pageable_gbps, "pageable rate x pinned_over_pageable")
     )
     rate = max(rate, pageable_gbps)  # pinned copies are never slower than staged ones
-    pinned_ns = t.pageable_bytes_per_step / rate if rate > 0 else t.pageable_ns_per_step
-    lo = min(exposed, max(0.0, t.pageable_ns_per_step - pinned_ns))
+    pinned_ns = bulk_bytes / rate if rate > 0 else bulk_ns
+    lo = min(exposed, max(0.0, bulk_ns - pinned_ns) + blocked)
     hi = exposed
     f = ctx.floors
     if f is not None:
-        floor = max(f.copies - t.pageable_ns_per_step + pinned_ns, f.kernels, f.host)
-        hi = max(lo, min(exposed, ctx.step_ns - floor))
+        floor = max(f.copies - bulk_ns + pinned_ns, f.kernels, f.host)
+        hi = min(exposed, ctx.step_ns - floor)
+        lo = min(lo, max(hi, 0.0))
+        hi = max(lo, hi)
+    blocking = ctx.sync.htod
     evidence = {
         "pageable_copies_per_step": round(t.pageable_count_per_step, 2),
-        "pageable_mb_per_step": round(t.pageable_bytes_per_step / 2**20, 2),
+        "pageable_mb_per_step": round(bulk_bytes / 2**20, 2),
         "exposed_copy_us_per_step": _us(ctx.ns("transfer")),
         "htod_bandwidth_gbps": round(htod.bandwidth_gbps, 2) if htod else None,
         "pageable_gbps": round(pageable_gbps, 2),
         "pinned_gbps": round(rate, 2),
         "pinned_rate_source": source,
         "pinned_copy_us_per_step": _us(pinned_ns),
+        "blocking_htod": {
+            "ops": [
+                {"op": x.op, "calls": x.count, "blocked_us": _us(x.blocked_ns)} for x in blocking.triggers[:3]
+            ],
+            "calls_per_step": round(blocking.calls_per_step, 2),
+            "host_blocked_us_per_step": _us(blocking.blocked_ns_per_step),
+            "gpu_idle_us_per_step": _us(blocked),
+        },
     }
-    params = {"gbps": pageable_gbps, "pinned_gbps": rate, "source": source}
+    params = {
+        "gbps": pageable_gbps,
+        "pinned_gbps": rate,
+        "source": source,
+        "blocks": _blocks(blocking, blocked),
+    }
     return Hit(ctx.share("transfer"), 0.5 * (lo + hi), evidence, params, 0.9, (lo, hi))
+
+
+def _blocks(blocking: BlockingCalls, idle: float) -> str:
+    """Which op blocked the host copying host-to-device, for the pinned-memory card's text."""
+    if blocking.calls_per_step <= 0:
+        return ""
+    op = blocking.triggers[0].op if blocking.triggers else "a copy"
+    return (
+        f" {op} blocks the host copying host→device ({blocking.calls_per_step:.0f} blocking calls per step: "
+        f"the staged copy, the synchronize after it); the GPU idles {idle / 1e3:.0f} µs per step around them."
+    )
 
 
 def _exposed_copies(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
@@ -258,7 +302,7 @@ def _sync_copies(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
 
 def _host_sync(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     s = ctx.sync
-    if s.calls_per_step <= 0:
+    if s.calls_per_step <= 0 or advice.element_reads(ctx):  # a per-element loop: its own card
         return None
     triggers = [{"op": t.op, "calls": t.count, "blocked_us": _us(t.blocked_ns)} for t in s.triggers[:5]]
     top = s.triggers[0].op if s.triggers else "a blocking call"
@@ -666,8 +710,8 @@ RULES: list[Rule] = [
         thresholds={"pinned_over_pageable": 2.0},
         change="DataLoader(..., pin_memory=True) and batch = batch.to(device, non_blocking=True)",
         why="Copies from pageable host memory are staged through a bounce buffer, block the host and run at "
-        "{gbps:.1f} GB/s; exposed copies take {kind_pct:.0f}% of the step. Estimate: pinned at {pinned_gbps:.0f} "
-        "GB/s ({source}), from no overlap to full overlap with the rest of the step.",
+        "{gbps:.1f} GB/s; exposed copies take {kind_pct:.0f}% of the step.{blocks} Estimate: pinned at "
+        "{pinned_gbps:.0f} GB/s ({source}), from no overlap to full overlap with the rest of the step.",
         caveats=("Pinned memory is page-locked host RAM; pinning very large buffers can starve the OS.",),
         basis="estimate",
     ),
