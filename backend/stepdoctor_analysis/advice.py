@@ -507,6 +507,7 @@ RULE_SPECS: list[dict[str, Any]] = [
             "Dynamic int8 quantization speeds up Linear/LSTM layers on x86/ARM CPUs, not convolutions.",
         ),
         "workloads": INFERENCE,
+        "asserts": ("precision gain",),
         "basis": "estimate",
     },
 ]

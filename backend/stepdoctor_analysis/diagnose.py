@@ -45,13 +45,14 @@ import numpy as np
 from . import intervals as iv
 from . import timeline as tl
 from .breakdown import collective_op_mask, computation_kernel_union
+from .consistency import consistent
 from .contract import Bottleneck, Recommendation
 from .inputs import InputStats
 from .memory import MemoryStats
 from .model import INT64_MIN, HostKind, RankTrace, Step
 from .ops import COMPUTE_OP_RE, MEMORY_OP_RE, median_dur_by_name
 from .recurrence import TOP_FEW, PassWaits
-from .rules import KINDS, NO_COMPUTE_RATIO, RULES, Context, Hit, Rule, speedup
+from .rules import KINDS, NO_COMPUTE_RATIO, RULES, Context, Hit, Rule, declared, speedup
 from .steps import device_op_mask, launching_call
 from .sync import SyncStats
 from .timeline import Accounting
@@ -397,6 +398,9 @@ def classify(ctx: Context) -> Diagnosis:
         }
         for k in KINDS
     }
+    # The verdict above weighs every finding; what the report shows never contradicts itself or
+    # promises nothing (``consistency``), and the cards and the note below read only that.
+    recs = consistent(recs, declared)
     cards = [
         r for r in recs if r.change and r.expected_speedup > MIN_CARD_SPEEDUP and r.basis != "single-pass"
     ]

@@ -63,6 +63,7 @@ import msgspec
 import numpy as np
 
 from . import BREAKDOWN_CATEGORIES, ENGINE_VERSION, SCHEMA_VERSION, guide
+from .consistency import MIN_ADVICE_SPEEDUP, shown_gain
 from .contract import Bottleneck, Recommendation, ReportDoc, StepRow
 from .contract import decode as decode_report
 
@@ -264,7 +265,9 @@ def render_text(r: Report) -> str:
     if others:
         lines += ["", "Other findings:"]
         for f in others:
-            lines.append(f"  - [{f.kind}] {f.title}: {f.why} ({_gain_text(f)})")
+            # A fact, or a change that averts a failure, promises no speedup: no gain is shown.
+            gain = f" ({_gain_text(f)})" if f.change and shown_gain(f) > MIN_ADVICE_SPEEDUP else ""
+            lines.append(f"  - [{f.kind}] {f.title}: {f.why}{gain}")
     if r.ranks:
         rk = r.ranks
         lines += [

@@ -20,6 +20,7 @@ from typing import Any
 from . import BOTTLENECK_KINDS, advice
 from . import intervals as iv
 from .comm import CommStats
+from .consistency import Declared
 from .floors import Floors, bounded
 from .hta_metrics import LaunchStats
 from .inputs import InputStats, LoaderSettings, suggested_workers
@@ -118,6 +119,10 @@ class Rule:
     # place: after it the step is no shorter than the highest, so no more than step − that floor is
     # removable, whatever the kind's time. Empty: the query bounds its own gain.
     keeps: tuple[str, ...] = ()
+    # The facts the finding's text states, for ``consistency``: a fact "no X" denies "X", and a
+    # report never shows two findings of which one denies what the other asserts.
+    asserts: tuple[str, ...] = ()
+    claims_speedup: bool = True  # False: the change averts a failure (OOM); its finding promises no gain
 
     def evaluate(self, ctx: Context) -> Hit | None:
         workload = getattr(ctx, "workload", None)  # unit tests evaluate queries without a context
@@ -199,6 +204,9 @@ def _input(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
 def _pageable(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     """Pinned copies run at the link's rate, and non_blocking lets them overlap the rest of the step.
 
+    Only pageable copies large enough to be bandwidth-bound (``transfers.BANDWIDTH_MIN_BYTES``) are
+    estimated: a 4-byte copy's "rate" measures its latency, and pinning it gains nothing; tiny
+    copies in a loop are ``transfer.small_copies``' and the syncs' problem.
     Low end: the exposed pageable copies only get faster (pageable rate -> pinned rate, measured on
     the trace's own large pinned copies, else the device's reference link rate). High end: they also
     overlap everything else, so the step shrinks to the highest of what still runs: the copies at
@@ -206,9 +214,9 @@ def _pageable(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     pageable copy time (other waits are not this change's to remove).
     """
     t = ctx.transfers
-    if t.pageable_count_per_step <= 0 or t.copy_ns_per_step <= 0:
+    if t.bulk_pageable_count_per_step <= 0 or t.copy_ns_per_step <= 0:
         return None
-    bulk_ns, bulk_bytes = t.pageable_ns_per_step, t.pageable_bytes_per_step
+    bulk_ns, bulk_bytes = t.bulk_pageable_ns_per_step, t.bulk_pageable_bytes_per_step
     frac = min(1.0, bulk_ns / t.copy_ns_per_step)
     # The device idle while the host blocks in host-to-device copies and relaunches after them
     # (``sync.htod_blocking_mask``): gone with non_blocking copies, all of it (the low end too);
@@ -238,6 +246,7 @@ def _pageable(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     blocking = ctx.sync.htod
     evidence = {
         "pageable_copies_per_step": round(t.pageable_count_per_step, 2),
+        "bandwidth_bound_copies_per_step": round(t.bulk_pageable_count_per_step, 2),
         "pageable_mb_per_step": round(bulk_bytes / 2**20, 2),
         "exposed_copy_us_per_step": _us(ctx.ns("transfer")),
         "htod_bandwidth_gbps": round(htod.bandwidth_gbps, 2) if htod else None,
@@ -704,7 +713,7 @@ RULES: list[Rule] = [
         id="transfer.pinned_memory",
         kind="transfer",
         title="Copy from pinned memory, asynchronously",
-        trigger="any pageable host↔device copy while copies are exposed ≥ 1% of the step",
+        trigger="any pageable host↔device copy of ≥ 64 KB while copies are exposed ≥ 1% of the step",
         threshold=0.01,
         query=_pageable,
         thresholds={"pinned_over_pageable": 2.0},
@@ -825,6 +834,7 @@ RULES: list[Rule] = [
         "micro-batch and accumulate gradients",
         why="Peak memory reaches {pct:.0f}% of capacity: one larger batch or fragmentation away from OOM.",
         caveats=("Activation checkpointing trades about a third more compute for memory.",),
+        claims_speedup=False,
     ),
     Rule(
         id="communication.overlap",
@@ -871,6 +881,7 @@ RULES: list[Rule] = [
             "{hardware}",
         ),
         basis="estimate",
+        asserts=("precision gain",),
     ),
     Rule(
         id="compute.no_cheap_win",
@@ -885,6 +896,7 @@ RULES: list[Rule] = [
         "lower precision has nothing cheap left. Gains must come from doing less work (fused kernels such as "
         "scaled_dot_product_attention, torch.compile) or from the waits around the compute.",
         basis="estimate",
+        asserts=("no fp32 matmul", "no precision gain"),
     ),
     Rule(
         id="compute.small_matmuls",
@@ -899,6 +911,7 @@ RULES: list[Rule] = [
         "latency and operand loads bound them, not arithmetic, so bf16/TF32 would barely shorten them. "
         "Give each kernel more work instead: a larger batch, or fuse the small layers (torch.compile).",
         basis="estimate",
+        asserts=("fp32 matmul", "no precision gain"),
     ),
     Rule(
         id="compute.channels_last",
@@ -954,6 +967,7 @@ RULES: list[Rule] = [
         why="FP32 GEMMs run on CUDA cores although the GPU has tensor cores.",
         caveats=("TF32 keeps FP32 range with a 10-bit mantissa.",),
         basis="estimate",
+        asserts=("fp32 matmul", "precision gain"),
     ),
     Rule(
         id="launch.select_loop",
@@ -992,6 +1006,13 @@ def rule(rule_id: str) -> Rule:
     if found is None:
         raise KeyError(rule_id)
     return found
+
+
+def declared(rule_id: str) -> Declared:
+    """What rule ``rule_id`` declares about its finding's text, for ``consistency`` (findings no
+    rule renders, e.g. the straggler card, declare nothing and claim a speedup)."""
+    found = next((r for r in RULES if r.id == rule_id), None)
+    return Declared(found.asserts, found.claims_speedup) if found is not None else Declared()
 
 
 def pattern_minimums() -> dict[str, float]:
