@@ -253,7 +253,12 @@ def cli_env(server_settings: object, monkeypatch: pytest.MonkeyPatch, app: FastA
 def test_token_create_expiry_list_last_use_and_revoke(
     app: FastAPI, cli_env: None, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    assert cli.main(["token", "create", "--team", "ops", "--scope", "read", "--expires-in", "30d"]) == 0
+    assert (
+        cli.main(
+            ["token", "create", "--team", "ops", "--create-team", "--scope", "read", "--expires-in", "30d"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     token = out.strip().splitlines()[-1]
     assert "valid until" in out
@@ -279,7 +284,7 @@ def test_token_create_expiry_list_last_use_and_revoke(
         assert anyone.get("/", follow_redirects=False).status_code == 303
     assert cli.main(["token", "list", "--team", "ops"]) == 0
     assert "revoked" in capsys.readouterr().out
-    assert cli.main(["token", "revoke", "999999", "--team", "ops"]) == 1
+    assert cli.main(["token", "revoke", "999999", "--team", "ops"]) == 2
     assert capsys.readouterr().err.strip() == "stepdoctor token: team 'ops' has no token #999999"
     with pytest.raises(SystemExit) as bad:
         cli.main(["token", "create", "--team", "ops", "--expires-in", "soon"])

@@ -161,3 +161,68 @@ def test_facade_keeps_the_callers_names_and_no_tuning_knobs() -> None:
         assert not hasattr(parse, knob)
     assert hasattr(splitting, "_CHUNK") and hasattr(splitting, "_MAX_UNCUT")
     assert hasattr(reading, "_OUT_BLOCK") and hasattr(reading, "_SMALL_FILE")
+
+
+def _big_trace(bad_at: int, bad: bytes, n: int = 40_000) -> bytes:
+    """A plain-JSON trace of ``n`` events (several 512 KB chunks), event ``bad_at`` edited."""
+    events = [
+        b'{"ph": "X", "cat": "cpu_op", "name": "aten::op%d", "pid": 1, "tid": 1, "ts": %d, "dur": 5}'
+        % (i % 97, i * 10)
+        for i in range(n)
+    ]
+    events[bad_at] = events[bad_at].replace(b'"ts": %d, "dur": 5' % (bad_at * 10), bad)
+    return b'{"schemaVersion": 1, "traceEvents": [' + b", ".join(events) + b"]}"
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        (b'"ts": 1e308, "dur": 5', "'ts' 1e+308 µs, out of range"),
+        (b'"ts": -' + b"9" * 30 + b', "dur": 5', "'ts' -1e+30 µs, out of range"),
+        (b'"ts": 300, "dur": 1e300', "'dur' 1e+300 µs, out of range"),
+    ],
+    ids=["ts-1e308", "ts-30-digits", "dur-1e300"],
+)
+def test_a_time_out_of_range_is_refused_naming_the_event_in_every_chunk(bad: bytes, says: str) -> None:
+    """The fast (chunked) path checks the range, and the upload check (fed any block size) says the same."""
+    import io
+
+    from stepdoctor_analysis.errors import TraceError
+    from stepdoctor_analysis.parsing.checking import TraceCheck
+
+    text = _big_trace(31_234, bad)
+    assert len(text) > 4 * splitting._CHUNK
+    with pytest.raises(TraceError) as parsed:
+        parsing.load_trace(io.BytesIO(text), name="trace")
+    assert says in str(parsed.value) and "(event #31234)" in str(parsed.value)
+    check = TraceCheck("trace")
+    with pytest.raises(TraceError) as checked:
+        for i in range(0, len(text), 65_537):
+            check.feed(text[i : i + 65_537])
+        check.finish()
+    assert str(checked.value) == str(parsed.value)
+
+
+def test_the_upload_check_passes_what_the_parser_reads(fixtures_dir: Any) -> None:
+    """Real traces (gzip, several chunks) pass the check; an empty event list fails both alike."""
+    import gzip
+
+    from stepdoctor_analysis.errors import TraceError
+    from stepdoctor_analysis.parsing.checking import TraceCheck
+
+    path = fixtures_dir / "hta" / "trace_diff" / "control" / "control.json.gz"
+    text = gzip.decompress(path.read_bytes())
+    check = TraceCheck()
+    for i in range(0, len(text), 1 << 20):
+        check.feed(text[i : i + (1 << 20)])
+    check.finish()
+    empty = TraceCheck()
+    empty.feed(b'{"traceEvents": [{"ph": "M", "name": "process_name"}]}')
+    with pytest.raises(TraceError, match="contains no events"):
+        empty.finish()
+
+
+def test_to_int_gives_none_for_integers_beyond_64_bits() -> None:
+    assert schema.to_int(2**63) == NONE and schema.to_int(-(2**63)) == -(2**63)
+    assert schema.to_int("9" * 30) == NONE and schema.to_int(1e300) == NONE
+    assert schema.to_int("0x10") == 16

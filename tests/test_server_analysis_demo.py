@@ -42,9 +42,10 @@ def test_demo_trains_uploads_and_diagnoses_both_runs(tmp_path: Path) -> None:
     env = {
         **os.environ,
         "STEPDOCTOR_DATA_DIR": str(tmp_path / "data"),
-        "STEPDOCTOR_SPOOL": str(tmp_path / "spool"),
         "STEPDOCTOR_DATABASE_URL": "",
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),  # where the agent's default spool would be
     }
+    env.pop("STEPDOCTOR_SPOOL", None)
     out = _demo(env, tmp_path, port)
     assert f"Dashboard:    http://127.0.0.1:{port}/" in out
     assert re.search(r"Login token:  sdt_\S+", out)
@@ -60,6 +61,11 @@ def test_demo_trains_uploads_and_diagnoses_both_runs(tmp_path: Path) -> None:
     # One step time per run: the analysed one (demo_train prints none of its own).
     assert len(re.findall(r"\d (ms|s)\b", out)) == 2 and "ms/step" not in out, out
     assert "New runs " in out and "earlier run" not in out
+    # Everything the demo wrote is in the data directory (`make clean` removes it), the spool too.
+    assert list((tmp_path / "data" / "spool").rglob("*.pt.trace.json.gz")), (
+        "the demo's traces are not spooled there"
+    )
+    assert not (tmp_path / "cache").exists(), list((tmp_path / "cache").rglob("*"))
     # The server was stopped: nothing listens on the port any more.
     with socket.socket() as sock:
         assert sock.connect_ex(("127.0.0.1", port)) != 0

@@ -7,6 +7,7 @@ the trace store exactly the files (temp files included), and the server still an
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import random
 from collections.abc import Iterator
@@ -59,6 +60,29 @@ def _chunks(data: bytes, size: int = 32 * 1024) -> Iterator[bytes]:
 
 
 VALID = synthetic_trace(50)
+_PLAIN = synthetic_trace(50, compress=False)
+
+
+def _edited(old: bytes, new: bytes, *, prefix: bytes = b"") -> bytes:
+    """The valid trace with the first occurrence of ``old`` replaced (gzip, as the agent sends)."""
+    assert old in _PLAIN
+    return gzip.compress(prefix + _PLAIN.replace(old, new, 1), mtime=0)
+
+
+_EVENT_3 = b'"ts": 30, "dur": 5'  # the fourth event's times (synthetic_trace: ts = i * 10)
+# What the worker's parser cannot read: each must be refused at upload, naming what is wrong.
+UNREADABLE: list[tuple[str, bytes, str]] = [
+    ("nan-ts", _edited(_EVENT_3, b'"ts": NaN, "dur": 5'), "not valid JSON"),
+    ("infinity-dur", _edited(_EVENT_3, b'"ts": 30, "dur": Infinity'), "not valid JSON"),
+    ("lone-surrogate-name", _edited(b'"aten::op3"', b'"aten::\\ud800"'), "not valid JSON"),
+    ("surrogate-bytes-name", _edited(b'"aten::op3"', b'"aten::\xed\xa0\x80"'), "not valid UTF-8"),
+    ("invalid-utf8-name", _edited(b'"aten::op3"', b'"aten::\xff"'), "not valid UTF-8"),
+    ("ts-1e308", _edited(_EVENT_3, b'"ts": 1e308, "dur": 5'), "'ts' 1e+308 \u00b5s, out of range"),
+    ("ts-30-digits", _edited(_EVENT_3, b'"ts": ' + b"9" * 30 + b', "dur": 5'), "'ts' 1e+30"),
+    ("dur-1e308", _edited(_EVENT_3, b'"ts": 30, "dur": 1e308'), "'dur' 1e+308 \u00b5s, out of range"),
+    ("dur-30-digits", _edited(_EVENT_3, b'"ts": 30, "dur": ' + b"9" * 30), "'dur' 1e+30"),
+    ("pid-30-digits", _edited(b'"pid": 1', b'"pid": ' + b"9" * 30), "too large for its field"),
+]
 
 # (id, request kwargs for support.server.upload, expected status, expected error code)
 CASES: list[tuple[str, dict[str, Any], int, str]] = [
@@ -191,6 +215,14 @@ CASES: list[tuple[str, dict[str, Any], int, str]] = [
     ("traceEvents-of-numbers", {"body": b'{"traceEvents": [1, 2]}', "gzipped": False}, 422, "invalid_trace"),
     ("traceEvents-a-string", {"body": b'{"traceEvents": "[{}]"}', "gzipped": False}, 422, "invalid_trace"),
     ("traceEvents-null", {"body": b'{"a": 1, "traceEvents": null}', "gzipped": False}, 422, "invalid_trace"),
+    # What the worker's parser cannot read (#20): refused at the door by the same parser.
+    *((name, {"body": body}, 422, "invalid_trace") for name, body, _ in UNREADABLE),
+    (
+        "content-length-and-chunked",
+        {"body": VALID, "headers": {"Content-Length": str(len(VALID)), "Transfer-Encoding": "chunked"}},
+        400,
+        "ambiguous_length",
+    ),
 ]
 
 
@@ -214,6 +246,49 @@ def test_bad_upload_is_refused_cleanly(
     assert store_files(tight_app) == files_before
     assert tight_client.get("/readyz").status_code == 200
     assert upload(tight_client, VALID, run="after").status_code == 201
+
+
+@pytest.mark.parametrize(("body", "says"), [c[1:] for c in UNREADABLE], ids=[c[0] for c in UNREADABLE])
+def test_upload_refuses_what_the_worker_parser_cannot_read(
+    tight_app: FastAPI, tight_client: TestClient, body: bytes, says: str
+) -> None:
+    """The upload check and the worker's parser are the same code: the same one-line reason, naming
+    the event (#3 of 50) for values out of range; the next good upload is analysed."""
+    from stepdoctor_analysis.errors import TraceError
+    from stepdoctor_analysis.parsing import load_trace
+    from support.server import drain
+
+    rows_before, files_before = row_counts(tight_app), store_files(tight_app)
+    response = upload(tight_client, body)
+    assert response.status_code == 422, response.text
+    message = response.json()["error"]["message"]
+    assert says in message and message.startswith("trace: ")
+    if "out of range" in message:
+        assert "(event #3)" in message
+    with pytest.raises(TraceError) as worker_says:
+        load_trace(io.BytesIO(body), name="trace")
+    assert str(worker_says.value) == message
+    assert row_counts(tight_app) == rows_before and store_files(tight_app) == files_before
+
+    good = upload(tight_client, VALID, run="after")
+    assert good.status_code == 201
+    drain(tight_app)
+    trace = tight_client.get(f"/api/v1/traces/{good.json()['id']}").json()
+    assert trace["status"] == "done", trace
+
+
+def test_byte_order_mark_is_read_alike_at_upload_and_by_the_worker(
+    tight_app: FastAPI, tight_client: TestClient
+) -> None:
+    """A UTF-8 BOM before the JSON (Windows tools write one) is skipped in both places: accepted and analysed."""
+    from support.server import drain
+
+    for body, gzipped in ((gzip.compress(b"\xef\xbb\xbf" + _PLAIN), True), (b"\xef\xbb\xbf" + _PLAIN, False)):
+        response = upload(tight_client, body, gzipped=gzipped, run=f"bom-{gzipped}")
+        assert response.status_code == 201, response.text
+        drain(tight_app)
+        trace = tight_client.get(f"/api/v1/traces/{response.json()['id']}").json()
+        assert trace["status"] == "done", trace
 
 
 def test_over_size_streamed_body_without_length_is_cut_off(

@@ -29,7 +29,12 @@ def test_db_upgrade_then_token_create_and_list(
 ) -> None:
     assert cli.main(["db", "upgrade"]) == 0
     assert (env_settings / "stepdoctor.sqlite3").is_file()
-    assert cli.main(["token", "create", "--team", "ml-infra", "--scope", "read", "--name", "grafana"]) == 0
+    assert (
+        cli.main(
+            ["token", "create", "--team", "ml-infra", "--create-team", "--scope", "read", "--name", "grafana"]
+        )
+        == 0
+    )
     token = capsys.readouterr().out.strip().splitlines()[-1]
     assert token.startswith("sdt_") and " " not in token
 
@@ -58,7 +63,7 @@ def test_the_console_script_reaches_every_server_command(
         module, function = command.entry.split(":")
         assert callable(getattr(importlib.import_module(module), function)), name
     assert main(["db", "upgrade"]) == 0
-    assert main(["token", "create", "--team", "ops", "--scope", "read"]) == 0
+    assert main(["token", "create", "--team", "ops", "--create-team", "--scope", "read"]) == 0
     assert main(["token", "list", "--team", "ops"]) == 0
     assert "read" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:
@@ -69,9 +74,9 @@ def test_the_console_script_reaches_every_server_command(
 def test_cli_errors_are_one_line(env_settings: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cli.main(["db", "upgrade"])
     capsys.readouterr()
-    assert cli.main(["token", "list", "--team", "nobody"]) == 1
+    assert cli.main(["token", "list", "--team", "nobody"]) == 2
     assert capsys.readouterr().err.strip() == "stepdoctor token: no team named 'nobody'"
-    assert cli.main(["token", "create", "--team", "../x"]) == 1
+    assert cli.main(["token", "create", "--team", "../x"]) == 2
     assert "invalid team name" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         cli.main(["token", "create", "--team", "t", "--scope", "root"])
@@ -83,7 +88,7 @@ def test_unreachable_database_is_one_line(
 ) -> None:
     monkeypatch.setenv("STEPDOCTOR_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:1/none")
     get_settings.cache_clear()
-    assert cli.main(["db", "upgrade"]) == 1
+    assert cli.main(["db", "upgrade"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("stepdoctor db: database error at postgresql+psycopg://postgres@127.0.0.1:1/none")
     assert "\n" not in err and "Traceback" not in err
@@ -123,6 +128,6 @@ def test_the_database_password_never_prints(
     assert Settings.model_validate_json(settings.model_dump_json()).database_url.get_secret_value() == url
     monkeypatch.setenv("STEPDOCTOR_DATABASE_URL", url)
     get_settings.cache_clear()
-    assert cli.main(["db", "upgrade"]) == 1
+    assert cli.main(["db", "upgrade"]) == 2
     err = capsys.readouterr().err
     assert "stepdoctor:***@127.0.0.1:1/none" in err and "hunter2" not in err

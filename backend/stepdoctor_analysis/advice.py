@@ -187,9 +187,12 @@ def _inference_graphs(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
             "# static KV cache + CUDA graphs for the decode loop; or serve with vLLM/SGLang, which graph decode"
         )
     else:
+        batching = (
+            "a larger batch_size, or dynamic batching in the server" if w.server else "a larger batch_size"
+        )
         change = (
             'model = torch.compile(model, mode="reduce-overhead")  # CUDA graphs; and batch more inputs '
-            "per forward (a larger batch_size, or dynamic batching in the server)"
+            f"per forward ({batching})"
         )
     params = {"kernels": w.kernels_per_step, "median_us": w.median_kernel_us, "change": change}
     return _hit(ctx.share("launch"), ctx.ns("launch"), evidence, params)
@@ -205,17 +208,64 @@ def _inference_cpu_overhead(ctx: Context, lim: Mapping[str, float]) -> Hit | Non
 
 
 def _inference_sync(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
+    """Reads in an inference loop; a decode loop (the phase the trace shows) reads tokens back."""
     w, s = ctx.workload, ctx.sync
-    if w is None or not w.inference or s.calls_per_step <= 0:
+    if w is None or not w.inference or s.calls_per_step <= 0 or element_reads(ctx):
         return None
     top = s.triggers[0].op if s.triggers else "a blocking call"
     evidence = {
         "sync_calls_per_step": round(s.calls_per_step, 2),
+        "dtoh_reads_per_step": round(s.dtoh_reads_per_step, 2),
         "gpu_idle_after_sync_us_per_step": _us(ctx.ns("sync")),
         "triggers": [{"op": t.op, "calls": t.count, "blocked_us": _us(t.blocked_ns)} for t in s.triggers[:5]],
         "phase": w.phase,
     }
-    return _hit(ctx.share("sync"), ctx.ns("sync"), evidence, {"trigger": top, "calls": s.calls_per_step})
+    if w.phase in ("decode", "prefill+decode"):
+        change = (
+            f"Do not read tokens back per step ({top}: .item(), .tolist(), .cpu()): keep stopping criteria on "
+            "the device (an eos mask with torch.where), copy generated ids out every N steps with "
+            "non_blocking=True into pinned memory"
+        )
+        caveat = "Streaming servers must emit tokens as they come: overlap the copy, do not block on it."
+    else:
+        change = (
+            f"Do not read results back every iteration ({top}: .item(), .tolist(), .cpu(), print): keep them "
+            "on the device (collect them in a tensor, decide with torch.where), read once after the loop or "
+            "every N iterations with non_blocking=True into pinned memory"
+        )
+        caveat = "A decision that depends on a value needs its read: batch such checks every N iterations."
+    params = {"trigger": top, "calls": s.calls_per_step, "change": change, "caveat": caveat}
+    return _hit(ctx.share("sync"), ctx.ns("sync"), evidence, params)
+
+
+def element_reads(ctx: Context) -> bool:
+    """The syncs are a loop reading tensor elements one by one (``sync.element_reads`` fires):
+    that card replaces the general sync advice."""
+    from .rules import rule  # rules.py imports this module: resolve at call time
+
+    r = rule("sync.element_reads")
+    hit = r.query(ctx, r.thresholds)
+    return hit is not None and hit.metric >= r.threshold
+
+
+def _element_reads(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
+    """Many tiny device-to-host reads, each blocking: a Python loop over a tensor's elements
+    (``total += x[i].cpu()``). Pinned memory cannot help a 4-byte copy; the loop must go."""
+    s = ctx.sync
+    if s.dtoh_reads_per_step <= 0 or s.dtoh_read_median_bytes > lim["max_read_bytes"]:
+        return None
+    if ctx.share("sync") < lim["min_sync_share"]:
+        return None
+    top = s.triggers[0].op if s.triggers else "a blocking read"
+    evidence = {
+        "dtoh_reads_per_step": round(s.dtoh_reads_per_step, 1),
+        "median_read_bytes": s.dtoh_read_median_bytes,
+        "sync_calls_per_step": round(s.calls_per_step, 1),
+        "gpu_idle_after_reads_us_per_step": _us(ctx.ns("sync")),
+        "triggers": [{"op": t.op, "calls": t.count, "blocked_us": _us(t.blocked_ns)} for t in s.triggers[:5]],
+    }
+    params = {"reads": s.dtoh_reads_per_step, "bytes": s.dtoh_read_median_bytes, "trigger": top}
+    return _hit(s.dtoh_reads_per_step, ctx.ns("sync"), evidence, params, 0.85)
 
 
 def _inference_compute(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
@@ -405,19 +455,35 @@ RULE_SPECS: list[dict[str, Any]] = [
     {
         "id": "inference.host_sync",
         "kind": "sync",
-        "title": "Keep the decode loop off the host",
+        "title": "Keep the loop's reads off the host",
         "trigger": "inference: GPU idle after host syncs > 5% of the step",
         "threshold": 0.05,
         "query": _inference_sync,
-        "change": "Do not read tokens back per step ({trigger}: .item(), .tolist(), .cpu()): keep stopping "
-        "criteria on the device (an eos mask with torch.where), copy generated ids out every N steps with "
-        "non_blocking=True into pinned memory",
-        "why": "{calls:.0f} blocking syncs per step drain the GPU queue; it idles {kind_pct:.0f}% of the step "
-        "while the host decides what to launch next.",
-        "caveats": (
-            "Streaming servers must emit tokens as they come: overlap the copy, do not block on it.",
-        ),
+        "change": "{change}",
+        "why": "{calls:.0f} blocking syncs per step ({trigger}) drain the GPU queue; it idles {kind_pct:.0f}% of "
+        "the step while the host decides what to launch next.",
+        "caveats": ("{caveat}",),
         "workloads": INFERENCE,
+    },
+    {
+        "id": "sync.element_reads",
+        "kind": "sync",
+        "title": "Reduce on the device, read once",
+        "trigger": ">= 100 blocking device-to-host reads of <= 64 bytes per step, GPU idle after them > 5%",
+        "threshold": 100,
+        "query": _element_reads,
+        "thresholds": {"max_read_bytes": 64, "min_sync_share": 0.05},
+        "keeps": ("device",),
+        "change": "Replace the Python loop over tensor elements ({trigger} per element: .item(), .cpu(), print) "
+        "with one vectorized op on the device (e.g. total = x.sum(), counts = (x > 0).sum(), torch.where), "
+        "then read the result once: total.item()",
+        "why": "{reads:.0f} device-to-host reads of {bytes:.0f} bytes per step each block the host until the "
+        "GPU has drained its queue: a Python loop reading a tensor element by element. The GPU idles "
+        "{kind_pct:.0f}% of the step between the reads; pinned memory cannot speed up a copy this small.",
+        "caveats": (
+            "Code that needs each value on the host (printing every element) can read the whole "
+            "tensor once with x.tolist() instead.",
+        ),
     },
     {
         "id": "inference.low_precision",
@@ -441,6 +507,7 @@ RULE_SPECS: list[dict[str, Any]] = [
             "Dynamic int8 quantization speeds up Linear/LSTM layers on x86/ARM CPUs, not convolutions.",
         ),
         "workloads": INFERENCE,
+        "asserts": ("precision gain",),
         "basis": "estimate",
     },
 ]

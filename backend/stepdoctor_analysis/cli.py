@@ -88,6 +88,16 @@ def byte_size(text: str) -> int:
     return int(value)
 
 
+def byte_text(n: float) -> str:
+    """Bytes as people read them: ``812 B``, ``23.6 KiB``, ``4.6 MiB``, ``1.21 GiB`` (the dashboard's
+    ``size`` too), so a small file is never "0.0 MiB"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            x = n / scale
+            return f"{x:.3g} {unit}" if x < 1000 else f"{x:,.0f} {unit}"
+    return f"{n:.0f} B"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="stepdoctor analyze", description="Diagnose PyTorch profiler traces offline."

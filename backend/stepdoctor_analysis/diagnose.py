@@ -10,8 +10,11 @@ GPU traces (the device timeline decides; a busy GPU is not waiting on anything):
   then each idle stretch of the GPU is charged to what the host was doing:
   input          the host was inside ``DataLoader.__next__``;
   memory         the host was inside an allocator call (``cudaMalloc``/``hipFree``, ...), in any step;
-  sync           the idle stretch began when a blocking call returned (the drained queue's refill
-                 bubble) or the host was blocked while the GPU idled;
+  sync           the idle stretch began when a user sync returned (a device-to-host read or an
+                 explicit synchronize: the drained queue's refill bubble) or the host was blocked
+                 in one while the GPU idled;
+  transfer       (also) the same around a blocking host-to-device copy (``x.to(device)`` from
+                 pageable memory): the copy is needed, pinned memory + ``non_blocking`` fix it;
   launch         the GPU waited for the host to issue the next op (HTA's "host wait");
   other          idle with the next op already issued (cross-stream waits, the profiler).
 CPU-only traces (the training thread decides):
@@ -31,6 +34,8 @@ CPU-only traces (the training thread decides):
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,12 +45,14 @@ import numpy as np
 from . import intervals as iv
 from . import timeline as tl
 from .breakdown import collective_op_mask, computation_kernel_union
+from .consistency import consistent
 from .contract import Bottleneck, Recommendation
 from .inputs import InputStats
 from .memory import MemoryStats
 from .model import INT64_MIN, HostKind, RankTrace, Step
 from .ops import COMPUTE_OP_RE, MEMORY_OP_RE, median_dur_by_name
-from .rules import KINDS, NO_COMPUTE_RATIO, RULES, Context, Hit, Rule, speedup
+from .recurrence import TOP_FEW, PassWaits
+from .rules import KINDS, NO_COMPUTE_RATIO, RULES, Context, Hit, Rule, declared, speedup
 from .steps import device_op_mask, launching_call
 from .sync import SyncStats
 from .timeline import Accounting
@@ -97,7 +104,7 @@ def _account_gpu(
     out = dict(zip(busy, claimed.per_layer, strict=True))
     idle = charge_idle(trace, claimed.free, sync)
     for kind, stretches in idle.items():
-        out[kind] = tl.per_step(stretches, starts, ends)
+        out[kind] = out.get(kind, 0) + tl.per_step(stretches, starts, ends)
     return out, claimed, tuple(busy), idle
 
 
@@ -125,10 +132,13 @@ def charge_idle(trace: RankTrace, idle: iv.Intervals, sync: SyncStats) -> dict[s
     """
     dead = _trailing_silence(trace, idle)
     idle = iv.subtract(idle, dead)
-    stalled = iv.intersect(idle, _sync_bubbles(idle, sync))
-    host_wait, other = _split_idle(trace, iv.subtract(idle, stalled))
+    to_sync, to_transfer = _sync_bubbles(idle, sync)
+    stalled = iv.intersect(idle, to_sync)
+    idle = iv.subtract(idle, stalled)
+    copying = iv.intersect(idle, to_transfer)  # blocking HtoD copies: the transfer's
+    host_wait, other = _split_idle(trace, iv.subtract(idle, copying))
     other = iv.union(np.concatenate([other[0], dead[0]]), np.concatenate([other[1], dead[1]]))
-    return {"sync": stalled, "launch": host_wait, "other": other}
+    return {"sync": stalled, "transfer": copying, "launch": host_wait, "other": other}
 
 
 def _trailing_silence(trace: RankTrace, idle: iv.Intervals) -> iv.Intervals:
@@ -159,19 +169,47 @@ def _host_active_after(trace: RankTrace, t: int) -> iv.Intervals:
     return iv.union(h.ts[late], h.end[late])
 
 
-def _sync_bubbles(idle: iv.Intervals, sync: SyncStats) -> iv.Intervals:
-    """Idle stretches that begin as a blocking call returns, plus idle time while the host is blocked."""
-    if sync.call_ends.size == 0 or idle[0].size == 0:
-        return iv.EMPTY
+def _sync_bubbles(idle: iv.Intervals, sync: SyncStats) -> tuple[iv.Intervals, iv.Intervals]:
+    """The idle time blocking calls cause, for sync (user syncs) and for transfer (blocking
+    host-to-device copies): the time the host is blocked in them, and the refill bubbles of the
+    queues they drain, i.e. the idle stretches in which a draining call returns. A pageable copy's
+    staging call drains nothing: a stretch it returns in is a bubble only as the continuation of
+    the one before it, when a draining call returned into that one (the stretch before the staging
+    copy), and then of that call's class; otherwise the host was busy elsewhere (launch)."""
+    user, htod = sync, sync.htod
+    ends = np.concatenate([user.call_ends, htod.call_ends])
+    if ends.size == 0 or idle[0].size == 0:
+        return iv.EMPTY, iv.EMPTY
+    is_htod = np.concatenate(
+        [np.zeros(user.call_ends.size, np.bool_), np.ones(htod.call_ends.size, np.bool_)]
+    )
+    drains = np.concatenate([user.drains, htod.drains])
     gs, ge = idle
-    # The first blocking-call end at or after (gap start - tolerance) must fall before the gap's end.
-    j = sync.call_ends.searchsorted(gs - SYNC_TOLERANCE_NS, side="left")
-    ok = j < sync.call_ends.size
-    hit = np.zeros(gs.size, dtype=np.bool_)
-    hit[ok] = sync.call_ends[j[ok]] < ge[ok]
-    blocked = iv.union(sync.call_starts, sync.call_ends)
-    gaps: iv.Intervals = (gs[hit], ge[hit])
-    return iv.union(np.concatenate([gaps[0], blocked[0]]), np.concatenate([gaps[1], blocked[1]]))
+    d_ends, d_htod = ends[drains], is_htod[drains]
+    order = d_ends.argsort(kind="stable")
+    d_ends, d_htod = d_ends[order], d_htod[order]
+    # A draining call returns in the stretch (or up to the tolerance before it began).
+    j = d_ends.searchsorted(gs - SYNC_TOLERANCE_NS, side="left")
+    jj = np.minimum(j, max(d_ends.size - 1, 0))
+    drained = (j < d_ends.size) & (d_ends[jj] < ge) if d_ends.size else np.zeros(gs.size, np.bool_)
+    # A staging call returns in it, and the previous stretch was a drained bubble.
+    s_ends = np.sort(ends[~drains])
+    k = s_ends.searchsorted(gs - SYNC_TOLERANCE_NS, side="left")
+    staged = (
+        (k < s_ends.size) & (s_ends[np.minimum(k, max(s_ends.size - 1, 0))] < ge) if s_ends.size else k < 0
+    )
+    cont = np.zeros(gs.size, np.bool_)
+    cont[1:] = staged[1:] & ~drained[1:] & drained[:-1]
+    by = np.where(cont, np.concatenate([jj[:1], jj[:-1]]), jj)  # whose bubble: that drain's class
+    copy_bubble = (drained | cont) & d_htod[by] if d_ends.size else cont & False
+    sync_bubble = (drained | cont) & ~d_htod[by] if d_ends.size else cont & False
+    out = []
+    for calls, bubble in ((user, sync_bubble), (htod, copy_bubble)):
+        blocked = iv.union(calls.call_starts, calls.call_ends)
+        out.append(
+            iv.union(np.concatenate([gs[bubble], blocked[0]]), np.concatenate([ge[bubble], blocked[1]]))
+        )
+    return out[0], out[1]
 
 
 def _split_idle(trace: RankTrace, idle: iv.Intervals) -> tuple[iv.Intervals, iv.Intervals]:
@@ -360,6 +398,9 @@ def classify(ctx: Context) -> Diagnosis:
         }
         for k in KINDS
     }
+    # The verdict above weighs every finding; what the report shows never contradicts itself or
+    # promises nothing (``consistency``), and the cards and the note below read only that.
+    recs = consistent(recs, declared)
     cards = [
         r for r in recs if r.change and r.expected_speedup > MIN_CARD_SPEEDUP and r.basis != "single-pass"
     ]
@@ -425,12 +466,13 @@ def _best_by_kind(recs: list[Recommendation]) -> dict[str, Recommendation]:
 
 def _gain(kind: str, removable: tuple[float, str], best: dict[str, Recommendation], ctx: Context) -> float:
     """The speedup the verdict states for ``kind``: its best card's (the high end of an estimate's
-    range, the number the card shows), else the speedup of its measured time."""
-    if not ctx.iterations_found:
-        return 1.0
+    range, the number the card shows), else the speedup of its measured time; none for a one-pass
+    trace's kind whose waits may be one-time costs."""
     rec = best.get(kind)
     if rec is not None and rec.basis != "single-pass":
         return rec.expected_speedup_range[1] if rec.expected_speedup_range else rec.expected_speedup
+    if not ctx.iterations_found:
+        return 1.0
     return round(speedup(1.0, removable[0]), 3)
 
 
@@ -444,14 +486,12 @@ def _note(
     kind: str, reason: str, cards: list[Recommendation], recs: list[Recommendation], ctx: Context
 ) -> str:
     """One sentence on why the next optimization is not about the primary kind ("" when it is)."""
-    if not ctx.iterations_found:
-        return (
-            "The trace holds no repeated iteration, so its waits may be one-time costs (first-call "
-            "initialisation, autotuning, compilation): no per-step gain is claimed; profile several "
-            "iterations (prof.step() each iteration) for advice."
-        )
     if cards and cards[0].kind == kind:
         return ""
+    if not ctx.iterations_found:
+        return _one_time_note(ctx.pass_waits.get(kind)) + (
+            f" The next optimization targets {cards[0].kind}, whose waits recur." if cards else ""
+        )
     nxt = f" The next optimization targets {cards[0].kind} instead." if cards else ""
     if kind == "communication" and ctx.ns("compute") < NO_COMPUTE_RATIO * ctx.ns("communication"):
         return (
@@ -472,6 +512,24 @@ def _note(
     return f"No rule has a code change for {kind} waits in this trace." + nxt
 
 
+def _one_time_note(waits: PassWaits | None) -> str:
+    """Why a one-pass trace's kind gets no per-pass gain: its waits are few or long (one-time
+    candidates), or, without a device timeline, cannot be counted."""
+    if waits is None or waits.count == 0:
+        spread = "so its waits may be one-time costs"
+    else:
+        spread = (
+            f"and its {waits.kind} time is carried by {waits.count} stretch{'es' if waits.count != 1 else ''} "
+            f"({100 * waits.top_share:.0f}% in the longest {min(TOP_FEW, waits.count)}), too few alike "
+            "ones to recur: they may be one-time costs"
+        )
+    return (
+        f"The trace holds no repeated iteration, {spread} (first-call initialisation, autotuning, "
+        "compilation): no per-pass gain is claimed; profile several iterations (prof.step() each "
+        "iteration) for advice."
+    )
+
+
 def _confidence(share: float, best_other: float, ctx: Context) -> float:
     """Higher when the kind dominates clearly and the trace has several steps to average over."""
     margin = share - best_other
@@ -488,7 +546,16 @@ def _confidence(share: float, best_other: float, ctx: Context) -> float:
 
 def _render(rule: Rule, hit: Hit, ctx: Context) -> Recommendation:
     params = {"kind_pct": 100 * ctx.share(rule.kind)} | hit.params
-    basis = rule.basis if ctx.iterations_found else "single-pass"
+    waits = None if ctx.iterations_found else ctx.pass_waits.get(rule.kind)
+    caveats = [caveat.format(**params) for caveat in rule.caveats]
+    if waits is not None and waits.recurs and rule.kind in WAIT_KINDS:
+        # One pass whose waits of this kind recur: the recurring part is claimed, per pass.
+        hit = _recurring_part(hit, waits.recurring_fraction)
+        hit = dataclasses.replace(hit, evidence=hit.evidence | {"one_pass": waits.evidence()})
+        basis = rule.basis
+        caveats.append(_one_pass_caveat(waits))
+    else:
+        basis = rule.basis if ctx.iterations_found else "single-pass"
     gain = speedup(ctx.step_ns, hit.removable_ns)
     span = None
     if basis == "estimate":
@@ -496,17 +563,52 @@ def _render(rule: Rule, hit: Hit, ctx: Context) -> Recommendation:
         span = (round(speedup(ctx.step_ns, lo), 3), round(speedup(ctx.step_ns, hi), 3))
     elif basis == "single-pass":
         gain = 1.0  # a one-pass trace cannot tell a one-time cost from a per-step one
+    words = (lambda text: text) if ctx.iterations_found else _per_pass
     return Recommendation(
         id=rule.id,
-        title=rule.title,
+        title=words(rule.title),
         kind=rule.kind,
-        change=rule.change.format(**params) if rule.change else "",
-        why=rule.why.format(**params),
+        change=words(rule.change.format(**params)) if rule.change else "",
+        why=words(rule.why.format(**params)),
         expected_speedup=round(gain, 3),
         removable_us_per_step=round(hit.removable_ns / 1e3, 3),
         confidence=hit.confidence if hit.confidence is not None else 0.5,
-        caveats=[caveat.format(**params) for caveat in rule.caveats],
+        caveats=[words(c) for c in caveats],
         evidence=hit.evidence,
         basis=basis,
         expected_speedup_range=span,
     )
+
+
+_STEP_WORDS = re.compile(r"\b(per|each|of the|the|a) step\b|\bper-step\b")
+
+
+def _per_pass(text: str) -> str:
+    """A one-pass trace's unit is the pass (one forward, one request), not a training step."""
+    return _STEP_WORDS.sub(lambda m: f"{m.group(1)} pass" if m.group(1) else "per-pass", text)
+
+
+def _recurring_part(hit: Hit, fraction: float) -> Hit:
+    """``hit`` cut to the recurring share of its kind's time (a one-pass trace's one-time candidates
+    are not claimed)."""
+    rng = hit.removable_range_ns
+    return dataclasses.replace(
+        hit,
+        removable_ns=hit.removable_ns * fraction,
+        removable_range_ns=None if rng is None else (rng[0] * fraction, rng[1] * fraction),
+    )
+
+
+def _one_pass_caveat(waits: PassWaits) -> str:
+    """What a per-pass gain on a one-pass trace counts, and what it leaves out."""
+    left = waits.total_ns - waits.recurring_ns
+    out = (
+        f"One pass, no repeated iteration: the gain counts the {waits.recurring_count} alike waits "
+        f"(median {waits.median_ns / 1e3:.1f} µs) that recur within the pass"
+    )
+    if left > 0:
+        out += (
+            f"; {left / 1e3:.0f} µs in {waits.count - waits.recurring_count} long waits may be one-time "
+            "costs (first call, autotuning, compilation) and is not counted"
+        )
+    return out + "."

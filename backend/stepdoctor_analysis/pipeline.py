@@ -27,6 +27,7 @@ from .memory import analyze_memory, memory_curves
 from .model import RankTrace
 from .ops import analyze_ops
 from .precision import DeviceCaps, trace_caps
+from .recurrence import pass_waits
 from .report import Report, StepRow, field_dict, plain
 from .rules import KINDS, Context, pattern_minimums
 from .sync import analyze_sync
@@ -97,6 +98,7 @@ def analyze_trace(
         iterations_found=iters.found,
         workload=detect_workload(trace, step_list, metadata),
         floors=analyze_floors(trace, step_list) if acc.on_gpu else None,
+        pass_waits=pass_waits(acc, step_list, iters.found),
     )
     dx = diagnose.classify(ctx)
     per_kind = {k: acc.kinds[k].tolist() for k in (*KINDS, "other")}
@@ -234,8 +236,9 @@ def _warnings(ctx: Context, iters: steps.Iterations) -> list[str]:
     out = []
     if not iters.found:
         out.append(
-            "no ProfilerStep markers and no repeating iteration found: the whole trace is analysed as one span, "
-            "its waits may be one-time costs and no per-step gain is claimed (call prof.step() each iteration)"
+            "no ProfilerStep markers and no repeating iteration found: the whole trace is analysed as one pass; "
+            "waits that recur within it (many and alike) get per-pass advice, waits that may be one-time costs "
+            "(few and long) get no gain (call prof.step() each iteration)"
         )
     elif not ctx.has_step_markers:
         out.append(

@@ -34,6 +34,7 @@ from .job import job_limiter, step_count, step_time_us
 
 STRAGGLER = 0.10
 T = TypeVar("T")
+STRAGGLER_ID = "communication.straggler"  # the job-level card (``straggler_advice``)
 _WORKER_RE = re.compile(r"^(.*?)(\.\d+)?\.pt\.trace\.json(\.gz)?$")  # TensorBoard's run-file pattern
 
 
@@ -163,7 +164,7 @@ def straggler_advice(verdict: RankVerdict) -> Recommendation | None:
     excess = max(0.0, worst.busy_us - worst.others_busy_us)
     step = worst.step_time_us
     return Recommendation(
-        id="communication.straggler",
+        id=STRAGGLER_ID,
         title=f"Even out the ranks: {worst.label if worst.rank is not None or worst.worker else 'one rank'} "
         "holds the others back",
         kind="communication",

@@ -62,7 +62,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from . import BREAKDOWN_CATEGORIES, ENGINE_VERSION, SCHEMA_VERSION
+from . import BREAKDOWN_CATEGORIES, ENGINE_VERSION, SCHEMA_VERSION, guide
+from .consistency import MIN_ADVICE_SPEEDUP, shown_gain
 from .contract import Bottleneck, Recommendation, ReportDoc, StepRow
 from .contract import decode as decode_report
 
@@ -223,7 +224,7 @@ def render_text(r: Report) -> str:
     lines += [
         f"Primary bottleneck: {p.kind.upper()} — {100 * p.share:.0f}% of step wall time "
         f"({_fmt_us(p.us_per_step)} per step, confidence {p.confidence:.2f})",
-        f"  {KIND_WORDS[p.kind]}.",
+        f"  {KIND_WORDS[p.kind]}. What to do: {guide.link(p.kind)}",
     ]
     if p.gain > 1.02:
         what = "a measured wait" if p.basis == "measured" else "an estimate"
@@ -239,6 +240,7 @@ def render_text(r: Report) -> str:
             f"Next optimization: {rec.title} ({_gain_text(rec)})",
             f"  Change: {rec.change}",
             f"  Why:    {rec.why}",
+            f"  Guide:  {guide.link(rec.kind, rec.id)}",
         ]
         lines += [f"  Caveat: {c}" for c in rec.caveats]
     else:
@@ -269,7 +271,9 @@ def render_text(r: Report) -> str:
     if others:
         lines += ["", "Other findings:"]
         for f in others:
-            lines.append(f"  - [{f.kind}] {f.title}: {f.why} ({_gain_text(f)})")
+            # A fact, or a change that averts a failure, promises no speedup: no gain is shown.
+            gain = f" ({_gain_text(f)})" if f.change and shown_gain(f) > MIN_ADVICE_SPEEDUP else ""
+            lines.append(f"  - [{f.kind}] {f.title}: {f.why}{gain}")
     if r.ranks:
         rk = r.ranks
         lines += [

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import BOTTLENECK_KINDS, advice
+from . import intervals as iv
 from .comm import CommStats
+from .consistency import Declared
 from .floors import Floors, bounded
 from .hta_metrics import LaunchStats
 from .inputs import InputStats, LoaderSettings, suggested_workers
@@ -26,7 +28,8 @@ from .memory import MemoryStats
 from .model import DeviceInfo
 from .ops import AntiPattern, OpStats
 from .precision import LATENCY_BOUND_NS, LOW_PRECISION, DeviceCaps, host_link_gbps, peak_ratio
-from .sync import SyncStats
+from .recurrence import PassWaits
+from .sync import BlockingCalls, SyncStats
 from .timeline import Accounting
 from .transfers import TransferStats
 from .workload import Workload, fits
@@ -56,6 +59,9 @@ class Context:
     iterations_found: bool = True  # False: no markers and nothing repeats, the trace is one span
     workload: Workload | None = None  # training or inference (``workload.detect_workload``)
     floors: Floors | None = None  # what still runs after a change (GPU traces; ``floors``)
+    # One-pass GPU traces (``iterations_found`` False): each kind's spread over the pass, which
+    # tells recurring waits from one-time ones (``recurrence``); empty otherwise.
+    pass_waits: Mapping[str, PassWaits] = field(default_factory=dict)
 
     def ns(self, kind: str) -> float:
         return self.accounting.mean_ns(kind)
@@ -113,6 +119,10 @@ class Rule:
     # place: after it the step is no shorter than the highest, so no more than step − that floor is
     # removable, whatever the kind's time. Empty: the query bounds its own gain.
     keeps: tuple[str, ...] = ()
+    # The facts the finding's text states, for ``consistency``: a fact "no X" denies "X", and a
+    # report never shows two findings of which one denies what the other asserts.
+    asserts: tuple[str, ...] = ()
+    claims_speedup: bool = True  # False: the change averts a failure (OOM); its finding promises no gain
 
     def evaluate(self, ctx: Context) -> Hit | None:
         workload = getattr(ctx, "workload", None)  # unit tests evaluate queries without a context
@@ -153,6 +163,13 @@ def _us(ns: float) -> float:
     return round(ns / 1e3, 1)
 
 
+def idle_ns(ctx: Context, kind: str) -> float:
+    """Device idle time charged to ``kind`` per step (``diagnose.charge_idle``): for transfer, the
+    idle around blocking host-to-device copies, apart from the copies' own (busy) time."""
+    stretches = ctx.accounting.idle.get(kind)
+    return iv.total(stretches) / ctx.n_steps if stretches is not None and ctx.n_steps else 0.0
+
+
 # --- queries -----------------------------------------------------------------------------------
 
 
@@ -187,6 +204,9 @@ def _input(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
 def _pageable(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     """Pinned copies run at the link's rate, and non_blocking lets them overlap the rest of the step.
 
+    Only pageable copies large enough to be bandwidth-bound (``transfers.BANDWIDTH_MIN_BYTES``) are
+    estimated: a 4-byte copy's "rate" measures its latency, and pinning it gains nothing; tiny
+    copies in a loop are ``transfer.small_copies``' and the syncs' problem.
     Low end: the exposed pageable copies only get faster (pageable rate -> pinned rate, measured on
     the trace's own large pinned copies, else the device's reference link rate). High end: they also
     overlap everything else, so the step shrinks to the highest of what still runs: the copies at
@@ -194,12 +214,17 @@ def _pageable(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     pageable copy time (other waits are not this change's to remove).
     """
     t = ctx.transfers
-    if t.pageable_count_per_step <= 0 or t.copy_ns_per_step <= 0:
+    if t.bulk_pageable_count_per_step <= 0 or t.copy_ns_per_step <= 0:
         return None
-    frac = min(1.0, t.pageable_ns_per_step / t.copy_ns_per_step)
-    exposed = ctx.ns("transfer") * frac
+    bulk_ns, bulk_bytes = t.bulk_pageable_ns_per_step, t.bulk_pageable_bytes_per_step
+    frac = min(1.0, bulk_ns / t.copy_ns_per_step)
+    # The device idle while the host blocks in host-to-device copies and relaunches after them
+    # (``sync.htod_blocking_mask``): gone with non_blocking copies, all of it (the low end too);
+    # the exposed copies themselves only run faster.
+    blocked = idle_ns(ctx, "transfer")
+    exposed = (ctx.ns("transfer") - blocked) * frac + blocked
     htod = t.direction("HtoD")
-    pageable_gbps = t.pageable_bytes_per_step / t.pageable_ns_per_step if t.pageable_ns_per_step > 0 else 0.0
+    pageable_gbps = bulk_bytes / bulk_ns if bulk_ns > 0 else 0.0
     link = host_link_gbps(ctx.caps)
     rate, source = (
         (t.pinned_gbps, "pinned copies in this trace")
@@ -209,25 +234,53 @@ def _pageable(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
         else (lim["pinned_over_pageable"] * pageable_gbps, "pageable rate x pinned_over_pageable")
     )
     rate = max(rate, pageable_gbps)  # pinned copies are never slower than staged ones
-    pinned_ns = t.pageable_bytes_per_step / rate if rate > 0 else t.pageable_ns_per_step
-    lo = min(exposed, max(0.0, t.pageable_ns_per_step - pinned_ns))
+    pinned_ns = bulk_bytes / rate if rate > 0 else bulk_ns
+    lo = min(exposed, max(0.0, bulk_ns - pinned_ns) + blocked)
     hi = exposed
     f = ctx.floors
     if f is not None:
-        floor = max(f.copies - t.pageable_ns_per_step + pinned_ns, f.kernels, f.host)
-        hi = max(lo, min(exposed, ctx.step_ns - floor))
+        floor = max(f.copies - bulk_ns + pinned_ns, f.kernels, f.host)
+        hi = min(exposed, ctx.step_ns - floor)
+        lo = min(lo, max(hi, 0.0))
+        hi = max(lo, hi)
+    blocking = ctx.sync.htod
     evidence = {
         "pageable_copies_per_step": round(t.pageable_count_per_step, 2),
-        "pageable_mb_per_step": round(t.pageable_bytes_per_step / 2**20, 2),
+        "bandwidth_bound_copies_per_step": round(t.bulk_pageable_count_per_step, 2),
+        "pageable_mb_per_step": round(bulk_bytes / 2**20, 2),
         "exposed_copy_us_per_step": _us(ctx.ns("transfer")),
         "htod_bandwidth_gbps": round(htod.bandwidth_gbps, 2) if htod else None,
         "pageable_gbps": round(pageable_gbps, 2),
         "pinned_gbps": round(rate, 2),
         "pinned_rate_source": source,
         "pinned_copy_us_per_step": _us(pinned_ns),
+        "blocking_htod": {
+            "ops": [
+                {"op": x.op, "calls": x.count, "blocked_us": _us(x.blocked_ns)} for x in blocking.triggers[:3]
+            ],
+            "calls_per_step": round(blocking.calls_per_step, 2),
+            "host_blocked_us_per_step": _us(blocking.blocked_ns_per_step),
+            "gpu_idle_us_per_step": _us(blocked),
+        },
     }
-    params = {"gbps": pageable_gbps, "pinned_gbps": rate, "source": source}
+    params = {
+        "gbps": pageable_gbps,
+        "pinned_gbps": rate,
+        "source": source,
+        "blocks": _blocks(blocking, blocked),
+    }
     return Hit(ctx.share("transfer"), 0.5 * (lo + hi), evidence, params, 0.9, (lo, hi))
+
+
+def _blocks(blocking: BlockingCalls, idle: float) -> str:
+    """Which op blocked the host copying host-to-device, for the pinned-memory card's text."""
+    if blocking.calls_per_step <= 0:
+        return ""
+    op = blocking.triggers[0].op if blocking.triggers else "a copy"
+    return (
+        f" {op} blocks the host copying host→device ({blocking.calls_per_step:.0f} blocking calls per step: "
+        f"the staged copy, the synchronize after it); the GPU idles {idle / 1e3:.0f} µs per step around them."
+    )
 
 
 def _exposed_copies(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
@@ -258,7 +311,7 @@ def _sync_copies(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
 
 def _host_sync(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     s = ctx.sync
-    if s.calls_per_step <= 0:
+    if s.calls_per_step <= 0 or advice.element_reads(ctx):  # a per-element loop: its own card
         return None
     triggers = [{"op": t.op, "calls": t.count, "blocked_us": _us(t.blocked_ns)} for t in s.triggers[:5]]
     top = s.triggers[0].op if s.triggers else "a blocking call"
@@ -660,14 +713,14 @@ RULES: list[Rule] = [
         id="transfer.pinned_memory",
         kind="transfer",
         title="Copy from pinned memory, asynchronously",
-        trigger="any pageable host↔device copy while copies are exposed ≥ 1% of the step",
+        trigger="any pageable host↔device copy of ≥ 64 KB while copies are exposed ≥ 1% of the step",
         threshold=0.01,
         query=_pageable,
         thresholds={"pinned_over_pageable": 2.0},
         change="DataLoader(..., pin_memory=True) and batch = batch.to(device, non_blocking=True)",
         why="Copies from pageable host memory are staged through a bounce buffer, block the host and run at "
-        "{gbps:.1f} GB/s; exposed copies take {kind_pct:.0f}% of the step. Estimate: pinned at {pinned_gbps:.0f} "
-        "GB/s ({source}), from no overlap to full overlap with the rest of the step.",
+        "{gbps:.1f} GB/s; exposed copies take {kind_pct:.0f}% of the step.{blocks} Estimate: pinned at "
+        "{pinned_gbps:.0f} GB/s ({source}), from no overlap to full overlap with the rest of the step.",
         caveats=("Pinned memory is page-locked host RAM; pinning very large buffers can starve the OS.",),
         basis="estimate",
     ),
@@ -781,6 +834,7 @@ RULES: list[Rule] = [
         "micro-batch and accumulate gradients",
         why="Peak memory reaches {pct:.0f}% of capacity: one larger batch or fragmentation away from OOM.",
         caveats=("Activation checkpointing trades about a third more compute for memory.",),
+        claims_speedup=False,
     ),
     Rule(
         id="communication.overlap",
@@ -803,7 +857,8 @@ RULES: list[Rule] = [
         id="compute.mixed_precision",
         kind="compute",
         title="Make the compute itself cheaper: mixed precision",
-        trigger="FP32 matmul/conv/attention kernels >= 5% of the step, on a device with faster reduced-precision units",
+        trigger="compute > 30% of the step with FP32 matmul/conv/attention kernels >= 5% of it, on a device with "
+        "faster reduced-precision units",
         threshold=0.30,
         query=_compute,
         thresholds={
@@ -826,6 +881,7 @@ RULES: list[Rule] = [
             "{hardware}",
         ),
         basis="estimate",
+        asserts=("precision gain",),
     ),
     Rule(
         id="compute.no_cheap_win",
@@ -840,6 +896,7 @@ RULES: list[Rule] = [
         "lower precision has nothing cheap left. Gains must come from doing less work (fused kernels such as "
         "scaled_dot_product_attention, torch.compile) or from the waits around the compute.",
         basis="estimate",
+        asserts=("no fp32 matmul", "no precision gain"),
     ),
     Rule(
         id="compute.small_matmuls",
@@ -854,6 +911,7 @@ RULES: list[Rule] = [
         "latency and operand loads bound them, not arithmetic, so bf16/TF32 would barely shorten them. "
         "Give each kernel more work instead: a larger batch, or fuse the small layers (torch.compile).",
         basis="estimate",
+        asserts=("fp32 matmul", "no precision gain"),
     ),
     Rule(
         id="compute.channels_last",
@@ -909,6 +967,7 @@ RULES: list[Rule] = [
         why="FP32 GEMMs run on CUDA cores although the GPU has tensor cores.",
         caveats=("TF32 keeps FP32 range with a 10-bit mantissa.",),
         basis="estimate",
+        asserts=("fp32 matmul", "precision gain"),
     ),
     Rule(
         id="launch.select_loop",
@@ -949,6 +1008,13 @@ def rule(rule_id: str) -> Rule:
     return found
 
 
+def declared(rule_id: str) -> Declared:
+    """What rule ``rule_id`` declares about its finding's text, for ``consistency`` (findings no
+    rule renders, e.g. the straggler card, declare nothing and claim a speedup)."""
+    found = next((r for r in RULES if r.id == rule_id), None)
+    return Declared(found.asserts, found.claims_speedup) if found is not None else Declared()
+
+
 def pattern_minimums() -> dict[str, float]:
     """Anti-pattern id (``ops``) -> the threshold of the rule that reads it, for ``ops.analyze_ops``."""
     return {
@@ -963,41 +1029,3 @@ def pattern_minimums() -> dict[str, float]:
 # The verdict text (``diagnose``) says "almost no compute to hide communication behind" with the
 # same limit the overlap rule applies.
 NO_COMPUTE_RATIO = rule("communication.overlap").thresholds["no_compute_ratio"]
-
-
-def _cell(text: object) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
-
-
-def _number(value: float) -> str:
-    return f"{value:g}"
-
-
-def rules_markdown() -> str:
-    """docs/rules.md: the table of every rule, rendered from ``RULES`` (``make docs`` writes it)."""
-    lines = [
-        "# Rules",
-        "",
-        "Generated from `stepdoctor_analysis.rules.RULES` by `make docs`; do not edit by hand.",
-        "A rule fires when its query's metric reaches **threshold**; its other limits are listed by name.",
-        "**still runs after**: the floors (host work, device, kernels, copies) its change leaves in place; its",
-        "gain is cut to the step time above the highest of them.",
-        "",
-        "| id | kind | title | fires when | threshold | other limits | still runs after | workloads | basis |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in RULES:
-        limits = ", ".join(f"`{k}`={_number(v)}" for k, v in r.thresholds.items())
-        row = (
-            r.id,
-            r.kind,
-            r.title,
-            r.trigger,
-            _number(r.threshold),
-            limits,
-            ", ".join(r.keeps),
-            ", ".join(r.workloads),
-            r.basis,
-        )
-        lines.append("| " + " | ".join(_cell(c) for c in row) + " |")
-    return "\n".join(lines) + "\n"

@@ -78,7 +78,8 @@ def _charged_lane(step: Step, acc: Accounting) -> dict[str, Any]:
         parts += [(kind, iv.clip(ivs, step.start, step.end)) for kind, ivs in acc.idle.items()]
     else:
         parts.append(("other", (s[layer < 0], e[layer < 0])))
-    idle = sum(iv.total(ivs) for kind, ivs in parts if kind not in _BUSY_KINDS)
+    layers = len(acc.layer_kinds)  # the charged idle stretches follow the layers: idle whatever their kind
+    idle = sum(iv.total(ivs) for i, (kind, ivs) in enumerate(parts) if i >= layers or kind not in _BUSY_KINDS)
     return {
         "label": "device time charged to" if acc.on_gpu else "step time charged to",
         "kind": "charged",

@@ -5,6 +5,13 @@ queue drains: after the call returns the GPU idles until the host has launched n
 diagnosis charges that refill bubble to sync (see ``diagnose``); this module finds the calls and
 their triggers (``aten::item``/``_local_scalar_dense``, ``.cpu()``/``aten::to`` with DtoH, ...),
 by time containment of the runtime call inside the enclosing ``cpu_op`` on the same thread.
+
+Not every blocking call is a user sync. A blocking host-to-device copy (``x.to(device)`` from
+pageable memory: the staged ``cudaMemcpyAsync`` and the ``cudaStreamSynchronize`` PyTorch's
+``memcpy_and_sync`` adds after it) blocks the host too, but the copy is needed: its fix is pinned
+memory and ``non_blocking=True``, so those calls are the transfer's (``htod_blocking_mask``). User
+syncs are the device-to-host reads (``.item()``, ``.cpu()``, ``print``) and explicit synchronize
+calls: the blocking calls whose last queued work on their thread is not a host-to-device copy.
 """
 
 from __future__ import annotations
@@ -16,8 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import timeline as tl
-from .model import HostKind, RankTrace, Step
-from .steps import launching_call, marker_ranges
+from .model import CopyKind, GpuKind, HostKind, Mask, RankTrace, Step
+from .steps import launched_ops, launching_call, marker_ranges
 from .transfers import sync_copy_call_mask
 
 _SYNC_API_RE = re.compile(r"^(cuda|hip)(Stream|Device|Event)Synchronize$|^cu(Stream|Ctx|Event)Synchronize$")
@@ -51,14 +58,36 @@ class Trigger:
     blocked_ns: int
 
 
+def _empty() -> np.ndarray:
+    return np.empty(0, np.int64)
+
+
 @dataclass(frozen=True)
-class SyncStats:
+class BlockingCalls:
+    """One class of blocking calls in the steps: how many, how long the host blocked, which ops
+    asked for them, and when each ran (sorted by end, for the diagnosis's idle charging)."""
+
     calls_per_step: float = 0.0
     blocked_ns_per_step: float = 0.0
     by_api: dict[str, int] = field(default_factory=dict)  # API name -> call count in steps
     triggers: list[Trigger] = field(default_factory=list)
-    call_ends: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))  # ns, sorted
-    call_starts: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+    call_ends: np.ndarray = field(default_factory=_empty)  # ns, sorted
+    call_starts: np.ndarray = field(default_factory=_empty)
+    # Aligned with ``call_ends``: whether the call drains the GPU queue (every blocking call but a
+    # pageable host-to-device ``cudaMemcpyAsync``, which only stages the data and returns).
+    drains: np.ndarray = field(default_factory=lambda: np.empty(0, np.bool_))
+    # The user syncs' direction: device-to-host reads (the last queued work on the thread was a DtoH
+    # copy: ``.item()``, ``.cpu()``) per step, and their median size; the rest are explicit syncs.
+    dtoh_reads_per_step: float = 0.0
+    dtoh_read_median_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class SyncStats(BlockingCalls):
+    """User syncs (DtoH reads, explicit synchronize calls); ``htod``: the blocking host-to-device
+    copies, which are the transfer's (module docstring)."""
+
+    htod: BlockingCalls = field(default_factory=BlockingCalls)
 
 
 def blocking_call_mask(trace: RankTrace) -> np.ndarray:
@@ -76,6 +105,72 @@ def blocking_call_mask(trace: RankTrace) -> np.ndarray:
     return mask
 
 
+def last_queued(trace: RankTrace) -> np.ndarray:
+    """For each host event, the GPU op (index) its thread queued last at or before its start (the
+    call's own, for a launch call); -1 when none.
+
+    What a blocking call waits for last is what its thread queued last: a synchronize right after
+    a host-to-device copy waits for that copy (``memcpy_and_sync``), one after a device-to-host
+    copy is a read. Cached: the sync analysis and the floors ask."""
+
+    def evaluate() -> np.ndarray:
+        h = trace.host
+        out = np.full(len(h), -1, np.int64)
+        ops, calls = launched_ops(trace)
+        if calls.size == 0:
+            return out
+        op_of = np.full(len(h), -1, np.int64)
+        op_of[calls] = ops
+        launches = np.unique(calls)
+        for tid in np.unique(h.tid[launches]).tolist():
+            mine = launches[h.tid[launches] == tid]
+            mine = mine[h.ts[mine].argsort(kind="stable")]
+            on_thread = (h.tid == tid).nonzero()[0]
+            j = h.ts[mine].searchsorted(h.ts[on_thread], side="right") - 1
+            ok = j >= 0
+            out[on_thread[ok]] = op_of[mine[j[ok]]]
+        return out
+
+    return trace.memo("sync.last_queued", evaluate)
+
+
+def _queued_copy_kind(trace: RankTrace, calls: np.ndarray) -> np.ndarray:
+    """The direction (``CopyKind``) of the copy each call waits for last; -1 when it is a kernel."""
+    op = last_queued(trace)[calls]
+    g = trace.gpu
+    safe = np.maximum(op, 0)
+    copy = (op >= 0) & (g.kind[safe] == int(GpuKind.MEMCPY)) if len(g) else np.zeros(op.size, np.bool_)
+    return np.where(copy, g.copy_kind[safe] if len(g) else -1, -1)
+
+
+def staging_call_mask(trace: RankTrace) -> Mask:
+    """Async launch calls of pageable host-to-device copies: they block while the data is staged,
+    then return without waiting for the device (CUDA's API synchronization behaviour)."""
+
+    def evaluate() -> Mask:
+        h, g = trace.host, trace.gpu
+        out = np.zeros(len(h), np.bool_)
+        if not len(g):
+            return out
+        launcher = launching_call(trace)
+        htod = tl.pageable_copy_mask(trace) & (g.copy_kind == int(CopyKind.HTOD)) & (launcher >= 0)
+        out[launcher[htod]] = True
+        return out & ~sync_copy_call_mask(trace)
+
+    return trace.memo("sync.staging_calls", evaluate)
+
+
+def htod_blocking_mask(trace: RankTrace) -> Mask:
+    """Blocking calls that wait for a host-to-device copy: the transfer's, not user syncs."""
+    blocking = blocking_call_mask(trace)
+    if not blocking.any():
+        return blocking
+    out = np.zeros_like(blocking)
+    calls = blocking.nonzero()[0]
+    out[calls] = _queued_copy_kind(trace, calls) == int(CopyKind.HTOD)
+    return out
+
+
 def analyze_sync(trace: RankTrace, steps: list[Step]) -> SyncStats:
     h = trace.host
     if not len(h) or not steps:
@@ -89,20 +184,33 @@ def analyze_sync(trace: RankTrace, steps: list[Step]) -> SyncStats:
         calls = calls[(h.ts[calls] >= m_starts[0]) & (h.ts[calls] < m_ends.max())]
     if calls.size == 0:
         return SyncStats()
-    n = len(steps)
+    htod = htod_blocking_mask(trace)[calls]
+    user = _blocking_calls(trace, calls[~htod], len(steps))
+    return SyncStats(**vars(user), htod=_blocking_calls(trace, calls[htod], len(steps)))
+
+
+def _blocking_calls(trace: RankTrace, calls: np.ndarray, n: int) -> BlockingCalls:
+    if calls.size == 0:
+        return BlockingCalls()
+    h = trace.host
     by_api: dict[str, int] = defaultdict(int)
     counts = np.bincount(h.name[calls])  # name ids are dense: counted in place, in id order
     for name_id in counts.nonzero()[0].tolist():
         by_api[trace.strings[name_id]] += int(counts[name_id])
     call_end = h.end[calls]
     order = call_end.argsort()
-    return SyncStats(
+    # Each device-to-host read once, whichever of its calls (the staged copy, the synchronize) blocked.
+    reads = np.unique(last_queued(trace)[calls[_queued_copy_kind(trace, calls) == int(CopyKind.DTOH)]])
+    return BlockingCalls(
         calls_per_step=calls.size / n,
         blocked_ns_per_step=int(h.dur[calls].sum()) / n,
         by_api=dict(by_api),
         triggers=_triggers(trace, calls),
         call_ends=call_end[order],
         call_starts=h.ts[calls][order],
+        drains=~staging_call_mask(trace)[calls][order],
+        dtoh_reads_per_step=reads.size / n,
+        dtoh_read_median_bytes=float(np.median(np.maximum(trace.gpu.bytes[reads], 0))) if reads.size else 0.0,
     )
 
 

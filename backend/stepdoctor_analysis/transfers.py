@@ -24,6 +24,11 @@ _SYNC_COPY_RE = re.compile(
 )
 
 RATE_MIN_BYTES = 1 << 20
+# Copies smaller than this are bound by per-copy latency (launch, staging, a sync each), not by the
+# link's bandwidth: a bandwidth estimate (pageable vs pinned GB/s) applies only to larger ones.
+# Tiny copies in a loop are a different problem with a different fix (batch them, keep the loop on
+# the device). Nsight's "ignore small copies" threshold.
+BANDWIDTH_MIN_BYTES = 1 << 16
 
 DIRECTIONS = {
     CopyKind.HTOD: "HtoD",
@@ -55,6 +60,10 @@ class TransferStats:
     pageable_ns_per_step: float = 0.0  # device time of pageable copies
     pageable_bytes_per_step: float = 0.0
     pageable_count_per_step: float = 0.0
+    # The pageable copies of at least ``BANDWIDTH_MIN_BYTES``: the ones a pinned link rate speeds up.
+    bulk_pageable_ns_per_step: float = 0.0
+    bulk_pageable_bytes_per_step: float = 0.0
+    bulk_pageable_count_per_step: float = 0.0
     sync_copy_calls_per_step: float = 0.0  # cudaMemcpy & co.
     sync_copy_host_ns_per_step: float = 0.0
     small_htod_per_step: float = 0.0  # HtoD copies <= 64 KiB (Nsight's threshold for "ignore")
@@ -93,6 +102,7 @@ def analyze_transfers(trace: RankTrace, steps: list[Step]) -> TransferStats:
     # The part no compute kernel hides.
     exposed = copy_per_step - tl.per_step(iv.intersect(copies, computation_kernel_union(trace)), starts, ends)
     pageable = memcpy & tl.pageable_copy_mask(trace)
+    bulk = pageable & (g.bytes >= BANDWIDTH_MIN_BYTES)
 
     directions = []
     for kind, label in DIRECTIONS.items() if memcpy.any() else ():
@@ -127,6 +137,9 @@ def analyze_transfers(trace: RankTrace, steps: list[Step]) -> TransferStats:
         pageable_ns_per_step=int(g.dur[pageable].sum()) / n,
         pageable_bytes_per_step=float(np.maximum(g.bytes[pageable], 0).sum()) / n,
         pageable_count_per_step=int(np.count_nonzero(pageable)) / n,
+        bulk_pageable_ns_per_step=int(g.dur[bulk].sum()) / n,
+        bulk_pageable_bytes_per_step=float(g.bytes[bulk].sum()) / n,
+        bulk_pageable_count_per_step=int(np.count_nonzero(bulk)) / n,
         sync_copy_calls_per_step=int(np.count_nonzero(sync_calls)) / n,
         sync_copy_host_ns_per_step=int(h.dur[sync_calls].sum()) / n,
         small_htod_per_step=int(np.count_nonzero(small_htod_copies(trace, steps))) / n,

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .cli import byte_size
+from .cli import byte_size, byte_text
 from .errors import TraceError
 from .trim import parse_steps, trim_trace
 
@@ -46,6 +46,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     before, after = Path(args.src).stat().st_size, Path(args.dst).stat().st_size
     print(
         f"steps {first}-{last}: kept {result.kept:,} of {result.kept + result.dropped:,} events, "
-        f"{before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB: {args.dst}"
+        f"{byte_text(before)} -> {byte_text(after)}: {args.dst}"
     )
     return 0

@@ -81,6 +81,10 @@ _MATMUL_OP_RE = re.compile(MATMUL_OPS)  # the ops the parser reads "Sequence num
 _COMPILED_GRAD_RE = re.compile(r"^CompiledFunction$")
 # Lower-case words one of which every match of the pattern contains: a substring test skips the
 # regex on the thousands of Python-frame names a with_stack trace holds.
+# Matrix-vector product kernels (cuBLAS ``gemv2T_kernel``, ``gemvx``; hipBLASLt/rocBLAS ``gemv``):
+# what a batch-1 decode step's matmuls are, and an eager forward's GEMMs are not.
+_GEMV_RE = re.compile(r"gemv", re.IGNORECASE)
+
 _GATES = {
     _TRAINING_RE: (
         "backward",
@@ -122,6 +126,7 @@ _GATES = {
     _DECODE_RE: ("decode", "splitkv", "paged_attention", "flash_decoding"),
     _PREFILL_RE: ("prefill", "extend", "context_attention"),
     _GRAD_SYNC_RE: ("all_reduce", "allreduce"),
+    _GEMV_RE: ("gemv",),
     _GRAPH_RE: ("graphlaunch",),
     _COMPILED_GRAD_RE: ("compiledfunction",),
 }
@@ -225,7 +230,7 @@ def detect_workload(trace: RankTrace, steps: list[Step], metadata: dict[str, Any
     declared = _declared(metadata)
     if declared in KINDS:
         phase = (
-            _named_phase(host_names, kernel_names) or _shape_phase(per_step, median_us)
+            _named_phase(host_names, kernel_names) or _shape_phase(per_step, median_us, kernel_names)
             if declared == "inference"
             else None
         )
@@ -248,7 +253,7 @@ def detect_workload(trace: RankTrace, steps: list[Step], metadata: dict[str, Any
     if server:
         evidence.append(f"serving code: {server[:80]}")
     named = _named_phase(host_names, kernel_names)
-    phase = named or _shape_phase(per_step, median_us)
+    phase = named or _shape_phase(per_step, median_us, kernel_names)
     sync_grads = next(iter(host_names.matches(_GRAD_SYNC_RE, 1)), None)
     if sync_grads and not (grad_off or server or phase or graphs):
         # A process-group all-reduce and nothing that says "serving": a capture window of a
@@ -350,8 +355,10 @@ def _named_phase(host: _Names, kernels: _Names) -> str | None:
     return None
 
 
-def _shape_phase(per_step: float, median_us: float) -> str | None:
-    """Decode by the shape of the work: many tiny kernels per token."""
-    if per_step >= DECODE_MIN_KERNELS and 0 < median_us * 1e3 < DECODE_MAX_MEDIAN_NS:
-        return "decode"
-    return None
+def _shape_phase(per_step: float, median_us: float, kernels: _Names) -> str | None:
+    """Decode by the shape of the work: many tiny kernels per token, among them matrix-vector
+    products (``gemv``: one token's activations times the weights). Many tiny kernels alone are any
+    eager forward at small batch, or a Python loop over tensor elements: the phase words (decode,
+    prefill) are kept for traces that show the phase."""
+    tiny = per_step >= DECODE_MIN_KERNELS and 0 < median_us * 1e3 < DECODE_MAX_MEDIAN_NS
+    return "decode" if tiny and kernels.any(_GEMV_RE) else None

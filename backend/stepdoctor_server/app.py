@@ -201,6 +201,33 @@ def _content_length(scope: Scope) -> int:
     return 0
 
 
+class AmbiguousLengthMiddleware:
+    """400 for a request carrying both ``Content-Length`` and ``Transfer-Encoding``.
+
+    RFC 9112 §6.1 lets a server read such a message by ``Transfer-Encoding``, but a proxy in
+    front may have framed it by ``Content-Length``: the two then disagree on where the request
+    ends, which is how requests are smuggled past a proxy. So it is refused, and the connection
+    closed (whatever follows on it cannot be trusted).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            names = {name.lower() for name, _ in scope.get("headers", ())}
+            if b"content-length" in names and b"transfer-encoding" in names:
+                response = error_response(
+                    400,
+                    "ambiguous_length",
+                    "the request has both Content-Length and Transfer-Encoding; send one of them",
+                    {"Connection": "close"},
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 # -- worker pool ---------------------------------------------------------------------------------
 
 
@@ -284,6 +311,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         min_rate_bytes_s=settings.body_min_rate_bytes_s,
     )
     app.add_middleware(SameOriginMiddleware)
+    app.add_middleware(AmbiguousLengthMiddleware)
     app.add_middleware(NulGuardMiddleware)
     app.add_middleware(SecurityHeadersMiddleware)
     app.include_router(api_traces.router)

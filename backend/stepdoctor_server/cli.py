@@ -2,7 +2,8 @@
 
 ``main(argv)`` takes the command name as ``argv[0]``; the ``stepdoctor`` dispatcher calls
 ``serve_main``/``token_main``/``db_main`` with the arguments after it (``stepdoctor worker`` is
-``stepdoctor_server.worker.main``). Errors are one line on stderr and exit status 1 (2 for usage errors), never a traceback.
+``stepdoctor_server.worker.main``). Every error is one line on stderr and exit status 2, as for
+usage errors (argparse's convention), never a traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from pydantic import ValidationError
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -26,7 +28,7 @@ DEFAULT_TEAM = "default"
 
 
 class CommandError(Exception):
-    """A user-facing failure: printed as one line, exit status 1."""
+    """A user-facing failure: printed as one line, exit status 2."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,7 +57,12 @@ def _parser() -> argparse.ArgumentParser:
     token = commands.add_parser("token", help="create, list or revoke API tokens")
     token_commands = token.add_subparsers(dest="token_command", required=True)
     create = token_commands.add_parser("create", help="create a token (printed alone on the last line)")
-    create.add_argument("--team", required=True, help="team name (created if missing)")
+    create.add_argument("--team", required=True, help="an existing team's name")
+    create.add_argument(
+        "--create-team",
+        action="store_true",
+        help="create the team when there is none of that name (without it a typo is refused)",
+    )
     create.add_argument(
         "--scope", choices=SCOPES, default="upload", help="what the token may do (default upload)"
     )
@@ -107,7 +114,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "token":
             if args.token_command == "create":
                 return token_create(
-                    settings, team=args.team, scope=args.scope, name=args.name, expires_in=args.expires_in
+                    settings,
+                    team=args.team,
+                    scope=args.scope,
+                    name=args.name,
+                    expires_in=args.expires_in,
+                    create_team=args.create_team,
                 )
             if args.token_command == "revoke":
                 return token_revoke(settings, team=args.team, token_id=args.token_id)
@@ -116,7 +128,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return db_upgrade(settings)
     except CommandError as exc:
         print(f"stepdoctor {args.command}: {exc}", file=sys.stderr)
-        return 1
+        return 2
+    except ValidationError as exc:  # a malformed STEPDOCTOR_* setting
+        error = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
+        where = ".".join(str(part) for part in error["loc"]) or "settings"
+        print(f"stepdoctor {args.command}: invalid setting {where}: {error['msg']}", file=sys.stderr)
+        return 2
     except SQLAlchemyError as exc:
         orig = getattr(exc, "orig", None)
         detail = str(orig if orig is not None else exc).strip().splitlines()
@@ -125,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"stepdoctor {args.command}: database error at {settings.database_url_shown}: {first}",
             file=sys.stderr,
         )
-        return 1
+        return 2
     return 2
 
 
@@ -151,7 +168,13 @@ def db_upgrade(settings: Settings) -> int:
 
 
 def token_create(
-    settings: Settings, *, team: str, scope: str, name: str | None, expires_in: str | None = None
+    settings: Settings,
+    *,
+    team: str,
+    scope: str,
+    name: str | None,
+    expires_in: str | None = None,
+    create_team: bool = False,
 ) -> int:
     _check_team_name(team)
     expires_at = None
@@ -163,6 +186,8 @@ def token_create(
     db = Database(settings)
     try:
         with db.session() as session:
+            if not create_team and session.scalar(select(Team.id).where(Team.name == team)) is None:
+                raise CommandError(f"no team named {team!r}; add --create-team to create it")
             team_row, created = auth.get_or_create_team(session, team)
             token, raw = auth.create_token(
                 session, team_row, scope=scope, name=name or f"{scope} token", expires_at=expires_at

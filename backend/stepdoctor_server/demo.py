@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         login_token = _create_token("read", "demo dashboard")
         _say_what_is_added(url, login_token, data_dir, [name for name, _ in runs_of_this_demo])
         for run, workers in runs_of_this_demo:
-            _train(run, workers, url, upload_token, args.steps)
+            _train(run, workers, url, upload_token, args.steps, data_dir / "spool")
         runs = _wait_analyses(url, login_token, [name for name, _ in runs_of_this_demo])
         _summary(url, login_token, runs, log_path)
         if args.no_wait:
@@ -121,7 +121,7 @@ def _wait_ready(server: subprocess.Popen[bytes], url: str, log_path: Path) -> No
 
 def _create_token(scope: str, name: str) -> str:
     out = subprocess.run(
-        _cli("token", "create", "--team", TEAM, "--scope", scope, "--name", name),
+        _cli("token", "create", "--team", TEAM, "--create-team", "--scope", scope, "--name", name),
         capture_output=True,
         text=True,
         timeout=120,
@@ -152,12 +152,19 @@ def _say_what_is_added(url: str, token: str, data_dir: Path, names: list[str]) -
         print(f"New runs {', '.join(names)} in {where}.", flush=True)
 
 
-def _train(run: str, workers: int, url: str, token: str, steps: int | None) -> None:
+def _train(run: str, workers: int, url: str, token: str, steps: int | None, spool: Path) -> None:
+    """One demo training run; its agent spools inside the data directory, which ``make clean`` removes."""
     print(f"Training demo run {run!r} (DataLoader num_workers={workers}) ...", flush=True)
     cmd = [sys.executable, "-m", "stepdoctor.demo_train", "--run", run, "--workers", str(workers)]
     if steps is not None:
         cmd += ["--steps", str(steps)]
-    env = {**os.environ, "STEPDOCTOR_SERVER": url, "STEPDOCTOR_TOKEN": token, "STEPDOCTOR_PROJECT": PROJECT}
+    env = {
+        **os.environ,
+        "STEPDOCTOR_SERVER": url,
+        "STEPDOCTOR_TOKEN": token,
+        "STEPDOCTOR_PROJECT": PROJECT,
+        "STEPDOCTOR_SPOOL": str(spool),
+    }
     done = subprocess.run(cmd, env=env)
     if done.returncode != 0:
         raise DemoError(f"demo training {run!r} failed with status {done.returncode}")

@@ -1,11 +1,13 @@
 """Validation of an upload while it streams in: request headers, names, metadata, and the body.
 
-The body check is deliberately cheap (full parsing happens later, in the worker): gzip is
-decompressed incrementally under a cap on the decompressed size and on the compression ratio (a
-gzip bomb stops after a few MiB of output, not at the cap), a truncated or corrupt gzip stream is
-refused, and the JSON text must start with ``{``, end with ``}`` and hold a ``"traceEvents"`` key
-whose value is an array starting with an event object. Every refusal is an ApiError with one clear
-line.
+The body is checked while it streams in: gzip is decompressed incrementally under a cap on the
+decompressed size and on the compression ratio (a gzip bomb stops after a few MiB of output, not at
+the cap), a truncated or corrupt gzip stream is refused, and the JSON text must start with ``{``,
+end with ``}`` and hold a ``"traceEvents"`` key whose value is an array starting with an event
+object. The text then goes through the worker's own parser (``parsing.checking.TraceCheck``: the
+same splitter, decoder and per-event checks, no columns kept), so whatever the worker could not
+read (NaN, a string that is not UTF-8, a lone surrogate, a time out of range) is a 422 naming the
+event and field, never a 201 that fails later. Every refusal is an ApiError with one clear line.
 
 Names are checked by full match (``re.fullmatch``: ``$`` would let a trailing newline through) and
 metadata is checked for what breaks storage later: depth, non-finite numbers, NUL and control
@@ -18,9 +20,13 @@ import json
 import math
 import re
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from stepdoctor_analysis.errors import TraceError
+from stepdoctor_analysis.parsing.checking import TraceCheck
 from stepdoctor_server.errors import ApiError
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -255,6 +261,7 @@ class BodyInspector:
         self._last_byte = b""
         # After the key: b"[" while waiting for the array, b"{" for its first event, b"" when seen.
         self._expect = b"["
+        self._parse_check = TraceCheck("trace")  # the worker's parser, columns dropped
 
     # -- raw bytes -------------------------------------------------------------------------------
     def feed(self, chunk: bytes) -> None:
@@ -308,6 +315,12 @@ class BodyInspector:
 
     # -- decompressed JSON text ------------------------------------------------------------------
     def _feed_text(self, text: bytes) -> None:
+        self._inspect_text(text)
+        if self._started_json:
+            with _as_api_error():
+                self._parse_check.feed(text)
+
+    def _inspect_text(self, text: bytes) -> None:
         self.decompressed_bytes += len(text)
         if self.decompressed_bytes > self.max_decompressed:
             raise ApiError(
@@ -406,3 +419,14 @@ class BodyInspector:
                 "truncated_json",
                 "trace JSON is incomplete: it does not end with '}' (truncated upload?)",
             )
+        with _as_api_error():
+            self._parse_check.finish()
+
+
+@contextmanager
+def _as_api_error() -> Iterator[None]:
+    """The parser's TraceError (one line, naming the event and field) as the upload's 422."""
+    try:
+        yield
+    except TraceError as exc:
+        raise ApiError(422, "invalid_trace", str(exc)) from None

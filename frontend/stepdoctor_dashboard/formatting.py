@@ -9,6 +9,8 @@ from typing import Any
 
 from jinja2 import Environment
 
+from stepdoctor_analysis.cli import byte_text
+
 
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -38,12 +40,7 @@ def _sig(x: float) -> str:
 def size(n: Any) -> str:
     """Bytes → ``812 B``, ``23.6 KiB``, ``4.6 MiB``, ``1.21 GiB``."""
     x = _number(n)
-    if x is None:
-        return "–"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if x >= scale:
-            return f"{_sig(x / scale)} {unit}"
-    return f"{x:.0f} B"
+    return "–" if x is None else byte_text(x)
 
 
 def percent(fraction: Any, digits: int = 0) -> str:

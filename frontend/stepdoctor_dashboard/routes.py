@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stepdoctor_analysis import BOTTLENECK_KINDS
 from stepdoctor_analysis.run_verdict import RunVerdict
-from stepdoctor_dashboard import assets, figures, formatting
+from stepdoctor_dashboard import assets, figures, formatting, guide_page
 from stepdoctor_server import compare, sessions
 from stepdoctor_server.auth import Principal, authenticate
 from stepdoctor_server.db import DatabaseDep, SessionDep
@@ -69,6 +69,7 @@ def install(app: FastAPI) -> None:
     # Unversioned plotly path kept for old bookmarks and pages; the templates use the versioned one.
     app.mount("/static/plotly", StaticFiles(packages=[("plotly", "package_data")]), name="plotly")
     app.include_router(router)
+    guide_page.install(app, templates.env)
 
     @app.exception_handler(LoginRequired)
     async def _login(request: Request, _: LoginRequired) -> Response:

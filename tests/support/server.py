@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -312,21 +312,29 @@ class ServerProcess:
 
 @contextmanager
 def serve_subprocess(
-    env: Mapping[str, str], *, port: int | None = None, timeout_s: float = 60.0
+    env: Mapping[str, str],
+    *,
+    port: int | None = None,
+    timeout_s: float = 60.0,
+    command: Sequence[str] = (sys.executable, "-m", "stepdoctor"),
+    base_env: Mapping[str, str] | None = None,
+    cwd: Path = REPO_ROOT,
 ) -> Iterator[ServerProcess]:
     """Run ``stepdoctor serve`` on 127.0.0.1 with ``env`` added; wait for /readyz; stop it after.
 
+    ``command`` is how ``stepdoctor`` is started (another environment's console script, for the
+    installed wheel) and ``base_env`` what ``env`` is added to (default: this process's).
     Output goes to a log file (a pipe nobody reads would fill up and block the server).
     """
     port = port or _free_port()
     log_path = Path(tempfile.mkstemp(prefix="stepdoctor-serve-", suffix=".log")[1])
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "stepdoctor", "serve", "--host", "127.0.0.1", "--port", str(port)],
-            env={**os.environ, **env},
+            [*command, "serve", "--host", "127.0.0.1", "--port", str(port)],
+            env={**(os.environ if base_env is None else base_env), **env},
             stdout=log,
             stderr=subprocess.STDOUT,
-            cwd=str(REPO_ROOT),
+            cwd=str(cwd),
         )
     server = ServerProcess(url=f"http://127.0.0.1:{port}", process=process, log_path=log_path)
     try:

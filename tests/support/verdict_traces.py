@@ -191,3 +191,91 @@ def communication_only(path: Path, *, steps: int = 5) -> Path:
         b.step(n + 1, start, t - start)
         t += 20
     return b.write(path)
+
+
+# One-pass traces, blocking copies vs syncs (#22) ---------------------------------------------------
+
+LAYER_KERNELS = (
+    "sm80_xmma_gemm_f32f32_f32f32_f32_nn_n_tilesize32x32x8_stage3",
+    "void at::native::vectorized_elementwise_kernel<4>(add)",
+    "void at::native::(anonymous namespace)::layer_norm_kernel<float>",
+    "void at::native::vectorized_elementwise_kernel<4>(gelu)",
+)
+
+
+def one_pass_forward(path: Path, *, kernels: int = 600, first_call_us: float = 0.0) -> Path:
+    """A bare ``profile()`` around one eager forward at batch 1: ``kernels`` kernels of ~8 µs, each
+    launched ~20 µs after the previous (the GPU waits for the host between them), cycling through a
+    layer's kernels and ending with a head kernel that runs once, so no iteration repeats.
+    ``first_call_us``: a first call's one-time wait before the first kernel (lazy initialisation)."""
+    b = _device("sm80")
+    t = 100.0
+    if first_call_us:
+        b.cpu_op("aten::linear", t, first_call_us)  # cuBLAS handle, module loading: the GPU idles
+        b.launch(LAYER_KERNELS[0], t + first_call_us - 10, 5, t + first_call_us - 4, 8)
+        t += first_call_us
+    for i in range(kernels):
+        b.cpu_op("aten::linear" if i % 4 == 0 else "aten::add", t, 18)
+        b.launch(LAYER_KERNELS[i % len(LAYER_KERNELS)], t + 10, 6, t + 18, 8)
+        t += 20
+    b.cpu_op("aten::linear", t, 18)
+    b.launch("sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize64x64x8_stage3_head", t + 10, 6, t + 18, 30)
+    return b.write(path)
+
+
+def first_call(path: Path) -> Path:
+    """One call whose cost is a single 2 ms wait (lazy initialisation before its first kernel), then
+    200 kernels queued ahead of the GPU, back to back: nothing else waits."""
+    b = _device("sm80")
+    b.cpu_op("aten::conv2d", 100, 2_000)  # cuDNN handle creation, module loading: the GPU idles
+    t, g = 2_100.0, 2_110.0
+    for i in range(200):
+        b.cpu_op("aten::add", t, 3)
+        b.launch(f"void kernel_{i}<float>(float*)", t + 1, 1, g, 8)
+        t += 4
+        g += 8
+    return b.write(path)
+
+
+def pageable_htod_loop(path: Path, *, steps: int = 5, copies: int = 4) -> Path:
+    """Each step copies ``copies`` 8 MB batches with ``x.to(device)`` from pageable memory: the
+    staged ``cudaMemcpyAsync`` blocks the host, then PyTorch's ``cudaStreamSynchronize`` waits for
+    the copy (``memcpy_and_sync``), and the GPU idles until the host launches the next kernels."""
+    b = _device("sm80")
+    t = 100.0
+    for n in range(steps):
+        start = t
+        for _ in range(copies):
+            b.cpu_op("aten::to", t, 1_650)
+            b.cpu_op("aten::_to_copy", t + 1, 1_648)
+            b.cpu_op("aten::copy_", t + 2, 1_646)
+            b.memcpy("HtoD", t + 3, 1_000, t + 900, 700, 8 << 20)  # staged at ~8 GB/s: blocks the host
+            b.runtime("cudaStreamSynchronize", t + 1_005, 600)
+            t += 1_650 + 150  # Python between the copy and the model's launches: the GPU idles
+            t = _kernels(b, t, GEMM["bf16"]["sm80"], 4, 100)
+        b.step(n + 1, start, t + 10 - start)
+        t += 20
+    return b.write(path)
+
+
+def cpu_per_element(path: Path, *, elements: int = 2_000) -> Path:
+    """A Python loop summing a CUDA tensor's elements, ``total += x[i].cpu()``, after one kernel
+    made ``x``. Each ``.cpu()`` is a 4-byte DtoH copy into pageable memory followed by a
+    ``cudaStreamSynchronize``: the GPU drains and idles while the host runs the loop's Python. No
+    model, no step markers, no kernel sequence to repeat: one pass."""
+    b = _device("sm80")
+    b.cpu_op("aten::randn", 100, 20)
+    b.launch(
+        "void at::native::(anonymous namespace)::distribution_elementwise_grid_stride_kernel", 105, 6, 112, 40
+    )
+    t = 160.0
+    for i in range(elements):
+        b.cpu_op("aten::select", t, 4)
+        b.cpu_op("aten::to", t + 14, 30)
+        b.cpu_op("aten::_to_copy", t + 15, 28)
+        b.cpu_op("aten::copy_", t + 16, 26)
+        b.memcpy("DtoH", t + 17, 8, t + 20, 2, 4)
+        b.runtime("cudaStreamSynchronize", t + 26, 14)
+        t += 44 + 16 + (i % 3)  # the loop's Python: sum on the host, next index
+    b.cpu_op("aten::sum", t, 5)  # ends the loop once (a last distinct op)
+    return b.write(path)

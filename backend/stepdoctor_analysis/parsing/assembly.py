@@ -45,7 +45,7 @@ _DIRECTIONS = (
 def assemble(b: Builder) -> RankTrace:
     """The finished trace: every table sorted by start time, times as int64 ns from one origin."""
     if not b.host and not b.gpu and not b.mem:
-        raise TraceError(f"{Path(b.source).name}: the trace contains no events")
+        raise no_events(b.source)
     host = concat(b.host, _DENSE["host"])
     gpu = concat(b.gpu, _DENSE["gpu"])
     mem = concat(b.mem, MEMORY.dtypes)
@@ -74,6 +74,10 @@ def assemble(b: Builder) -> RankTrace:
         },
         distributed=dist,
     )
+
+
+def no_events(source: str) -> TraceError:
+    return TraceError(f"{Path(source).name}: the trace contains no events")
 
 
 def _intern_values(b: Builder, strings: list[str]) -> np.ndarray:

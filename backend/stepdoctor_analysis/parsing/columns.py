@@ -31,7 +31,10 @@ from .schema import (
     GPU_OFFSET,
     HOST,
     INSTANT,
+    MAX_DUR_US,
+    MAX_TS_US,
     MEMORY,
+    NAN,
     SKIPPED_CODE,
     TYPE_CODES,
     Arg,
@@ -210,6 +213,11 @@ def _texts(raws: Sequence[msgspec.Raw]) -> list[bytes]:
     return texts if len(texts) == len(raws) else list(map(bytes, raws))
 
 
+def _outside(values: np.ndarray, limit: float) -> np.ndarray:
+    """Where a time is missing (NaN), infinite or beyond ``limit`` (one comparison: NaN fails it)."""
+    return ~(np.abs(values) <= limit)
+
+
 _NO_HITS = np.zeros(0, np.bool_)
 _NO_ROWS = np.zeros(0, np.intp)
 
@@ -249,12 +257,28 @@ class Builder:
         return got
 
     def absorb(self, events: list[Event]) -> None:
-        """Fold one decoded chunk into numpy columns."""
+        """Fold one decoded chunk into numpy columns.
+
+        A number too large for its column (a 30-digit pid or argument) stops the trace with the
+        chunk's event range, as a TraceError: bad input, never an internal error.
+        """
         n = len(events)
         if n == 0:
             return
         first = self.n_events
         self.n_events += n
+        try:
+            self._absorb(events, first)
+        except OverflowError:
+            raise self._overflow(first, n) from None
+
+    def _overflow(self, first: int, n: int) -> TraceError:
+        return TraceError(
+            f"{Path(self.source).name}: a number in events #{first}-#{first + n - 1} is too large for "
+            "its field (pid, tid and arguments are 64-bit or smaller integers)"
+        )
+
+    def _absorb(self, events: list[Event], first: int) -> None:
         codes = self._codes(events)
         host_before, gpu_before = len(self.host), len(self.gpu)
         on_gpu = codes >= GPU_OFFSET
@@ -271,20 +295,24 @@ class Builder:
                 add_to.append(cols)
         instants = (codes == INSTANT).nonzero()[0]
         if instants.size:
-            self._instants(pick(events, instants))
+            self._instants(pick(events, instants), first + instants)
         flows = ((codes <= FLOW_START) & (codes >= FLOW_SKIPPED) & (codes != SKIPPED_CODE)).nonzero()[0]
         if flows.size and self._needs_flows(len(self.host) - host_before, len(self.gpu) - gpu_before):
             if (codes[flows] == FLOW_SKIPPED).any():
                 self.flows_skipped = True  # the parser decodes this chunk again and calls absorb_flows
             else:
-                self._flows(pick(events, flows), codes[flows])
+                self._flows(pick(events, flows), codes[flows], first + flows)
 
     def absorb_flows(self, events: list[Event]) -> None:
         """The flow events of a chunk already absorbed (decoded again, in full)."""
         codes = self._codes(events)
         flows = ((codes <= FLOW_START) & (codes >= FLOW_STEP)).nonzero()[0]
         if flows.size:
-            self._flows(pick(events, flows), codes[flows])
+            first = self.n_events - len(events)
+            try:
+                self._flows(pick(events, flows), codes[flows], first + flows)
+            except OverflowError:
+                raise self._overflow(first, len(events)) from None
 
     def _codes(self, events: list[Event]) -> np.ndarray:
         """Each event's kind (complete events) or type code (the others), in one C-level pass."""
@@ -302,45 +330,65 @@ class Builder:
                 return True
         return False
 
-    def _instants(self, evs: Sequence[Event]) -> None:
+    def _instants(self, evs: Sequence[Event], positions: np.ndarray) -> None:
         """``[memory]`` instants become rows; ``[OutOfMemory]`` ones are counted; others ignored."""
         names = list(map(_NAME, evs))
         self.oom += names.count("[OutOfMemory]")
         is_mem = np.fromiter(map("[memory]".__eq__, names), np.bool_, len(names))
         if is_mem.any():
-            cols = self._mem_columns(pick(evs, np.flatnonzero(is_mem)))
-            if np.isnan(cols["ts"]).any():
-                raise TraceError(f"{Path(self.source).name}: a [memory] event lacks 'ts'")
+            rows = np.flatnonzero(is_mem)
+            cols = self._mem_columns(pick(evs, rows))
+            bad = _outside(cols["ts"], MAX_TS_US)
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise self._bad_time("a [memory] event", "ts", cols["ts"][i], int(positions[rows[i]]))
             self.mem.append(cols)
 
-    def _flows(self, evs: Sequence[Event], types: np.ndarray) -> None:
+    def _flows(self, evs: Sequence[Event], types: np.ndarray, positions: np.ndarray) -> None:
         keep = np.flatnonzero(
             np.fromiter(map(FLOW_CATEGORIES.__contains__, map(_FLOW_CAT, evs)), np.bool_, len(evs))
         )
         if keep.size == 0:
             return
         kept = pick(evs, keep)
+        ts = np.fromiter(map(_TS, kept), np.float64, len(kept))
+        bad = np.abs(ts) > MAX_TS_US  # a flow without a time binds to nothing; one out of range is refused
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise self._bad_time("a flow event", "ts", ts[i], int(positions[keep[i]]))
         self.flows.append(
             {
                 "id": self._ids(kept, _ID),
                 "start": types[keep] == FLOW_START,
                 "pid": self._ids(kept, _PID),
                 "tid": self._ids(kept, _TID),
-                "ts": np.fromiter(map(_TS, kept), np.float64, len(kept)),
+                "ts": ts,
             }
         )
 
     def _check(self, cols: dict[str, np.ndarray], positions: np.ndarray) -> None:
-        """Complete events need name, ts and dur; say which event lacks what."""
-        bad_ts, bad_dur = np.isnan(cols["ts"]), np.isnan(cols["dur"])
+        """Complete events need name, and ts and dur in range (``schema.MAX_TS_US``); say which
+        event lacks what, or which field is out of range."""
+        bad_ts, bad_dur = _outside(cols["ts"], MAX_TS_US), _outside(cols["dur"], MAX_DUR_US)
         bad_name = cols["name"] == self.ids.get(None, -1)  # type: ignore[call-overload]
         bad = bad_ts | bad_dur | bad_name
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            missing = "ts" if bad_ts[i] else "dur" if bad_dur[i] else "name"
-            raise TraceError(
-                f"{Path(self.source).name}: a complete ('X') event lacks '{missing}' (event #{int(positions[i])})"
+            field = "ts" if bad_ts[i] else "dur" if bad_dur[i] else "name"
+            raise self._bad_time(
+                "a complete ('X') event", field, cols[field][i] if field != "name" else NAN, int(positions[i])
             )
+
+    def _bad_time(self, what: str, field: str, value: float, position: int) -> TraceError:
+        """'lacks' for a missing value (NaN), 'out of range' with the value for any other."""
+        name = Path(self.source).name
+        if value != value:
+            return TraceError(f"{name}: {what} lacks '{field}' (event #{position})")
+        limit = MAX_DUR_US if field == "dur" else MAX_TS_US
+        return TraceError(
+            f"{name}: {what} has '{field}' {value:.6g} µs, out of range (at most ±{limit:.3g} µs) "
+            f"(event #{position})"
+        )
 
     def _names(self, evs: Sequence[Event]) -> np.ndarray:
         return np.fromiter(map(self.ids.__getitem__, map(_NAME, evs)), np.int32, len(evs))

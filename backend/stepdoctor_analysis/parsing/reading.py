@@ -110,5 +110,5 @@ def _inflate(d: Any, data: bytes, name: str, out_block: int) -> bytes:
 def _too_large(name: str, cap: int) -> TraceTooLarge:
     return TraceTooLarge(
         f"{name}: decompressed trace exceeds the {cap:,} byte limit ({cap / 2**20:.0f} MiB); "
-        "raise max_bytes if this trace is genuine"
+        "raise --max-bytes (STEPDOCTOR_MAX_DECOMPRESSED_BYTES on a server) if this trace is genuine"
     )

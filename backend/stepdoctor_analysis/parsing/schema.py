@@ -20,21 +20,28 @@ from ..model import NONE, GpuKind, HostKind
 NAN = float("nan")
 ABSENT = -(2**62)  # stream/device arg missing (distinct from a real -1, e.g. "Event Sync" on stream -1)
 NO_TEXT = msgspec.Raw(b"")  # a "first_float" arg the event lacks
+# Times are read in µs and kept as int64 ns. A start within ±2**62 ns (epoch times up to the year
+# 2116) and a duration within 2**61 ns keep every start, end and difference inside int64; beyond
+# them a trace is refused (``columns.Builder._check``), not wrapped around.
+MAX_TS_US = 2.0**62 / 1e3
+MAX_DUR_US = 2.0**61 / 1e3
+_INT64 = range(-(2**63), 2**63)
 
 
 def to_int(v: Any) -> int:
     """Best-effort integer for an untyped arg value; NONE when absent or unusable."""
     if type(v) is int:
-        return v
+        return v if v in _INT64 else NONE
     if v is None or isinstance(v, bool):
         return NONE
     if isinstance(v, float):
-        return int(v) if v == v else NONE
+        return int(v) if v == v and abs(v) < 2**63 else NONE
     if isinstance(v, str):
         try:
-            return int(v, 0) if v[:2].lower() == "0x" else int(float(v))
-        except ValueError:
+            n = int(v, 0) if v[:2].lower() == "0x" else int(float(v))
+        except (ValueError, OverflowError):
             return NONE
+        return n if n in _INT64 else NONE
     return NONE
 
 

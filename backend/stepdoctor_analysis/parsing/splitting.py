@@ -32,6 +32,7 @@ _LONG_WHITESPACE = re.compile(rb"[ \t\r\n]{1024,}")
 _EVENTS_KEY = re.compile(rb'"traceEvents"\s*:\s*\[')
 _SPLIT_ANY = re.compile(rb"\}\s*,\s*\{")
 _ARRAY_END = re.compile(rb'\]\s*(?:,\s*"|\})')  # the events' ']' is followed by a key or the end
+BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark
 
 
 class StreamParser:
@@ -47,22 +48,59 @@ class StreamParser:
         self.failed_at = 0  # buffer size at the last failed cut
         self.decoder = LEAN_DECODER  # switched to EVENTS_DECODER once flows turn out to be needed
         self.searched = 0  # the header search resumes here (no rescanning: linear time)
+        self.begun = False  # a leading byte order mark was looked for (``_skip_bom``)
 
     def run(self, blocks: Iterator[bytes]) -> None:
         for block in blocks:
-            if len(self.buf) > _COLLAPSE_AFTER:
-                block = b" " if not block.strip() else _LONG_WHITESPACE.sub(b" ", block)
-            self.buf += block
-            if len(self.buf) > _MAX_UNCUT:
-                raise TraceError(
-                    f"{self.name}: more than {_MAX_UNCUT >> 20} MiB of text that is not a sequence of "
-                    "trace events (a giant string or value, or nesting too deep); refusing it"
-                )
-            if self.header is None and not self.whole:
-                self._find_header()
-            if self.header is not None and not self.whole and len(self.buf) >= _CHUNK:
-                self._cut_chunks()
-        self._finish()
+            self.feed(block)
+        self.finish()
+
+    def feed(self, block: bytes) -> None:
+        """Take the next block of decompressed text (any size); decode the whole events it completes."""
+        try:
+            self._feed(block)
+        except UnicodeDecodeError as exc:
+            raise self._not_utf8(exc) from None
+
+    def _feed(self, block: bytes) -> None:
+        if len(self.buf) > _COLLAPSE_AFTER:
+            block = b" " if not block.strip() else _LONG_WHITESPACE.sub(b" ", block)
+        self.buf += block
+        if len(self.buf) > _MAX_UNCUT:
+            raise TraceError(
+                f"{self.name}: more than {_MAX_UNCUT >> 20} MiB of text that is not a sequence of "
+                "trace events (a giant string or value, or nesting too deep); refusing it"
+            )
+        if not self.begun and not self._skip_bom(final=False):
+            return
+        if self.header is None and not self.whole:
+            self._find_header()
+        if self.header is not None and not self.whole and len(self.buf) >= _CHUNK:
+            self._cut_chunks()
+
+    def finish(self) -> None:
+        """The text ended: decode what is left and the top-level fields after the events."""
+        if not self.begun:
+            self._skip_bom(final=True)
+        try:
+            self._finish()
+        except UnicodeDecodeError as exc:
+            raise self._not_utf8(exc) from None
+
+    def _not_utf8(self, exc: UnicodeDecodeError) -> TraceError:
+        """msgspec raises UnicodeDecodeError (not a DecodeError) for a string that is not UTF-8:
+        invalid bytes, or a surrogate (U+D800-DFFF) encoded as bytes."""
+        return TraceError(f"{self.name}: a string is not valid UTF-8 text ({exc.reason})")
+
+    def _skip_bom(self, *, final: bool) -> bool:
+        """Drop a leading UTF-8 byte order mark (some editors and Windows tools write one), so the
+        upload check and the worker read such a file alike; False while too few bytes arrived to tell."""
+        if len(self.buf) < len(BOM) and not final and BOM.startswith(bytes(self.buf)):
+            return False
+        self.begun = True
+        if self.buf.startswith(BOM):
+            del self.buf[: len(BOM)]
+        return True
 
     def _find_header(self) -> None:
         m = _EVENTS_KEY.search(self.buf, self.searched)
