@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -345,37 +343,8 @@ def choose_limiter(shares: dict[str, float], removable: dict[str, tuple[float, s
     return max(KINDS, key=lambda k: (shares.get(k, 0.0), k)), "largest share"
 
 
-def report_removable(report: Mapping[str, Any], shares: Mapping[str, float]) -> dict[str, float]:
-    """Kind -> removable fraction of the step from a stored report's ``limiter`` section.
-
-    Reports from before that section: the waits' shares count as measured removable time, and
-    compute has no estimate. Used by the run aggregate and the job (directory) verdict.
-    """
-    limiter = report.get("limiter")
-    out: dict[str, float] = {}
-    for kind in KINDS:
-        entry = limiter.get(kind) if isinstance(limiter, Mapping) else None
-        if isinstance(entry, Mapping):
-            value = entry.get("removable_share")
-            out[kind] = (
-                float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
-            )
-        else:
-            out[kind] = float(shares.get(kind, 0.0)) if kind in WAIT_KINDS else 0.0
-    return out
-
-
 def basis_of(kind: str) -> str:
     return "estimate" if kind == "compute" else "measured"
-
-
-def report_basis(report: Mapping[str, Any], kind: str) -> str:
-    """The basis a stored report's ``limiter`` gives ``kind`` (a kind's best change may be an
-    estimate, e.g. pinned copies); reports from before it: ``basis_of``."""
-    limiter = report.get("limiter")
-    entry = limiter.get(kind) if isinstance(limiter, Mapping) else None
-    basis = entry.get("basis") if isinstance(entry, Mapping) else None
-    return basis if basis in ("measured", "estimate") else basis_of(kind)
 
 
 def classify(ctx: Context) -> Diagnosis:

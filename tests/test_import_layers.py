@@ -1,0 +1,150 @@
+"""Import layers, read from the source with ``ast`` (every import, at module level or inside a function):
+the agent imports nothing of the backend, the engine nothing of the server, the dashboard or the
+agent, and no package gains a new import circle.
+
+The circles and upward imports still in the tree are listed in ``KNOWN`` (the server's
+``db -> queue -> jobs -> worker`` circle and the server <-> dashboard pair are the structural debt of
+issue #21's domain layout); the test fails when a new one appears, and when one is fixed without
+taking it off the list, so the list only shrinks.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = {
+    "stepdoctor": REPO / "agent",
+    "stepdoctor_analysis": REPO / "backend",
+    "stepdoctor_server": REPO / "backend",
+    "stepdoctor_dashboard": REPO / "frontend",
+}
+# Which top-level packages each may import (besides itself): the arrows of the README's layout.
+ALLOWED = {
+    "stepdoctor": set(),
+    "stepdoctor_analysis": set(),
+    "stepdoctor_server": {"stepdoctor_analysis", "stepdoctor"},
+    "stepdoctor_dashboard": {"stepdoctor_analysis"},
+}
+KNOWN_UPWARD = {("stepdoctor_server", "stepdoctor_dashboard"), ("stepdoctor_dashboard", "stepdoctor_server")}
+KNOWN_CIRCLES = {
+    frozenset({"stepdoctor_analysis.advice", "stepdoctor_analysis.rules"}),
+    frozenset(
+        {
+            "stepdoctor",
+            "stepdoctor.metadata",
+            "stepdoctor.profiler",
+            "stepdoctor.transport",
+            "stepdoctor.worker",
+        }
+    ),
+    frozenset(
+        {
+            "stepdoctor_server.db",
+            "stepdoctor_server.jobs",
+            "stepdoctor_server.queue",
+            "stepdoctor_server.worker",
+        }
+    ),
+    frozenset({"stepdoctor_dashboard.guide_page", "stepdoctor_dashboard.routes"}),
+}
+
+
+def _module_name(path: Path, root: Path) -> str:
+    return ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Every module name (and ``module.name``) the file imports, relative imports resolved."""
+    out: set[str] = set()
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package[: len(package) - node.level + 1]
+                base = ".".join([*parts, *([node.module] if node.module else [])])
+            out.add(base)
+            out |= {f"{base}.{a.name}" for a in node.names}
+    return {d for d in out if d.split(".")[0] in PACKAGES}
+
+
+def _graph() -> dict[str, set[str]]:
+    raw = {}
+    for package, root in PACKAGES.items():
+        for path in (root / package).rglob("*.py"):
+            module = _module_name(path, root)
+            raw[module] = _imports(path, module)
+    modules = set(raw)
+
+    def owner(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    return {m: {o for d in deps if (o := owner(d)) and o != m} for m, deps in raw.items()}
+
+
+def _circles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: set[frozenset[str]] = set()
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.add(frozenset(component))
+    return found
+
+
+def test_no_package_imports_upward() -> None:
+    upward = {
+        (m.split(".")[0], d.split(".")[0])
+        for m, deps in _graph().items()
+        for d in deps
+        if d.split(".")[0] != m.split(".")[0] and d.split(".")[0] not in ALLOWED[m.split(".")[0]]
+    }
+    assert upward == KNOWN_UPWARD
+
+
+def test_the_engine_imports_no_server_dashboard_or_agent() -> None:
+    graph = _graph()
+    engine = {m: deps for m, deps in graph.items() if m.startswith("stepdoctor_analysis")}
+    assert engine and all(d.startswith("stepdoctor_analysis") for deps in engine.values() for d in deps)
+
+
+def test_no_new_import_circles() -> None:
+    assert _circles(_graph()) == KNOWN_CIRCLES
