@@ -24,7 +24,17 @@ def _requirements() -> list[Requirement]:
 def _extra_of(req: Requirement) -> str | None:
     if req.marker is None:
         return None
-    for extra in ("analyze", "server", "hta", "lightning", "transformers", "dev"):
+    for extra in (
+        "analyze",
+        "server",
+        "hta",
+        "lightning",
+        "transformers",
+        "accelerate",
+        "mcp",
+        "trackers",
+        "dev",
+    ):
         if req.marker.evaluate({"extra": extra}) and not req.marker.evaluate({"extra": "__none__"}):
             return extra
     return "?"
