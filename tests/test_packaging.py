@@ -320,3 +320,25 @@ def test_every_agent_variable_is_documented() -> None:
         used |= set(re.findall(r"\bSTEPDOCTOR_[A-Z_]+\b", py.read_text()))
     readme = (REPO / "README.md").read_text()
     assert used and not {v for v in used if f"`{v}`" not in readme}, "add them to the README's table"
+
+
+def test_the_readmes_compose_secrets_go_into_a_file_compose_reads(tmp_path: Path) -> None:
+    """The README's one line that writes ``.env`` gives the compose file both secrets, and no others."""
+    import re
+
+    cmd = _compose_command()
+    if cmd is None:
+        pytest.skip("no docker compose client installed")
+    install = re.search(r"^## Install\n(.*?)(?=^## )", (REPO / "README.md").read_text(), re.S | re.M)
+    assert install
+    (line,) = [ln for ln in install.group(1).splitlines() if ln.startswith("printf ") and "> .env" in ln]
+    shutil.copy2(REPO / "docker-compose.yml", tmp_path / "docker-compose.yml")
+    env = {k: v for k, v in os.environ.items() if k not in ("POSTGRES_PASSWORD", "S3_SECRET_KEY")}
+    subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, check=True, timeout=60)
+    secrets = dict(ln.split("=", 1) for ln in (tmp_path / ".env").read_text().splitlines())
+    assert set(secrets) == {"POSTGRES_PASSWORD", "S3_SECRET_KEY"} and all(
+        len(v) >= 32 for v in secrets.values()
+    )
+    out = subprocess.run([*cmd, "config"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr
+    assert secrets["POSTGRES_PASSWORD"] in out.stdout and secrets["S3_SECRET_KEY"] in out.stdout
