@@ -287,8 +287,10 @@ def test_restart_resumes_pending_and_interrupted_jobs(
 
 
 def test_bad_trace_fails_its_job_only(client: TestClient, app: FastAPI, server_settings: Settings) -> None:
-    # Well-formed JSON with traceEvents (passes upload validation) but no usable events.
-    bad_body = json.dumps({"traceEvents": [{"ph": "X", "cat": "kernel"}, 7, "x"]}).encode()
+    # A trace the parser reads (so the upload accepts it) with nothing to analyse: one memory sample.
+    bad_body = json.dumps(
+        {"traceEvents": [{"ph": "i", "name": "[memory]", "ts": 1, "args": {"Bytes": 64}}]}
+    ).encode()
     bad = upload(client, bad_body, run="r", rank=0, gzipped=False, metadata=_meta()).json()["id"]
     good = _upload_file(client, RANK0, run="r", rank=1)
     pool = start_pool(_pool_settings(server_settings))

@@ -510,10 +510,16 @@ class Pool:
         finally:
             db.dispose()
 
-    def stop(self, timeout: float = STOP_GRACE_S) -> None:
+    def request_stop(self) -> None:
+        """Tell every worker to stop after its current job (returns at once; ``stop`` waits)."""
         self._stopping.set()
         if self._stop is not None:
             self._stop.set()
+
+    def stop(self, timeout: float = STOP_GRACE_S) -> None:
+        """Stop the workers: ``timeout`` for running jobs to end, then they are terminated (their
+        jobs are requeued at the next start, or by the stale-claim sweep of another host)."""
+        self.request_stop()
         if self._supervisor is not None:
             self._supervisor.join(timeout=SUPERVISE_INTERVAL_S * 2)
         deadline = time.monotonic() + timeout
