@@ -342,3 +342,33 @@ def test_the_readmes_compose_secrets_go_into_a_file_compose_reads(tmp_path: Path
     out = subprocess.run([*cmd, "config"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr
     assert secrets["POSTGRES_PASSWORD"] in out.stdout and secrets["S3_SECRET_KEY"] in out.stdout
+
+
+def _install_table() -> dict[str, str]:
+    """The README Install section's table: each thing a user runs (a backticked name) -> its row's needs."""
+    import re
+
+    install = re.search(r"^## Install\n(.*?)(?=^## )", (REPO / "README.md").read_text(), re.S | re.M)
+    assert install
+    needs: dict[str, str] = {}
+    for row in re.findall(r"^\|(.+)\|(.+)\|$", install.group(1), re.M):
+        for name in re.findall(r"`([^`]+)`", row[0]):
+            needs[name] = row[1]
+    return needs
+
+
+def test_the_readme_says_which_extra_each_command_and_integration_needs() -> None:
+    import re
+
+    from stepdoctor.cli import COMMANDS
+
+    table = _install_table()
+    for name, command in COMMANDS.items():
+        row = table.get(f"stepdoctor {name}")
+        assert row is not None, f"`stepdoctor {name}` is missing from the README's Install table"
+        assert (f"[{command.extra}]" in row) if command.extra else ("nothing" in row), (name, row)
+    for module in (REPO / "agent" / "stepdoctor" / "integrations").glob("[!_]*.py"):
+        hint = re.search(r"pip install 'stepdoctor\[(\w+)\]'", module.read_text())
+        assert hint, f"{module.name} names no extra in its ImportError"
+        row = table.get(f"stepdoctor.integrations.{module.stem}")
+        assert row is not None and f"[{hint.group(1)}]" in row, (module.stem, row)
