@@ -119,6 +119,10 @@ class DeliveryWorker:
             self._requested += 1
             wanted = self._requested
             self._flush_deadline = deadline
+            if self.stats.unreachable:
+                # The last chance to send: a server that was down may be back, and trying costs
+                # nothing when it is not (refused at once, or cut at the deadline).
+                self._backoff.not_before = 0.0
         self._wake.set()
         try:
             with self._cond:
