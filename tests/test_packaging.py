@@ -369,6 +369,7 @@ def test_the_readme_says_which_extra_each_command_and_integration_needs() -> Non
         assert (f"[{command.extra}]" in row) if command.extra else ("nothing" in row), (name, row)
     for module in (REPO / "agent" / "stepdoctor" / "integrations").glob("[!_]*.py"):
         hint = re.search(r"pip install 'stepdoctor\[(\w+)\]'", module.read_text())
-        assert hint, f"{module.name} names no extra in its ImportError"
+        if hint is None:  # needs no extra (e.g. trackers: only what the training process imported)
+            continue
         row = table.get(f"stepdoctor.integrations.{module.stem}")
         assert row is not None and f"[{hint.group(1)}]" in row, (module.stem, row)
