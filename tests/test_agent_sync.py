@@ -174,3 +174,13 @@ def test_sync_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
     assert "``" not in text
     for option in ("--retry-failed", "--timeout", "--connect-timeout", "failed"):
         assert option in text
+
+
+@pytest.mark.parametrize("option", ["--timeout", "--connect-timeout", "--http-timeout"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_a_time_limit_that_bounds_nothing_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str, value: str
+) -> None:
+    assert sync.main(["--spool", str(tmp_path), option, value]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"stepdoctor sync: {option} must be a finite number of seconds above 0\n"

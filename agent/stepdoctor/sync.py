@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -85,9 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"stepdoctor sync: spool {spool.root} does not exist", file=sys.stderr)
         return 2
     for name in ("timeout", "connect_timeout", "http_timeout"):
-        if not getattr(args, name) > 0:
+        if not 0 < getattr(args, name) < math.inf:
             print(
-                f"stepdoctor sync: --{name.replace('_', '-')} must be a positive number of seconds",
+                f"stepdoctor sync: --{name.replace('_', '-')} must be a finite number of seconds above 0",
                 file=sys.stderr,
             )
             return 2
@@ -166,11 +167,11 @@ def _worth_retrying(
 def _say_waiting(worker: DeliveryWorker, remaining: int, wait: float, deadline: float) -> None:
     """Before each wait: the server's trouble, what waits, and when the command gives up."""
     stats = worker.stats
-    trouble = "not reachable" if stats.unreachable else "not accepting uploads"
+    trouble = "server not reachable" if stats.unreachable else "not sent yet"
     left = max(0.0, deadline - time.monotonic())
     when = f"next try in {wait:.1f} s, " if wait < left else ""
     print(
-        f"stepdoctor sync: server {trouble} ({stats.last_error}); {remaining} left, "
+        f"stepdoctor sync: {trouble} ({stats.last_error}); {remaining} left, "
         f"{when}giving up in {left:.1f} s (--timeout)",
         file=sys.stderr,
         flush=True,

@@ -276,6 +276,8 @@ class DeliveryWorker:
 
     def _send(self, entry: Entry, server: str, token: str | None) -> bool:
         deadlines = [d for d in (self._flush_deadline, self._pass_deadline) if d is not None]
+        if deadlines and time.monotonic() >= min(deadlines):
+            return False  # out of time: not a failure of the server's, so no backoff and no verdict
         self.stats.sending = True
         try:
             result = transport.upload(
