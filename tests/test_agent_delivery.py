@@ -255,3 +255,23 @@ def test_a_broken_sidecar_is_parked_not_retried_forever(tmp_path: Path, real_tra
     (reason,) = (tmp_path / "failed" / "proj" / "r1").glob("*.reason.txt")
     assert "unusable sidecar" in reason.read_text()
     assert spool.sidecars() == []
+
+
+def test_a_flush_tries_a_server_that_was_down_at_once_and_gives_up_at_once_if_still_down(
+    tmp_path: Path, real_trace: bytes
+) -> None:
+    server = FakeServer(start=False)
+    spool = Spool(tmp_path)
+    (key,) = spool_traces(spool, real_trace, 1, server.url)
+    slow_backoff = Delivery(http_timeout=2.0, backoff_base=60.0, backoff_max=60.0)  # next try in 30-60 s
+    worker = worker_for(spool, server, delivery=slow_backoff)
+    worker.notify()
+    assert worker.flush(10.0) is False  # refused: no point waiting the 10 s
+    assert worker.stats.unreachable and worker.stats.retries == 1
+    server.up()
+    try:
+        assert worker.flush(10.0) is True  # the flush does not wait out the backoff
+        assert list(server.uploads) == [key]
+    finally:
+        worker.close(1.0)
+        server.down()

@@ -3,14 +3,14 @@ what was uploaded, whatever the script does with ``logging``."""
 
 from __future__ import annotations
 
-import os
+import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from support.fake_server import TOKEN, FakeServer
+from support.fake_server import TOKEN, FakeServer, free_port
+from support.spooling import agent_lines, run_training
 
 # Captures 2 windows of 2 steps (skip 1, warm-up 1) from a tiny CPU loop; no logging configured.
 SCRIPT = """
@@ -26,18 +26,7 @@ print("trained", steps)
 
 
 def run_script(spool: Path, steps: int, **env: str) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("STEPDOCTOR_")}
-    return subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(spool), str(steps)],
-        env={**base, "STEPDOCTOR_RAISE_ERRORS": "1", **env},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-def agent_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("stepdoctor:")]
+    return run_training(SCRIPT, str(spool), str(steps), **env)
 
 
 def test_without_a_server_it_says_where_the_traces_are(tmp_path: Path) -> None:
@@ -78,3 +67,47 @@ def test_a_loop_too_short_to_capture_says_so(tmp_path: Path, steps: int) -> None
     (line,) = agent_lines(out.stderr)
     assert line.startswith("stepdoctor: 0 traces captured for out/r1 (the loop ran ")
     assert "recording starts at step 2" in line  # skip 1, warm up 1
+
+
+# Leaving the `with` block is timed inside the script; the default exit budget applies (no
+# STEPDOCTOR_FLUSH_TIMEOUT), so this shows what a user's script pays when the server is down.
+TIMED_EXIT = """
+import sys, time, torch, stepdoctor
+model = torch.nn.Linear(8, 2)
+with stepdoctor.profile("out", "r1", spool=sys.argv[1], skip_first=1, warmup=1, active=2, repeat=2) as prof:
+    for _ in range(8):
+        model(torch.randn(4, 8)).sum().backward()
+        prof.step()
+    left_at = time.monotonic()
+print(f"exit took {time.monotonic() - left_at:.2f}")
+"""
+
+
+def test_a_refused_connection_ends_the_exit_wait_at_once_and_says_what_stayed(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    out = run_training(TIMED_EXIT, str(tmp_path), STEPDOCTOR_SERVER=url, STEPDOCTOR_TOKEN=TOKEN)
+    assert out.returncode == 0, out.stderr
+    took = float(out.stdout.split("exit took ")[1])
+    assert took < 6, took  # the old 10 s flush budget ran out in full
+    (line,) = [line for line in agent_lines(out.stderr) if "captured" in line]
+    assert f"2 traces captured for out/r1; 0 uploaded to {url}, 2 traces (" in line
+    assert line.endswith(
+        f"waiting in {tmp_path} for the next run or `stepdoctor sync` "
+        "(server unreachable: ConnectionRefusedError: [Errno 111] Connection refused)"
+    )
+    assert len(list(tmp_path.glob("out/r1/*.stepdoctor.meta"))) == 2
+
+
+def test_a_hung_server_costs_the_exit_at_most_the_default_budget(tmp_path: Path) -> None:
+    with socket.socket() as hung:  # listens, never accepts nor reads
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(16)
+        url = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        out = run_training(TIMED_EXIT, str(tmp_path), STEPDOCTOR_SERVER=url, STEPDOCTOR_TOKEN=TOKEN)
+    assert out.returncode == 0, out.stderr
+    took = float(out.stdout.split("exit took ")[1])
+    assert took < 7, took  # budget 2 s (the old one was 10 s)
+    (line,) = [line for line in agent_lines(out.stderr) if "captured" in line]
+    assert f"2 traces captured for out/r1; 0 uploaded to {url}, 2 traces (" in line
+    assert f"waiting in {tmp_path} for the next run or `stepdoctor sync` (" in line
+    assert len(list(tmp_path.glob("out/r1/*.stepdoctor.meta"))) == 2

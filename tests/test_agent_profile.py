@@ -175,17 +175,20 @@ def test_missing_torch_gives_a_noop(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_agent_errors_never_reach_the_training_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    blocker = tmp_path / "not-a-dir"
-    blocker.write_text("x")  # the spool cannot be created under a file
+    def broken(*args: object) -> None:
+        raise RuntimeError("an agent bug")
+
+    # An unwritable spool is an expected condition, handled (test_agent_spool_write); a bug is not.
+    monkeypatch.setattr("stepdoctor.metadata.collect", broken)
     monkeypatch.setenv("STEPDOCTOR_RAISE_ERRORS", "0")
     guard.reset_reported()
-    with stepdoctor.profile("p", "r", spool=blocker / "spool", **SMALL) as prof:
+    with stepdoctor.profile("p", "r", spool=tmp_path, **SMALL) as prof:
         for _ in range(4):
             prof.step()
     assert prof.captured == 0
     monkeypatch.setenv("STEPDOCTOR_RAISE_ERRORS", "1")  # and tests see the same bug loudly
-    with pytest.raises(OSError):
-        stepdoctor.profile("p", "r", spool=blocker / "spool", **SMALL).start()
+    with pytest.raises(RuntimeError, match="an agent bug"):
+        stepdoctor.profile("p", "r", spool=tmp_path, **SMALL).start()
 
 
 def test_the_next_run_uploads_what_an_earlier_run_left(

@@ -68,7 +68,10 @@ def test_warnings_and_a_failed_trace_reason_are_shown(
 ) -> None:
     made = upload(client, SIMPLE_ADD.read_bytes(), project="p", run="nomarkers").json()
     broken = upload(
-        client, gzip.compress(b'{"traceEvents": [{"ph": "X"}]}'), project="p", run="broken"
+        client,
+        gzip.compress(b'{"traceEvents": [{"ph": "i", "name": "[memory]", "ts": 1, "args": {"Bytes": 64}}]}'),
+        project="p",
+        run="broken",
     ).json()
     drain(app)
     with logged_in(app, read_token) as browser:

@@ -315,3 +315,40 @@ def test_legacy_names_with_a_newline_still_export(app: FastAPI, client: TestClie
     response = client.get(f"/api/v1/runs/{trace['run_id']}/tensorboard.zip")
     assert response.status_code == 200
     assert response.headers["content-disposition"] == 'attachment; filename="abc__r1__tensorboard.zip"'
+
+
+def _gzip_stored_name(data: bytes) -> str:
+    """The FNAME field of a gzip header (RFC 1952 §2.3): the name the compressor recorded."""
+    assert data[:2] == b"\x1f\x8b" and data[3] & 0x08, "no FNAME in the gzip header"
+    pos = 10
+    if data[3] & 0x04:  # FEXTRA comes first
+        pos += 2 + int.from_bytes(data[10:12], "little")
+    return data[pos : data.index(b"\0", pos)].decode("latin-1")
+
+
+def test_trimmed_download_names_itself_and_errors_name_the_trace_not_storage(
+    app: FastAPI, client: TestClient
+) -> None:
+    from support.fixtures import HTA_TRACES
+
+    body = (HTA_TRACES / "trace_filter" / "sampled_rank-0.json.gz").read_bytes()
+    made = upload(client, body, project="p", run="r").json()
+    with app.state.db.session() as session:
+        key = session.scalar(select(Trace.storage_key).where(Trace.id == made["id"]))
+    cut = client.get(f"/api/v1/traces/{made['id']}/download?steps=552")
+    assert cut.status_code == 200, cut.text
+    filename = cut.headers["content-disposition"].split('filename="', 1)[1].rstrip('"')
+    assert filename.endswith("_steps552.pt.trace.json.gz")
+    assert _gzip_stored_name(cut.content) == filename.removesuffix(".gz")  # not stepdoctor-trim-*.json
+
+    missing = client.get(f"/api/v1/traces/{made['id']}/download?steps=12")
+    assert missing.status_code == 422
+    message = missing.json()["error"]["message"]
+    assert message == f"trace {made['id']}: no step in 12-12; the trace has steps 551-552"
+    assert key.rsplit("/", 1)[-1].split(".")[0] not in message
+
+    # ?steps= is checked before the store is asked: a bad range is 422 even with the file gone.
+    app.state.store.path(key).unlink()
+    bad = client.get(f"/api/v1/traces/{made['id']}/download?steps=9-1")
+    assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_steps"
+    assert client.get(f"/api/v1/traces/{made['id']}/download?steps=552").status_code == 410

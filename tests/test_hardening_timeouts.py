@@ -7,7 +7,9 @@ below only bound how long the test waits for the server to act; they are not the
 
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -117,3 +119,68 @@ def test_one_client_cannot_hold_more_than_its_connections(tmp_path: Path) -> Non
         again.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
         reply = _closed_by_server(again, within_s=10)
         assert reply is not None and reply.startswith(b"HTTP/1.1 200")
+
+
+def _stop_seconds(server: ServerProcess) -> float:
+    """SIGTERM, then how long until the process is gone (bounded: a hang fails, it is not waited out)."""
+    started = time.monotonic()
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        server.process.wait()
+        return float("inf")
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("workers", ["0", "1"])
+def test_serve_stops_within_its_grace_period_with_a_request_in_flight(tmp_path: Path, workers: str) -> None:
+    """An upload stalled mid-body and an idle keep-alive connection do not hold ``serve`` past
+    ``STEPDOCTOR_SHUTDOWN_GRACE_S`` (2 s): in-flight requests are abandoned and the process exits 0.
+    The bound below is the grace plus process start-up slack on a loaded machine, not a timing claim."""
+    env = {
+        "STEPDOCTOR_DATA_DIR": str(tmp_path / "data"),
+        "STEPDOCTOR_WORKERS": workers,
+        "STEPDOCTOR_SHUTDOWN_GRACE_S": "2",
+    }
+    migrate.upgrade(Settings(data_dir=tmp_path / "data"))
+    with serve_subprocess(env) as server, ExitStack() as stack:
+        token = next(line.strip() for line in server.output().splitlines() if line.strip().startswith("sdt_"))
+        host, port = _address(server)
+        stalled = stack.enter_context(socket.create_connection((host, port), timeout=10))
+        stalled.sendall(
+            b"POST /api/v1/traces?project=p&run=r HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100000\r\nAuthorization: Bearer " + token.encode() + b"\r\n\r\n"
+            b'{"traceEvents": [' + b" " * 1000
+        )
+        idle = stack.enter_context(socket.create_connection((host, port), timeout=10))
+        idle.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert idle.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(0.5)
+        took = _stop_seconds(server)
+        assert took < 2 + 6, f"serve took {took:.1f} s to stop:\n{server.output()}"
+        # uvicorn exits by re-raising the signal it handled once shut down (status -SIGTERM).
+        assert server.process.returncode in (0, -signal.SIGTERM), server.output()
+        assert "Traceback" not in server.output()
+        # The stalled upload was answered (not cut off with a 500), and kept nothing.
+        answer = _closed_by_server(stalled, within_s=5) or b""
+        assert answer.startswith(b"HTTP/1.1 503") and b"shutting_down" in answer, answer[:300]
+        assert not [p for p in (tmp_path / "data" / "traces").rglob("*") if p.is_file()]
+
+
+def test_content_length_with_transfer_encoding_is_400_on_the_wire(tmp_path: Path) -> None:
+    """The real HTTP stack (h11 under uvicorn), not only the ASGI app: the request is refused and the
+    connection closed, so nothing after it on the connection is read as a second request."""
+    with _server(tmp_path) as (host, port), socket.create_connection((host, port), timeout=10) as sock:
+        body = b"5\r\nhello\r\n0\r\n\r\n"
+        smuggled = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+        sock.sendall(
+            b"POST /api/v1/traces?project=p&run=r HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body) + len(smuggled)).encode() + b"\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + body + smuggled
+        )
+        reply = _closed_by_server(sock, within_s=10)
+    assert reply is not None, "the server kept the connection open"
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    assert reply.count(b"HTTP/1.1 ") == 1, reply  # the smuggled request was never answered

@@ -24,7 +24,17 @@ def _requirements() -> list[Requirement]:
 def _extra_of(req: Requirement) -> str | None:
     if req.marker is None:
         return None
-    for extra in ("analyze", "server", "hta", "lightning", "transformers", "dev"):
+    for extra in (
+        "analyze",
+        "server",
+        "hta",
+        "lightning",
+        "transformers",
+        "accelerate",
+        "mcp",
+        "trackers",
+        "dev",
+    ):
         if req.marker.evaluate({"extra": extra}) and not req.marker.evaluate({"extra": "__none__"}):
             return extra
     return "?"
@@ -310,3 +320,56 @@ def test_every_agent_variable_is_documented() -> None:
         used |= set(re.findall(r"\bSTEPDOCTOR_[A-Z_]+\b", py.read_text()))
     readme = (REPO / "README.md").read_text()
     assert used and not {v for v in used if f"`{v}`" not in readme}, "add them to the README's table"
+
+
+def test_the_readmes_compose_secrets_go_into_a_file_compose_reads(tmp_path: Path) -> None:
+    """The README's one line that writes ``.env`` gives the compose file both secrets, and no others."""
+    import re
+
+    cmd = _compose_command()
+    if cmd is None:
+        pytest.skip("no docker compose client installed")
+    install = re.search(r"^## Install\n(.*?)(?=^## )", (REPO / "README.md").read_text(), re.S | re.M)
+    assert install
+    (line,) = [ln for ln in install.group(1).splitlines() if ln.startswith("printf ") and "> .env" in ln]
+    shutil.copy2(REPO / "docker-compose.yml", tmp_path / "docker-compose.yml")
+    env = {k: v for k, v in os.environ.items() if k not in ("POSTGRES_PASSWORD", "S3_SECRET_KEY")}
+    subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, check=True, timeout=60)
+    secrets = dict(ln.split("=", 1) for ln in (tmp_path / ".env").read_text().splitlines())
+    assert set(secrets) == {"POSTGRES_PASSWORD", "S3_SECRET_KEY"} and all(
+        len(v) >= 32 for v in secrets.values()
+    )
+    out = subprocess.run([*cmd, "config"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr
+    assert secrets["POSTGRES_PASSWORD"] in out.stdout and secrets["S3_SECRET_KEY"] in out.stdout
+
+
+def _install_table() -> dict[str, str]:
+    """The README Install section's table: each thing a user runs (a backticked name) -> its row's needs."""
+    import re
+
+    install = re.search(r"^## Install\n(.*?)(?=^## )", (REPO / "README.md").read_text(), re.S | re.M)
+    assert install
+    needs: dict[str, str] = {}
+    for row in re.findall(r"^\|(.+)\|(.+)\|$", install.group(1), re.M):
+        for name in re.findall(r"`([^`]+)`", row[0]):
+            needs[name] = row[1]
+    return needs
+
+
+def test_the_readme_says_which_extra_each_command_and_integration_needs() -> None:
+    import re
+
+    from stepdoctor.cli import COMMANDS
+
+    table = _install_table()
+    for name, command in COMMANDS.items():
+        row = table.get(f"stepdoctor {name}")
+        assert row is not None, f"`stepdoctor {name}` is missing from the README's Install table"
+        assert (f"[{command.extra}]" in row) if command.extra else ("nothing" in row), (name, row)
+    for module in (REPO / "agent" / "stepdoctor" / "integrations").glob("[!_]*.py"):
+        hint = re.search(r"pip install 'stepdoctor\[(\w+)\]'", module.read_text())
+        if hint is None:  # needs no extra (e.g. trackers: only what the training process imported)
+            continue
+        row = table.get(f"stepdoctor.integrations.{module.stem}")
+        assert row is not None and f"[{hint.group(1)}]" in row, (module.stem, row)

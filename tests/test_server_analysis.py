@@ -7,6 +7,7 @@ restarts, crashes and bad traces use the real process pool.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ from stepdoctor_server.models import Analysis, Trace
 from stepdoctor_server.queue import MAX_ATTEMPTS, SqlJobQueue
 from stepdoctor_server.settings import Settings
 from stepdoctor_server.worker import start_pool
+from support import verdict_traces as vt
 from support.server import FIXTURE_TRACES, drain, synthetic_trace, upload, worker_subprocess
 
 HTA = FIXTURE_TRACES / "hta"
@@ -99,6 +101,50 @@ def test_upload_is_analysed_like_the_cli(client: TestClient, app: FastAPI) -> No
 
     report = client.get(f"/api/v1/traces/{trace_id}/report").json()
     assert report["stale"] is False and report["report"]["primary"] == expected["primary"]
+
+
+def _loader_bound_agent_trace(path: Path) -> tuple[Path, dict[str, Any]]:
+    """An input-bound trace (the main process loads every batch) with the run metadata our agent
+    embeds (``stepdoctor`` top-level object): 2 CPUs, ``num_workers=0``. Returns it and that metadata."""
+    doc = json.loads(vt.resnet_input_bound(path.with_name("plain.json"), workers=0).read_text())
+    meta = {
+        "host": "node1",
+        "cpu_count": 2,
+        "cpu_available": 2,
+        "torch": "2.13.0+cpu",
+        "devices": [],
+        "loader": {
+            "batch_size": 32,
+            "num_workers": 0,
+            "pin_memory": False,
+            "prefetch_factor": None,
+            "persistent_workers": False,
+            "type": "DataLoader",
+        },
+    }
+    doc["stepdoctor"] = meta
+    path.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    return path, meta
+
+
+def test_loader_change_is_the_same_offline_and_on_the_server(
+    client: TestClient, app: FastAPI, tmp_path: Path
+) -> None:
+    """The server reads the upload's metadata, the CLI only the file: both must use what the trace
+    records about the machine and the loader (2 CPUs: one worker, never the default four)."""
+    path, meta = _loader_bound_agent_trace(tmp_path / "loader.pt.trace.json.gz")
+    resp = upload(client, path.read_bytes(), run="loader", rank=0, metadata={**meta, **_meta(0)})
+    assert resp.status_code == 201, resp.text
+    assert drain(app) == 1
+    stored = client.get(f"/api/v1/traces/{resp.json()['id']}").json()["analysis"]["report"]
+    offline = _cli_report(path)
+    cards = [
+        next(r for r in rep["recommendations"] if r["id"] == "input.dataloader_workers")
+        for rep in (stored, offline)
+    ]
+    assert cards[0]["change"] == cards[1]["change"]
+    assert "num_workers=1," in cards[1]["change"]
+    assert cards[1]["evidence"]["cpu_count"] == 2 and cards[1]["evidence"]["num_workers"] == 0
 
 
 def test_run_diagnosis_covers_all_ranks_and_windows(client: TestClient, app: FastAPI) -> None:
@@ -287,8 +333,10 @@ def test_restart_resumes_pending_and_interrupted_jobs(
 
 
 def test_bad_trace_fails_its_job_only(client: TestClient, app: FastAPI, server_settings: Settings) -> None:
-    # Well-formed JSON with traceEvents (passes upload validation) but no usable events.
-    bad_body = json.dumps({"traceEvents": [{"ph": "X", "cat": "kernel"}, 7, "x"]}).encode()
+    # A trace the parser reads (so the upload accepts it) with nothing to analyse: one memory sample.
+    bad_body = json.dumps(
+        {"traceEvents": [{"ph": "i", "name": "[memory]", "ts": 1, "args": {"Bytes": 64}}]}
+    ).encode()
     bad = upload(client, bad_body, run="r", rank=0, gzipped=False, metadata=_meta()).json()["id"]
     good = _upload_file(client, RANK0, run="r", rank=1)
     pool = start_pool(_pool_settings(server_settings))

@@ -35,6 +35,9 @@ COMMANDS: dict[str, Command] = {
     "worker": Command("stepdoctor_server.worker:main", "server", "run analysis workers only"),
     "token": Command("stepdoctor_server.cli:token_main", "server", "create, list or revoke API tokens"),
     "db": Command("stepdoctor_server.cli:db_main", "server", "database migrations (db upgrade)"),
+    "mcp": Command(
+        "stepdoctor_server.mcp_server:main", "mcp", "serve the diagnosis to coding agents over MCP (stdio)"
+    ),
 }
 
 # extra -> top-level modules it installs that the commands need (a test keeps this in step with
@@ -58,6 +61,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
         "httpx",
     ),
     "hta": ("hta", "pandas"),
+    "mcp": ("numpy", "msgspec", "mcp", "httpx"),
 }
 
 

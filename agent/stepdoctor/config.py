@@ -114,9 +114,15 @@ class Delivery:
 
     ``spool_max_bytes`` caps the spool: delivered traces stay as local copies under
     ``SPOOL/uploaded`` and the oldest go first when the spool outgrows it (0 keeps none).
+
+    ``flush_timeout`` is what leaving ``profile()`` may cost a training script when the server is
+    slow or hung (a refused connection ends the wait at once); what is not sent by then stays in
+    the spool for the next run or ``stepdoctor sync``. ``connect_timeout`` bounds every connection,
+    so a firewalled or dead host is known within seconds; ``http_timeout`` bounds each read/write.
     """
 
-    flush_timeout: float = 10.0
+    flush_timeout: float = 2.0
+    connect_timeout: float = 5.0
     http_timeout: float = 30.0
     backoff_base: float = 1.0
     backoff_max: float = 60.0
@@ -126,7 +132,7 @@ class Delivery:
 
 
 def default_flush_timeout() -> float:
-    """Seconds the agent may spend delivering at exit (``STEPDOCTOR_FLUSH_TIMEOUT``, default 10)."""
+    """Seconds the agent may spend delivering at exit (``STEPDOCTOR_FLUSH_TIMEOUT``, default 2)."""
     return float(os.environ.get("STEPDOCTOR_FLUSH_TIMEOUT") or Delivery.flush_timeout)
 
 

@@ -2,11 +2,18 @@
 
 The training thread does only what plain ``torch.profiler`` does (stop the trace, export the raw
 JSON) plus a rename and a small sidecar write; gzip and HTTP happen on the delivery thread.
+
+A spool that cannot be written (full disk, read-only or missing folder) costs the window, never the
+run: one line names the folder and the reason, the window counts as lost in the exit line, and
+training goes on. torch.profiler does not raise when it cannot write (Kineto logs and leaves a
+``.tmp``), so the export is checked for being there and complete before it is committed.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -43,6 +50,7 @@ class NoopProfile:
     profiler: Any = None
     run_dir: Path | None = None
     captured = 0
+    lost = 0
     stats = Stats()
 
     def __enter__(self) -> NoopProfile:
@@ -92,6 +100,8 @@ class Profile:
         self.profiler: Any = None
         self.run_dir: Path | None = None
         self.captured = 0
+        self.lost = 0  # windows recorded but not written (full disk, read-only spool)
+        self._lost_reason = ""
         self._loader = loader
         self._extra_meta = dict(metadata or {})
         self._profiler_options = {
@@ -148,7 +158,11 @@ class Profile:
 
         cfg = self.config
         spool = Spool(cfg.spool)
-        self.run_dir = spool.run_dir(cfg.project, cfg.run)
+        try:
+            self.run_dir = spool.run_dir(cfg.project, cfg.run)
+        except OSError as exc:  # each window tries again: the disk may be freed while we train
+            self.run_dir = spool.root / cfg.project / cfg.run
+            self._cannot_write(exc, "traces")
         # Extra metadata (a framework's settings) never replaces what the agent measured itself.
         self._static_meta = {**self._extra_meta, **_metadata.collect(cfg.tags, self._loader)}
         self._worker = DeliveryWorker(spool, self._router(), cfg.delivery, cleanup=True)
@@ -317,13 +331,36 @@ class Profile:
     def _spool_window(self, prof: Any) -> None:
         """Runs on the training thread inside prof.step(): export, rename, sidecar, wake the worker."""
         assert self.run_dir is not None and self._worker is not None
-        cfg = self.config
         stem = Spool.new_stem()
-        prof.export_chrome_trace(str(Spool.export_partial(self.run_dir, stem)))
-        ranks = _metadata.rank_info()
         window = {"index": self._window_index, "first_step": self._first_step, "last_step": self._last_step}
         self._window_index += 1
         self._first_step = self._last_step = None
+        try:
+            self._export(prof, stem)
+            self._commit(stem, window)
+        except OSError as exc:
+            _discard(self.run_dir, stem)
+            self.lost += 1
+            self._cannot_write(exc, f"the trace of steps {window['first_step']}-{window['last_step']}")
+            return
+        self.captured += 1
+        self._worker.notify()
+
+    def _export(self, prof: Any, stem: str) -> None:
+        """torch's export into the spool, raising ``OSError`` when the file is missing or cut short."""
+        assert self.run_dir is not None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        partial = Spool.export_partial(self.run_dir, stem)
+        prof.export_chrome_trace(str(partial))
+        if not _complete_json(partial):
+            raise _write_problem(self.run_dir) or OSError(
+                errno.EIO, "torch.profiler wrote no complete trace file", str(partial)
+            )
+
+    def _commit(self, stem: str, window: dict[str, Any]) -> None:
+        assert self.run_dir is not None
+        cfg = self.config
+        ranks = _metadata.rank_info()
         meta = {**self._static_meta, **ranks, "window": window}
         sidecar = {
             "format": 1,
@@ -336,8 +373,16 @@ class Profile:
             "metadata": meta,
         }
         Spool.commit_capture(self.run_dir, stem, sidecar)
-        self.captured += 1
-        self._worker.notify()
+
+    def _cannot_write(self, exc: OSError, what: str) -> None:
+        """One line per folder and reason, however many windows it costs."""
+        reason = exc.strerror or str(exc)
+        self._lost_reason = f"cannot write to {self.run_dir}: {reason}"
+        say(
+            f"stepdoctor: cannot write {what} to {self.run_dir} ({reason}); "
+            "windows are lost until it can be written, training continues",
+            key=f"spool-write:{self.run_dir}:{exc.errno}",
+        )
 
     def _report(self) -> None:
         """One line on stderr at the end: what was captured, where it is, what was uploaded."""
@@ -348,7 +393,9 @@ class Profile:
         cfg = self.config
         spool = self._worker.spool
         captured = f"stepdoctor: {_plural(self.captured, 'trace')} captured for {cfg.project}/{cfg.run}"
-        if self.captured == 0 and self._schedule is None:
+        if self.lost:
+            captured += f", {self.lost} lost ({self._lost_reason})"
+        elif self.captured == 0 and self._schedule is None:
             _, _, warmup, _, _ = resolved = cfg.schedule.resolved()
             first = next_window_start(0, *resolved) + warmup
             captured += f" (the loop ran {_plural(self._step_num, 'step')}; recording starts at step {first})"
@@ -367,13 +414,56 @@ class Profile:
                 f"{stats.rejected} refused by the server (in {spool.root / FAILED_DIR}, see .reason.txt)"
             )
         if count:
+            why = ""
+            if stats.sending:
+                why = f" (an upload was still running when the {cfg.delivery.flush_timeout:g} s exit budget ran out)"
+            elif stats.last_error:
+                why = f" ({'server unreachable' if stats.unreachable else 'last try'}: {stats.last_error})"
             parts.append(
                 f"{_plural(count, 'trace')} ({size / 1e6:.1f} MB) waiting in {spool.root} "
-                "for the next run or `stepdoctor sync`"
+                f"for the next run or `stepdoctor sync`{why}"
             )
         else:
             parts.append("nothing left to send")
         return f"{captured}; " + ", ".join(parts)
+
+
+def _complete_json(path: Path) -> bool:
+    """Whether torch's export is there and ends like a JSON object (a cut-short write does not)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 256))
+            return fh.read().rstrip().endswith(b"}")
+    except OSError:
+        return False
+
+
+_PROBE_BYTES = 64 * 1024
+
+
+def _write_problem(directory: Path) -> OSError | None:
+    """Why ``directory`` takes no file (full disk, read-only, file limit), found by writing a small one."""
+    probe = directory / f".stepdoctor-probe-{os.getpid()}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as fh:
+            fh.write(b"\0" * _PROBE_BYTES)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        return exc
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
+    return None
+
+
+def _discard(directory: Path, stem: str) -> None:
+    """Give a lost window's pieces back to the disk: torch's ``.tmp``, the export, a half sidecar."""
+    for path in directory.glob(f"{stem}*"):
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
 
 
 def _plural(count: int, noun: str) -> str:

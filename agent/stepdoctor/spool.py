@@ -5,6 +5,7 @@ Layout (TensorBoard profiler plugin compatible, so ``tensorboard --logdir SPOOL`
     SPOOL/PROJECT/RUN/{host}_{pid}.{time_ns}.pt.trace.json.gz   compressed Chrome trace
     SPOOL/PROJECT/RUN/{host}_{pid}.{time_ns}.stepdoctor.meta     sidecar JSON (idempotency key, ...)
     SPOOL/failed/PROJECT/RUN/...                                 rejected by the server, with .reason.txt
+                                                                 and .failure.json (where it was sent, how)
     SPOOL/uploaded/PROJECT/RUN/...                               local copies of delivered traces
 
 The spool has a size cap (``STEPDOCTOR_SPOOL_MAX_BYTES``): over it, the oldest uploaded copies are
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -50,6 +52,7 @@ META_SUFFIX = ".stepdoctor.meta"
 EXPORT_SUFFIX = ".export"
 PARTIAL = ".partial"
 REASON_SUFFIX = ".reason.txt"
+FAILURE_SUFFIX = ".failure.json"
 FAILED_DIR = "failed"
 UPLOADED_DIR = "uploaded"
 SIDECAR_FORMAT = 1
@@ -198,11 +201,15 @@ class Spool:
             entry.export.unlink(missing_ok=True)  # crashed after the rename last time
             return
         tmp = entry.directory / f"{entry.stem}{TRACE_SUFFIX}{PARTIAL}"
-        with open(entry.export, "rb") as src, open(tmp, "wb") as raw:
-            with gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=level, mtime=0) as gz:
-                shutil.copyfileobj(src, gz, 1 << 20)
-            raw.flush()
-            os.fsync(raw.fileno())
+        try:
+            with open(entry.export, "rb") as src, open(tmp, "wb") as raw:
+                with gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=level, mtime=0) as gz:
+                    shutil.copyfileobj(src, gz, 1 << 20)
+                raw.flush()
+                os.fsync(raw.fileno())
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a full disk: give the half gzip's space back, keep the export
+            raise
         os.replace(tmp, entry.trace)
         entry.export.unlink(missing_ok=True)
 
@@ -265,33 +272,62 @@ class Spool:
             deleted += 1
         return deleted, max(0, unsent - max_bytes)
 
-    def move_failed(self, entry: Entry, reason: str) -> Path:
-        """Park a trace the server refused for good, with the reason next to it."""
+    def move_failed(
+        self, entry: Entry, reason: str, *, server: str | None = None, token: str | None = None
+    ) -> Path:
+        """Park a trace the server refused for good, with the reason next to it.
+
+        ``server`` and a fingerprint of ``token`` (never the token) are recorded, so ``stepdoctor
+        sync`` can tell whether the cause may be gone: another server, token or team (a token
+        belongs to one team) deserves another try, the same ones would only be refused again.
+        ``server=None`` marks a local problem (an unreadable sidecar) no credential can fix.
+        """
         rel = entry.directory.relative_to(self.root)
         dest = self.root / FAILED_DIR / rel
         dest.mkdir(parents=True, exist_ok=True)
         (dest / f"{entry.stem}{REASON_SUFFIX}").write_text(reason.rstrip() + "\n")
+        record = {"reason": reason, "server": server, "token": token_fingerprint(token), "at": time.time()}
+        (dest / f"{entry.stem}{FAILURE_SUFFIX}").write_text(json.dumps(record) + "\n")
         for path in (entry.trace, entry.export):
             if path.exists():
                 os.replace(path, dest / path.name)
         os.replace(entry.sidecar, dest / entry.sidecar.name)
         return dest
 
-    def requeue_failed(self) -> int:
-        """Move traces parked in ``failed/`` back into the spool (after fixing a token, say)."""
-        moved = 0
+    def failed(self) -> list[Failed]:
+        """Traces parked in ``failed/``, oldest capture first, each with why and where it was refused."""
+        found = []
         for sidecar in self.root.glob(f"{FAILED_DIR}/*/*/*{META_SUFFIX}"):
             stem = sidecar.name[: -len(META_SUFFIX)]
-            dest = self.root / sidecar.parent.relative_to(self.root / FAILED_DIR)
-            dest.mkdir(parents=True, exist_ok=True)
-            for suffix in (TRACE_SUFFIX, EXPORT_SUFFIX):
-                source = sidecar.with_name(stem + suffix)
-                if source.exists():
-                    os.replace(source, dest / source.name)
-            os.replace(sidecar, dest / sidecar.name)  # the sidecar last: it commits the trace again
-            sidecar.with_name(stem + REASON_SUFFIX).unlink(missing_ok=True)
-            moved += 1
-        return moved
+            meta = _read_json(sidecar)
+            record = _read_json(sidecar.with_name(stem + FAILURE_SUFFIX))
+            reason = str(record.get("reason") or "")
+            if not reason:
+                with contextlib.suppress(OSError):
+                    reason = sidecar.with_name(stem + REASON_SUFFIX).read_text().strip()
+            found.append(Failed(sidecar, meta, reason or "no reason recorded", record or None))
+        return sorted(found, key=lambda f: (_stem_time(f.sidecar.name), f.sidecar.name))
+
+    def requeue(self, failed: Failed) -> None:
+        """Move one trace parked in ``failed/`` back into the spool, to be sent again."""
+        sidecar = failed.sidecar
+        stem = sidecar.name[: -len(META_SUFFIX)]
+        dest = self.root / sidecar.parent.relative_to(self.root / FAILED_DIR)
+        dest.mkdir(parents=True, exist_ok=True)
+        for suffix in (TRACE_SUFFIX, EXPORT_SUFFIX):
+            source = sidecar.with_name(stem + suffix)
+            if source.exists():
+                os.replace(source, dest / source.name)
+        os.replace(sidecar, dest / sidecar.name)  # the sidecar last: it commits the trace again
+        for suffix in (REASON_SUFFIX, FAILURE_SUFFIX):
+            sidecar.with_name(stem + suffix).unlink(missing_ok=True)
+
+    def requeue_failed(self) -> int:
+        """Move every trace parked in ``failed/`` back into the spool (``sync --retry-failed``)."""
+        parked = self.failed()
+        for failed in parked:
+            self.requeue(failed)
+        return len(parked)
 
     def cleanup_orphans(self) -> int:
         """Delete leftovers of captures whose process died before the commit point (this host only)."""
@@ -321,6 +357,35 @@ class Spool:
                     size += (sidecar.parent / f"{stem}{suffix}").stat().st_size
                     break
         return count, size
+
+
+@dataclass
+class Failed:
+    """A trace parked in ``failed/``: its sidecar, content, the reason, and the failure record
+    (None for traces parked before records were kept)."""
+
+    sidecar: Path
+    meta: dict[str, Any]
+    reason: str
+    record: dict[str, Any] | None
+
+    @property
+    def name(self) -> str:
+        """``PROJECT/RUN/STEM``, as a user finds it under ``failed/``."""
+        return f"{self.sidecar.parent.parent.name}/{self.sidecar.parent.name}/{self.sidecar.name[: -len(META_SUFFIX)]}"
+
+
+def token_fingerprint(token: str | None) -> str | None:
+    """A short digest telling tokens apart without keeping one on disk."""
+    return hashlib.sha256(token.encode()).hexdigest()[:16] if token else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _stem_time(name: str) -> int:

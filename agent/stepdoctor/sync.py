@@ -3,13 +3,21 @@
 Each trace goes to ``--server`` (default ``$STEPDOCTOR_SERVER``) if set, else to the server recorded
 in its sidecar; traces captured without a server need one of the two. ``--spool`` and ``--token``
 default to ``$STEPDOCTOR_SPOOL`` and ``$STEPDOCTOR_TOKEN``, like the agent. Retries back off like the
-agent, bounded by ``--timeout``; proxies, the CA bundle and the spool cap are the agent's too.
+agent; ``--timeout`` bounds the whole command (a request in flight is cut at it) and every
+connection gets ``--connect-timeout``. Proxies, the CA bundle and the spool cap are the agent's too.
+
+Nothing is silent: each trace parked in ``failed/`` is named with the server's reason, and sent
+again when the server or token it would go to now differs from the ones that refused it (a token
+belongs to one team, so a new team means a new token), or with ``--retry-failed``. While the server
+cannot be reached, a line says so before every wait, and the last line says what is left where.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
 import os
 import sys
 import time
@@ -19,12 +27,20 @@ from typing import Any
 
 from stepdoctor.cli import configure_logging
 from stepdoctor.config import Delivery, default_spool, default_spool_max_bytes
-from stepdoctor.spool import Spool
-from stepdoctor.worker import DeliveryWorker
+from stepdoctor.spool import FAILED_DIR, Failed, Spool, token_fingerprint
+from stepdoctor.worker import DeliveryWorker, Router
+
+DESCRIPTION = (
+    "Upload every trace left in the spool (server down during training, offline runs). Traces the "
+    "server refused (in SPOOL/failed) are listed with the reason and sent again when the server or "
+    "token changed since, or with --retry-failed."
+)
+#: How many parked traces are named one per line before the rest are counted.
+FAILED_LINES = 20
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stepdoctor sync", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="stepdoctor sync", description=DESCRIPTION)
     parser.add_argument(
         "--spool", help="spool directory (default: $STEPDOCTOR_SPOOL or ~/.cache/stepdoctor/spool)"
     )
@@ -34,12 +50,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--token", help="API token (default: $STEPDOCTOR_TOKEN)")
     parser.add_argument(
-        "--retry-failed", action="store_true", help="also resend traces the server refused (failed/)"
+        "--retry-failed",
+        action="store_true",
+        help="resend every trace the server refused (failed/), even to the same server with the same token",
     )
     parser.add_argument(
-        "--timeout", type=float, default=300.0, help="give up retrying after this many seconds"
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds the whole command may take, retries and uploads in flight included (default 60)",
     )
-    parser.add_argument("--http-timeout", type=float, default=60.0, help="per-request timeout in seconds")
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=5.0,
+        help="seconds to wait for each connection to the server (default 5)",
+    )
+    parser.add_argument(
+        "--http-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait on each read or write of a request (default 60; --timeout still bounds it)",
+    )
     parser.add_argument("--backoff-base", type=float, default=1.0, help=argparse.SUPPRESS)
     parser.add_argument("--backoff-max", type=float, default=30.0, help=argparse.SUPPRESS)
     return parser
@@ -53,6 +85,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not spool.root.is_dir():
         print(f"stepdoctor sync: spool {spool.root} does not exist", file=sys.stderr)
         return 2
+    for name in ("timeout", "connect_timeout", "http_timeout"):
+        if not 0 < getattr(args, name) < math.inf:
+            print(
+                f"stepdoctor sync: --{name.replace('_', '-')} must be a finite number of seconds above 0",
+                file=sys.stderr,
+            )
+            return 2
+    deadline = time.monotonic() + args.timeout
     server = args.server or os.environ.get("STEPDOCTOR_SERVER", "").strip()
     override = server.rstrip("/") if server else None
     token = args.token or os.environ.get("STEPDOCTOR_TOKEN") or None
@@ -68,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     delivery = Delivery(
         spool_max_bytes=spool_max_bytes,
+        connect_timeout=args.connect_timeout,
         http_timeout=args.http_timeout,
         backoff_base=args.backoff_base,
         backoff_max=args.backoff_max,
@@ -75,34 +116,93 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     worker = DeliveryWorker(spool, route, delivery)
     spool.cleanup_orphans()
-    if args.retry_failed:
-        spool.requeue_failed()
-    deadline = time.monotonic() + args.timeout
-    remaining = worker.run_pass()
+    retried = _review_failed(spool, route, retry_all=args.retry_failed)
+    remaining = worker.run_pass(deadline)
     while remaining and time.monotonic() < deadline:
-        time.sleep(max(0.05, min(worker.backoff_wait() or 0.5, deadline - time.monotonic())))
-        remaining = worker.run_pass()
+        wait = max(0.05, min(worker.backoff_wait() or 0.5, deadline - time.monotonic()))
+        _say_waiting(worker, remaining, wait, deadline)
+        time.sleep(wait)
+        remaining = worker.run_pass(deadline)
+    return _report(spool, worker, remaining, retried, override)
+
+
+def _review_failed(spool: Spool, route: Router, *, retry_all: bool) -> int:
+    """Name every trace in ``failed/`` with its reason; requeue those worth another try."""
+    parked = spool.failed()
+    retried = 0
+    for index, failed in enumerate(parked):
+        retry, why = _worth_retrying(failed, route(failed.meta), retry_all)
+        if index < FAILED_LINES:
+            action = "sending again" if retry else "kept"
+            print(f"stepdoctor sync: {FAILED_DIR}/{failed.name}: {failed.reason} ({action}: {why})")
+        if retry:
+            spool.requeue(failed)
+            retried += 1
+    if len(parked) > FAILED_LINES:
+        print(f"stepdoctor sync: ... and {len(parked) - FAILED_LINES} more in {spool.root / FAILED_DIR}")
+    return retried
+
+
+def _worth_retrying(
+    failed: Failed, route: tuple[str, str | None] | None, retry_all: bool
+) -> tuple[bool, str]:
+    """(send again?, why): a refusal is final for the server and token that got it, not for others."""
+    if retry_all:
+        return True, "--retry-failed"
+    record = failed.record
+    if record is not None and record.get("server") is None:
+        return False, "a problem with the file itself; --retry-failed sends it anyway"
+    if route is None:
+        return False, "no server to send it to: set STEPDOCTOR_SERVER or pass --server"
+    server, token = route
+    if record is None:
+        return True, "refused before stepdoctor recorded by which server and token"
+    if record.get("server") != server:
+        return True, f"the server is now {server}"
+    if record.get("token") != token_fingerprint(token):
+        return True, "the token (and so perhaps the team) changed since"
+    return False, "same server and token as when refused; fix the cause, then pass --retry-failed"
+
+
+def _say_waiting(worker: DeliveryWorker, remaining: int, wait: float, deadline: float) -> None:
+    """Before each wait: the server's trouble, what waits, and when the command gives up."""
+    stats = worker.stats
+    trouble = "server not reachable" if stats.unreachable else "not sent yet"
+    left = max(0.0, deadline - time.monotonic())
+    when = f"next try in {wait:.1f} s, " if wait < left else ""
+    print(
+        f"stepdoctor sync: {trouble} ({stats.last_error}); {remaining} left, "
+        f"{when}giving up in {left:.1f} s (--timeout)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _report(spool: Spool, worker: DeliveryWorker, remaining: int, retried: int, override: str | None) -> int:
+    """The last line: what went, what is left in the spool and in ``failed/``; exit 1 unless all went."""
     stats = worker.stats
     unsent = sum(1 for sidecar in spool.sidecars() if _routable(sidecar, override))
+    parked = len(spool.failed())
     parts = [f"{stats.delivered} uploaded"]
+    if retried:
+        parts.append(f"{retried} sent again from {FAILED_DIR}/")
     if stats.rejected:
-        parts.append(f"{stats.rejected} rejected (moved to {spool.root / 'failed'})")
+        parts.append(f"{stats.rejected} refused (moved to {spool.root / FAILED_DIR})")
     parts.append(
         f"{remaining} left in {spool.root}"
         + (f" ({unsent} captured without a server: set STEPDOCTOR_SERVER or pass --server)" if unsent else "")
     )
+    parts.append(f"{parked} in {spool.root / FAILED_DIR}")
     if remaining and stats.last_error:
         parts.append(f"last error: {stats.last_error}")
     print("stepdoctor sync: " + ", ".join(parts))
-    return 1 if remaining or stats.rejected else 0
+    return 1 if remaining or stats.rejected or parked else 0
 
 
 def _routable(sidecar: Any, override: str | None) -> bool:
     """Traces with no server of their own are skipped unless --server is given."""
     if override:
         return False
-    import json
-
     try:
         return json.loads(sidecar.read_text()).get("server") is None
     except (OSError, ValueError):

@@ -5,17 +5,26 @@ Clusters reach the outside through proxies and private CAs: the standard ``HTTPS
 ``HTTP_PROXY`` / ``NO_PROXY`` variables are honoured (HTTPS through a ``CONNECT`` tunnel, so the
 proxy never sees the token or the trace), and a CA bundle comes from ``STEPDOCTOR_CA_BUNDLE``
 (or ``REQUESTS_CA_BUNDLE`` / ``SSL_CERT_FILE``).
+
+Every request has two bounds: a short connect timeout (a dead or firewalled host is known within
+seconds, a refused connection at once) and, when the caller has one, a hard deadline. Socket
+timeouts bound each read or write, not the request: a server that trickles bytes, or accepts and
+never reads, would hold a request far past them. A watchdog timer shuts the socket down at the
+deadline instead, which ends any blocked send or receive at once.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import email.utils
 import functools
 import http.client
 import json
 import os
+import socket
 import ssl
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -28,6 +37,7 @@ from stepdoctor.config import ca_bundle
 
 METADATA_HEADER_MAX = 8 * 1024
 RETRYABLE_4XX = {408, 429}
+CONNECT_TIMEOUT = 5.0
 
 Outcome = Literal["delivered", "retry", "rejected"]
 
@@ -38,6 +48,7 @@ class Result:
     status: int | None
     detail: str
     retry_after: float | None = None
+    connected: bool = True  # False: no connection at all (refused, unreachable, DNS): the server is down
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
@@ -80,8 +91,15 @@ def upload(
     trace: Path,
     sidecar: dict[str, Any],
     timeout: float,
+    *,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    deadline: float | None = None,
 ) -> Result:
-    """POST one spooled trace; never raises for network or HTTP trouble, only classifies it."""
+    """POST one spooled trace; never raises for network or HTTP trouble, only classifies it.
+
+    ``timeout`` bounds each socket operation, ``connect_timeout`` the connection (and TLS or proxy
+    handshake), and ``deadline`` (``time.monotonic()``) the whole request.
+    """
     url = urllib.parse.urlsplit(server)
     if url.scheme not in ("http", "https") or not url.hostname:
         return Result("rejected", None, f"invalid server URL {server!r}")
@@ -101,26 +119,72 @@ def upload(
     }
     if token:
         headers["Authorization"] = f"Bearer {token}"
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return Result("retry", None, "no time left to send", connected=False)
+        timeout, connect_timeout = min(timeout, left), min(connect_timeout, left)
     try:
-        conn, target, proxy_headers = connection(url, timeout)
+        conn, target, proxy_headers = connection(url, min(timeout, connect_timeout))
     except (OSError, ValueError) as exc:  # unreadable CA bundle, malformed proxy URL
-        return Result("retry", None, _describe(exc))
+        return Result("retry", None, _describe(exc), connected=False)
     headers.update(proxy_headers)
+    watchdog = _Watchdog(conn, deadline)
     try:
+        try:
+            conn.connect()
+        except (OSError, http.client.HTTPException) as exc:
+            return Result("retry", None, _describe(watchdog.explain(exc), "connecting"), connected=False)
+        assert conn.sock is not None
+        conn.sock.settimeout(timeout)
         try:
             with open(trace, "rb") as body:
                 conn.request("POST", target + path, body=body, headers=headers)
         except OSError as exc:
             # A server may answer (401, 413) and close before reading a large body: use its answer.
-            early = _early_response(conn)
-            return early if early is not None else Result("retry", None, _describe(exc))
+            early = None if watchdog.fired else _early_response(conn)
+            return early if early is not None else Result("retry", None, _describe(watchdog.explain(exc)))
         response = conn.getresponse()
         text = response.read(4096).decode("utf-8", "replace")
         return classify(response.status, text, response.getheader("Retry-After"))
     except (OSError, http.client.HTTPException) as exc:
-        return Result("retry", None, _describe(exc))
+        return Result("retry", None, _describe(watchdog.explain(exc), "waiting for the answer"))
     finally:
+        watchdog.cancel()
         conn.close()
+
+
+class DeadlineExceeded(OSError):
+    """The request was cut off at the caller's deadline."""
+
+
+class _Watchdog:
+    """Shuts ``conn``'s socket down at ``deadline``, so no blocked send or receive outlives it."""
+
+    def __init__(self, conn: http.client.HTTPConnection, deadline: float | None) -> None:
+        self.conn = conn
+        self.fired = False
+        self._timer: threading.Timer | None = None
+        if deadline is not None:
+            self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._fire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _fire(self) -> None:
+        self.fired = True
+        sock = self.conn.sock
+        if sock is not None:
+            # The plain socket's shutdown: SSLSocket.shutdown would drop its SSL state under a
+            # thread still reading it; this only ends the connection, and the reader sees EOF.
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+    def explain(self, exc: BaseException) -> BaseException:
+        return DeadlineExceeded("no answer within the time limit") if self.fired else exc
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
 
 def proxy_for(url: urllib.parse.SplitResult) -> urllib.parse.SplitResult | None:
@@ -195,8 +259,10 @@ def _early_response(conn: http.client.HTTPConnection) -> Result | None:
     return classify(response.status, text, response.getheader("Retry-After"))
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}".rstrip(": ")
+def _describe(exc: BaseException, doing: str = "") -> str:
+    """``TimeoutError: timed out (connecting)``: the error, and the phase a bare timeout hit."""
+    text = f"{type(exc).__name__}: {exc}".rstrip(": ")
+    return f"{text} ({doing})" if doing and isinstance(exc, TimeoutError) else text
 
 
 def classify(status: int, body: str, retry_after: str | None) -> Result:

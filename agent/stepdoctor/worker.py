@@ -6,6 +6,10 @@ spool on each wake-up, so leftovers of earlier runs (same server) are delivered 
 off exponentially with jitter under one shared clock (a down server is down for every trace),
 ``Retry-After`` is honoured, and a final rejection parks the trace in ``failed/``.
 
+A flush (leaving ``profile()``) is a time budget, never a wait for the network: it ends as soon as
+the server cannot be reached (a refused connection is known at once) or its next try would fall
+after the budget, and any request still running is cut at the budget's end.
+
 Shaped after sentry-python's BackgroundWorker (pid-checked lazy thread, flush with a time budget)
 and OpenTelemetry's BatchProcessor (event-woken daemon, re-initialised after fork), but unlike
 either it never drops work: the spool is the queue.
@@ -39,6 +43,8 @@ class Stats:
     retries: int = 0
     last_error: str = ""
     pruned: int = 0  # uploaded copies deleted to keep the spool under its cap
+    unreachable: bool = False  # the last try got no connection at all (refused, unreachable, DNS)
+    sending: bool = False  # a request is in flight (at exit: cut off by the flush budget)
     delivered_keys: list[str] = field(default_factory=list)
 
 
@@ -88,6 +94,7 @@ class DeliveryWorker:
         self._covered = -1
         self._remaining = 1
         self._flush_deadline: float | None = None
+        self._pass_deadline: float | None = None
 
     # --- called from the training thread -----------------------------------------------------
 
@@ -112,15 +119,23 @@ class DeliveryWorker:
             self._requested += 1
             wanted = self._requested
             self._flush_deadline = deadline
+            if self.stats.unreachable:
+                # The last chance to send: a server that was down may be back, and trying costs
+                # nothing when it is not (refused at once, or cut at the deadline).
+                self._backoff.not_before = 0.0
         self._wake.set()
         try:
             with self._cond:
-                while not (self._covered >= wanted and self._remaining == 0):
+                while True:
+                    if self._covered >= wanted:
+                        if self._remaining == 0:
+                            return True
+                        if self._out_of_reach(deadline):
+                            return False
                     left = deadline - time.monotonic()
                     if left <= 0 or not self._alive():
                         return False
                     self._cond.wait(min(left, 0.5))
-                return True
         finally:
             with self._cond:
                 self._flush_deadline = None
@@ -166,6 +181,13 @@ class DeliveryWorker:
                 break
             self._wake.wait(self._sleep_for(remaining))
 
+    def _out_of_reach(self, deadline: float) -> bool:
+        """After a pass, whether waiting longer cannot help: the server was not reachable at all, or
+        the next try (backoff, ``Retry-After``) comes after ``deadline``."""
+        if not self._backoff.failures:
+            return False
+        return self.stats.unreachable or self._backoff.not_before >= deadline
+
     def backoff_wait(self) -> float:
         """Seconds until the next attempt is allowed (0 when not backing off)."""
         return max(0.0, self._backoff.not_before - time.monotonic())
@@ -183,12 +205,19 @@ class DeliveryWorker:
     def _pass_safely(self) -> int:
         return self.run_pass()
 
-    def run_pass(self) -> int:
-        """Compress and send everything claimable; returns how many traces still await delivery."""
+    def run_pass(self, deadline: float | None = None) -> int:
+        """Compress and send everything claimable; returns how many traces still await delivery.
+
+        With ``deadline`` (``time.monotonic()``, ``stepdoctor sync --timeout``), no request runs past it
+        and none starts after it."""
+        self._pass_deadline = deadline
         remaining = 0
         for sidecar in self.spool.sidecars():
             if self._stopping and self._flush_deadline is None:
                 break
+            if deadline is not None and time.monotonic() >= deadline:
+                remaining += 1
+                continue
             with self.spool.claim(sidecar) as entry:
                 if entry is None:
                     continue  # another process (rank, sync) is handling it
@@ -226,7 +255,17 @@ class DeliveryWorker:
             if not entry.export.exists():
                 Spool.remove(entry)  # delivered earlier, crash before the sidecar went
                 return True
-            Spool.compress(entry, self.delivery.compresslevel)
+            try:
+                Spool.compress(entry, self.delivery.compresslevel)
+            except OSError as exc:  # a full or read-only disk: the export is kept, tried again later
+                self._backoff.failed(None, time.monotonic())
+                self.stats.last_error = f"cannot compress in {entry.directory}: {exc.strerror or exc}"
+                say(
+                    f"stepdoctor: cannot write the compressed trace in {entry.directory} ({exc.strerror or exc}); "
+                    "the trace stays there uncompressed and is tried again later",
+                    key=f"compress:{entry.directory}:{exc.errno}",
+                )
+                return False
         route = self.router(entry.meta) if self.router is not None else None
         if route is None:
             return True  # stays in the spool: local-only, or another server's trace
@@ -236,11 +275,23 @@ class DeliveryWorker:
         return self._send(entry, *route)
 
     def _send(self, entry: Entry, server: str, token: str | None) -> bool:
-        timeout = self.delivery.http_timeout
-        deadline = self._flush_deadline
-        if deadline is not None:
-            timeout = max(0.5, min(timeout, deadline - time.monotonic()))
-        result = transport.upload(server, token, entry.trace, entry.meta, timeout)
+        deadlines = [d for d in (self._flush_deadline, self._pass_deadline) if d is not None]
+        if deadlines and time.monotonic() >= min(deadlines):
+            return False  # out of time: not a failure of the server's, so no backoff and no verdict
+        self.stats.sending = True
+        try:
+            result = transport.upload(
+                server,
+                token,
+                entry.trace,
+                entry.meta,
+                self.delivery.http_timeout,
+                connect_timeout=self.delivery.connect_timeout,
+                deadline=min(deadlines) if deadlines else None,
+            )
+        finally:
+            self.stats.sending = False
+        self.stats.unreachable = not result.connected
         if result.outcome == "delivered":
             if self.delivery.spool_max_bytes > 0:
                 self.spool.keep_uploaded(entry)  # a local copy, pruned oldest first under the cap
@@ -251,7 +302,7 @@ class DeliveryWorker:
             self.stats.delivered_keys.append(entry.key)
             return True
         if result.outcome == "rejected":
-            self._reject(entry, f"{server} refused the upload: {result.detail}")
+            self._reject(entry, f"{server} refused the upload: {result.detail}", server, token)
             return True
         delay = self._backoff.failed(result.retry_after, time.monotonic())
         self.stats.retries += 1
@@ -266,8 +317,8 @@ class DeliveryWorker:
         )
         return False
 
-    def _reject(self, entry: Entry, reason: str) -> None:
-        dest = self.spool.move_failed(entry, reason)
+    def _reject(self, entry: Entry, reason: str, server: str | None = None, token: str | None = None) -> None:
+        dest = self.spool.move_failed(entry, reason, server=server, token=token)
         self.stats.rejected += 1
         logger.warning("stepdoctor: trace %s not uploaded, moved to %s: %s", entry.stem, dest, reason)
 

@@ -88,7 +88,7 @@ def loader_settings(metadata: dict[str, Any] | None) -> LoaderSettings:
         pin_memory=_bool("pin_memory"),
         persistent_workers=_bool("persistent_workers"),
         prefetch_factor=_int("prefetch_factor"),
-        cpu_count=_int("cpu_count"),
+        cpu_count=_int("cpu_available") or _int("cpu_count"),  # the process's CPUs (affinity) first
         local_world_size=_int("local_world_size"),
     )
 

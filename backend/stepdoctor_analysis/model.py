@@ -180,6 +180,9 @@ class RankTrace:
     format: str = "kineto"  # which generation the parser recognised, e.g. "kineto", "legacy-2021"
     metadata: dict[str, Any] = field(default_factory=dict)  # small top-level keys (schemaVersion, ...)
     distributed: dict[str, Any] = field(default_factory=dict)  # distributedInfo
+    # The run metadata our agent embeds as the top-level ``stepdoctor`` object (CPU count,
+    # DataLoader settings, devices, torch version, host, tags): ``pipeline.run_metadata`` reads it.
+    run_metadata: dict[str, Any] = field(default_factory=dict)
     _cache: dict[Hashable, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def memo(self, key: Hashable, compute: Callable[[], T]) -> T:

@@ -54,20 +54,24 @@ def analyze_path(
         traces = [t for t in traces if t.rank == rank or (t.rank is None and len(traces) == 1)]
         if not traces:
             raise TraceError(f"{p.name}: no trace for rank {rank}")
-    host_memory = _host_memory(metadata)
     reports = []
     for i, t in enumerate(traces):
         say(f"analyzing {Path(t.source).name}" + (f" ({i + 1}/{len(traces)})" if len(traces) > 1 else ""))
-        reports.append(analyze_trace(t, metadata=metadata, host_memory=host_memory))
+        reports.append(analyze_trace(t, metadata=metadata))
     if len(reports) == 1:
         return reports[0]
     return _job_report(p, traces, reports)
 
 
 def analyze_trace(
-    trace: RankTrace, *, metadata: dict[str, Any] | None = None, host_memory: int = 0
+    trace: RankTrace, *, metadata: dict[str, Any] | None = None, host_memory: int | None = None
 ) -> Report:
-    """Diagnose one rank's parsed trace."""
+    """Diagnose one rank's parsed trace. ``metadata``: the run metadata the caller has (the server:
+    the upload's), merged with what the trace embeds (``run_metadata``); ``host_memory``: host RAM in
+    bytes, by default read from that metadata (``_host_memory``)."""
+    metadata = run_metadata(trace, metadata)
+    if host_memory is None:
+        host_memory = _host_memory(metadata)
     iters = steps.find_iterations(trace)
     step_list = iters.steps
     if not step_list:
@@ -256,6 +260,16 @@ def _warnings(ctx: Context, iters: steps.Iterations) -> list[str]:
     if ctx.memory.out_of_memory:
         out.append(f"{ctx.memory.out_of_memory} out-of-memory events in the trace")
     return out
+
+
+def run_metadata(trace: RankTrace, given: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run metadata the diagnosis reads (DataLoader settings, CPU count, host, workload tags):
+    what our agent embedded in the trace (``RankTrace.run_metadata``), over what the caller passes
+    (the server: the upload's metadata) for keys the trace leaves out or null. The trace's own record
+    wins: it was written by the process that ran, with the trace. Every path (``stepdoctor analyze``,
+    the server's worker) reads it here, so the same trace gets the same concrete change everywhere."""
+    embedded = {k: v for k, v in trace.run_metadata.items() if v is not None}
+    return {**(given or {}), **embedded}
 
 
 def _host_memory(metadata: dict[str, Any] | None) -> int:

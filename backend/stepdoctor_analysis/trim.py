@@ -69,39 +69,61 @@ def parse_steps(text: str) -> tuple[int, int]:
     return first, last
 
 
-def step_window(path: str | Path, first: int, last: int, *, max_bytes: int | None = None) -> tuple[int, int]:
-    """The [start, end) window in ns of steps ``first``..``last`` (ProfilerStep numbers)."""
-    trace = parse.load_trace(path, max_bytes=max_bytes)
+def step_window(
+    path: str | Path, first: int, last: int, *, max_bytes: int | None = None, label: str | None = None
+) -> tuple[int, int]:
+    """The [start, end) window in ns of steps ``first``..``last`` (ProfilerStep numbers).
+
+    ``label`` names the trace in messages (default: the file name).
+    """
+    label = label or Path(path).name
+    trace = parse.load_trace(path, max_bytes=max_bytes, name=label)
     if not step_marker_mask(trace).any():
-        raise TraceError(
-            f"{Path(path).name}: the trace has no ProfilerStep markers, so it has no steps to cut"
-        )
+        raise TraceError(f"{label}: the trace has no ProfilerStep markers, so it has no steps to cut")
     steps = find_steps(trace)
     chosen = [s for s in steps if first <= s.number <= last]
     if not chosen:
         have = f"{steps[0].number}-{steps[-1].number}" if steps else "none"
-        raise TraceError(f"{Path(path).name}: no step in {first}-{last}; the trace has steps {have}")
+        raise TraceError(f"{label}: no step in {first}-{last}; the trace has steps {have}")
     return min(s.start for s in chosen), max(s.end for s in chosen)
 
 
 def trim_trace(
-    src: str | Path, dst: str | Path, first: int, last: int, *, max_bytes: int | None = None
+    src: str | Path,
+    dst: str | Path,
+    first: int,
+    last: int,
+    *,
+    max_bytes: int | None = None,
+    label: str | None = None,
+    download_name: str | None = None,
 ) -> TrimResult:
-    """Write steps ``first``..``last`` of ``src`` to ``dst`` (see the module docstring)."""
-    start_ns, end_ns = step_window(src, first, last, max_bytes=max_bytes)
+    """Write steps ``first``..``last`` of ``src`` to ``dst`` (see the module docstring).
+
+    ``label`` names the trace in messages (default: the file name of ``src``); ``download_name``
+    is the name the gzip header records (default: ``dst``'s), so a server writing to a temporary
+    file can still hand out a file that names itself as the download does.
+    """
+    label = label or Path(src).name
+    start_ns, end_ns = step_window(src, first, last, max_bytes=max_bytes, label=label)
     keep = _Keep(start_ns / 1e3, end_ns / 1e3)
     out = Path(dst)
-    # Level 6 (zlib's default) compresses about as well as gzip.open's 9, several times faster.
-    sink: Any = gzip.open(out, "wb", compresslevel=6) if out.name.endswith(".gz") else out.open("wb")  # noqa: SIM115
-    with sink as fh:
-        keep.out = fh
-        cap = parse.DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
-        blocks = decompressed_blocks(Path(src), cap, Path(src).name)
-        try:
-            _RawSplitter(keep, Path(src).name).run(blocks)
-        finally:
-            blocks.close()
-        keep.close()
+    with out.open("wb") as raw:
+        # Level 6 (zlib's default) compresses about as well as gzip.open's 9, several times faster.
+        sink: Any = (
+            gzip.GzipFile(filename=download_name or out.name, mode="wb", fileobj=raw, compresslevel=6)
+            if out.name.endswith(".gz")
+            else raw
+        )
+        with sink as fh:
+            keep.out = fh
+            cap = parse.DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+            blocks = decompressed_blocks(Path(src), cap, label)
+            try:
+                _RawSplitter(keep, label).run(blocks)
+            finally:
+                blocks.close()
+            keep.close()
     return TrimResult(first, last, keep.lo, keep.hi, keep.kept, keep.dropped)
 
 

@@ -238,9 +238,28 @@ def _start_workers(settings: Settings) -> worker.Pool | None:
     return worker.start_pool(settings)
 
 
-def _stop_workers(handle: worker.Pool | None) -> None:
+def _stop_workers(handle: worker.Pool | None, timeout: float) -> None:
     if handle is not None:
-        handle.stop()
+        handle.stop(timeout)
+
+
+def begin_shutdown(app: FastAPI) -> None:
+    """SIGTERM arrived (``cli.serve``): the grace period starts now, for requests and workers alike.
+
+    The workers are told at once (they finish or abandon their jobs while requests drain); the
+    lifespan's shutdown then waits only for what is left of the same grace period.
+    """
+    if getattr(app.state, "stop_deadline", None) is None:
+        app.state.stop_deadline = time.monotonic() + app.state.settings.shutdown_grace_s
+    if app.state.workers is not None:
+        app.state.workers.request_stop()
+
+
+def _grace_left(app: FastAPI) -> float:
+    deadline = getattr(app.state, "stop_deadline", None)
+    if deadline is None:  # stopped without a signal (tests, an embedding program): the full grace
+        return float(app.state.settings.shutdown_grace_s)
+    return max(0.0, deadline - time.monotonic())
 
 
 class _PartialCleaner:
@@ -285,7 +304,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             cleaner.stop()
-            await anyio.to_thread.run_sync(_stop_workers, handle)
+            await anyio.to_thread.run_sync(_stop_workers, handle, _grace_left(app))
             db.dispose()
 
     app = FastAPI(
@@ -309,6 +328,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         BodyReadTimeoutMiddleware,
         read_timeout_s=settings.body_read_timeout_s,
         min_rate_bytes_s=settings.body_min_rate_bytes_s,
+        stopping_at=lambda: getattr(app.state, "stop_deadline", None),
     )
     app.add_middleware(SameOriginMiddleware)
     app.add_middleware(AmbiguousLengthMiddleware)

@@ -12,6 +12,7 @@ import argparse
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 from pydantic import ValidationError
 from sqlalchemy import func, select
@@ -319,12 +320,30 @@ def serve(
     )
     from stepdoctor_server.timeouts import uvicorn_options
 
-    uvicorn.run(
-        create_app(settings),
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
         host=settings.host,
         port=settings.port,
         log_level="info",
         access_log=False,
-        **uvicorn_options(settings),  # header/body timeouts and a per-client connection cap
+        **uvicorn_options(settings),  # header/body timeouts, a per-client connection cap, the grace
     )
+    _serve_until_signalled(config, app)
     return 0
+
+
+def _serve_until_signalled(config: Any, app: Any) -> None:
+    """uvicorn's server, which also tells the analysis workers to stop the moment SIGTERM arrives:
+    requests and jobs then share one grace period (``STEPDOCTOR_SHUTDOWN_GRACE_S``) instead of the
+    workers' starting only once the last request ended."""
+    import uvicorn
+
+    from stepdoctor_server.app import begin_shutdown
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            begin_shutdown(app)
+            super().handle_exit(sig, frame)
+
+    GracefulServer(config).run()

@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     body_read_timeout_s: float = Field(default=30.0, ge=0)
     body_min_rate_bytes_s: float = Field(default=1024.0, ge=0)
     max_connections_per_client: int = Field(default=64, ge=0)
+    # ``serve`` exits within this long of SIGTERM/Ctrl-C: requests and analyses still running then
+    # are abandoned (an abandoned upload keeps nothing; an analysis is requeued at the next start).
+    shutdown_grace_s: float = Field(default=2.0, ge=0)
     # Trace store: empty = data_dir/traces; ``s3://bucket/prefix`` = S3 (AWS_* variables, AWS_ENDPOINT_URL).
     storage_url: str = ""
     # S3 only: downloads redirect to a presigned URL (the browser must reach the endpoint).

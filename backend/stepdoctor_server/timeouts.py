@@ -11,7 +11,9 @@ client may take to send its request headers or its body, and none per client. He
 - ``BodyReadTimeoutMiddleware`` (ASGI): each read of the body must bring data within
   ``body_read_timeout_s``, and after that grace period the body must average at least
   ``body_min_rate_bytes_s``; otherwise the request ends with 408 (an upload's temp file is removed
-  by the store, as for any aborted upload).
+  by the store, as for any aborted upload). Once the server is stopping (SIGTERM), a body still
+  arriving is abandoned shortly before the grace period ends, with a 503 and ``Retry-After``,
+  rather than cancelled by uvicorn mid-read (a 500 and a traceback).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import anyio
@@ -36,13 +39,58 @@ class BodyTimeout(ApiError):
         super().__init__(408, "request_timeout", message, headers={"Connection": "close"})
 
 
-class BodyReadTimeoutMiddleware:
-    """Wraps ``receive`` so a body that stalls, or trickles below a minimum rate, ends in 408."""
+class ShuttingDown(ApiError):
+    """The server stopped while the body was still arriving (503: the client retries elsewhere or later)."""
 
-    def __init__(self, app: ASGIApp, *, read_timeout_s: float, min_rate_bytes_s: float) -> None:
+    def __init__(self) -> None:
+        super().__init__(
+            503,
+            "shutting_down",
+            "the server is shutting down; send the request again",
+            headers={"Retry-After": "5", "Connection": "close"},
+        )
+
+
+# A body read wakes this often to see whether the server is stopping (a cancelled read loses
+# nothing: uvicorn hands the body over only when the wait returns).
+_STOP_POLL_S = 0.25
+_ANSWER_MARGIN_S = 0.5  # a body read gives up this long before the grace period ends, to answer
+
+
+class BodyReadTimeoutMiddleware:
+    """Wraps ``receive`` so a body that stalls, or trickles below a minimum rate, ends in 408, and
+    one still arriving when the server stops ends in 503 within the grace period.
+
+    ``stopping_at()`` gives the monotonic time the grace period ends once the server is stopping
+    (``app.begin_shutdown``), else None.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        read_timeout_s: float,
+        min_rate_bytes_s: float,
+        stopping_at: Callable[[], float | None] = lambda: None,
+    ) -> None:
         self.app = app
         self.read_timeout_s = read_timeout_s
         self.min_rate = min_rate_bytes_s
+        self.stopping_at = stopping_at
+
+    async def _receive_within(self, receive: Receive, timeout_s: float) -> Message:
+        """``receive()`` within ``timeout_s`` (TimeoutError), or ShuttingDown shortly before the
+        grace period ends, leaving time to answer."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            now = time.monotonic()
+            stop = self.stopping_at()
+            if stop is not None and now >= stop - _ANSWER_MARGIN_S:
+                raise ShuttingDown()
+            if now >= deadline:
+                raise TimeoutError
+            with anyio.move_on_after(min(_STOP_POLL_S, deadline - now)):
+                return await receive()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.read_timeout_s <= 0:
@@ -57,8 +105,7 @@ class BodyReadTimeoutMiddleware:
             if body_done:
                 return await receive()
             try:
-                with anyio.fail_after(self.read_timeout_s):
-                    message = await receive()
+                message = await self._receive_within(receive, self.read_timeout_s)
             except TimeoutError:
                 raise BodyTimeout(
                     f"no request body data for {self.read_timeout_s:g} s; request abandoned"
@@ -168,6 +215,8 @@ def uvicorn_options(settings: Any) -> dict[str, Any]:
     return {
         "http": protocol,
         "timeout_keep_alive": 5,
+        # In-flight requests get this long after SIGTERM, then are cancelled (see cli.serve).
+        "timeout_graceful_shutdown": settings.shutdown_grace_s,
         # h11 refuses request heads larger than this (431), so headers cannot grow memory either.
         "h11_max_incomplete_event_size": 64 * 1024,
     }

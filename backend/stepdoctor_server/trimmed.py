@@ -20,17 +20,29 @@ from stepdoctor_server.errors import ApiError
 from stepdoctor_server.models import Trace
 
 
-def trimmed_download(trace: Trace, path: Path, steps: str, request: Request) -> FileResponse:
+def requested_steps(steps: str) -> tuple[int, int]:
+    """``?steps=`` as (first, last), or a 422: checked before the trace is fetched from the store."""
     try:
-        first, last = parse_steps(steps)
+        return parse_steps(steps)
     except ValueError as exc:
         raise ApiError(422, "invalid_steps", str(exc)) from None
+
+
+def trimmed_download(trace: Trace, path: Path, steps: tuple[int, int], request: Request) -> FileResponse:
+    """Messages name the trace by id and the file by its download name, never the storage key or
+    the temporary file (the gzip header records the download's name too)."""
+    first, last = steps
+    span = f"{first}" if first == last else f"{first}-{last}"
+    base = trace.filename.removesuffix(".gz").removesuffix(".json").removesuffix(".pt.trace")
+    filename = f"{base}_steps{span}.pt.trace.json.gz"
     max_bytes = getattr(request.app.state.settings, "max_decompressed_bytes", None)
     fd, name = tempfile.mkstemp(prefix="stepdoctor-trim-", suffix=".json.gz")
     os.close(fd)
     out = Path(name)
     try:
-        result = trim_trace(path, out, first, last, max_bytes=max_bytes)
+        result = trim_trace(
+            path, out, first, last, max_bytes=max_bytes, label=f"trace {trace.id}", download_name=filename
+        )
     except TraceTooLarge as exc:
         out.unlink(missing_ok=True)
         raise ApiError(413, "too_large", str(exc)) from None
@@ -40,12 +52,10 @@ def trimmed_download(trace: Trace, path: Path, steps: str, request: Request) -> 
     except BaseException:
         out.unlink(missing_ok=True)
         raise
-    span = f"{first}" if first == last else f"{first}-{last}"
-    base = trace.filename.removesuffix(".gz").removesuffix(".json").removesuffix(".pt.trace")
     return FileResponse(
         out,
         media_type="application/gzip",
-        filename=f"{base}_steps{span}.pt.trace.json.gz",
+        filename=filename,
         headers={
             "X-Trimmed-Events": f"{result.kept}/{result.kept + result.dropped}",
             "Cache-Control": "private",

@@ -90,9 +90,9 @@ def analyze_stored(
     start = time.perf_counter()
     with make_store(settings).open(storage_key) as stream:
         trace = parse.load_trace(stream, max_bytes=settings.max_decompressed_bytes, name=filename)
-    # The run metadata (loader settings, world size, host RAM) lets recommendations name exact values.
-    host_memory = pipeline._host_memory(metadata)
-    report = pipeline.analyze_trace(trace, metadata=metadata or None, host_memory=host_memory).to_dict()
+    # The upload's run metadata (loader settings, CPU count, host RAM) lets recommendations name exact
+    # values; the engine merges it with what the trace embeds, as ``stepdoctor analyze`` does.
+    report = pipeline.analyze_trace(trace, metadata=metadata or None).to_dict()
     # Stored as the engine wrote it, once it decoded as the contract: readers decode it typed too.
     doc = contract.decode(report)
     duration_ms = int((time.perf_counter() - start) * 1000)
@@ -514,10 +514,16 @@ class Pool:
         finally:
             db.dispose()
 
-    def stop(self, timeout: float = STOP_GRACE_S) -> None:
+    def request_stop(self) -> None:
+        """Tell every worker to stop after its current job (returns at once; ``stop`` waits)."""
         self._stopping.set()
         if self._stop is not None:
             self._stop.set()
+
+    def stop(self, timeout: float = STOP_GRACE_S) -> None:
+        """Stop the workers: ``timeout`` for running jobs to end, then they are terminated (their
+        jobs are requeued at the next start, or by the stale-claim sweep of another host)."""
+        self.request_stop()
         if self._supervisor is not None:
             self._supervisor.join(timeout=SUPERVISE_INTERVAL_S * 2)
         deadline = time.monotonic() + timeout

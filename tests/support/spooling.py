@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -37,3 +40,21 @@ def spool_traces(spool: Spool, trace: bytes, count: int, server: str | None, run
         Spool.commit_capture(directory, stem, {**sidecar, "server": server, "metadata": {"host": "h"}})
         keys.append(key)
     return keys
+
+
+def run_training(code: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run a training script (``python -c code args...``) as a user would: no ``STEPDOCTOR_*`` from the
+    test's environment but ``env``, and agent errors raised (a mishandled one fails the script)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("STEPDOCTOR_")}
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env={**base, "STEPDOCTOR_RAISE_ERRORS": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def agent_lines(stderr: str) -> list[str]:
+    """The agent's own stderr lines (torch's and Kineto's are left out)."""
+    return [line for line in stderr.splitlines() if line.startswith("stepdoctor:")]

@@ -39,7 +39,9 @@ def load_trace(
     """Parse one rank's trace (``.json`` or gzip, detected by content) into a ``RankTrace``.
 
     ``path`` may also be a readable binary stream (an object-store reader), read once front to
-    back, so a server worker needs no local copy; ``name`` labels it in messages.
+    back, so a server worker needs no local copy. ``name`` labels it in messages and as the
+    trace's source (default: the file name), so a server names what its users know, never a
+    storage key.
     """
     cap = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
     if isinstance(path, str | Path):
@@ -47,7 +49,8 @@ def load_trace(
         if not p.is_file():
             raise TraceError(f"{p.name}: no such trace file")
         source: Path | BinaryIO = p
-        builder, label = Builder(str(p)), p.name
+        label = name or p.name
+        builder = Builder(name or str(p))
     else:
         source = path
         label = name or Path(str(getattr(path, "name", "") or "trace")).name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +74,22 @@ def assemble(b: Builder) -> RankTrace:
             k: v for k, v in top.items() if k not in ("deviceProperties", "distributedInfo") and _small(v)
         },
         distributed=dist,
+        run_metadata=_run_metadata(top.get(RUN_METADATA_KEY)),
     )
+
+
+RUN_METADATA_KEY = "stepdoctor"  # the agent's ``preset_metadata_json("stepdoctor", ...)``
+
+
+def _run_metadata(value: Any) -> dict[str, Any]:
+    """The agent's embedded run metadata: a JSON object (a JSON string of one from writers that
+    quote it); anything else is not ours and is ignored."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return {}
+    return value if isinstance(value, dict) else {}
 
 
 def no_events(source: str) -> TraceError:

@@ -73,14 +73,15 @@ def download(
 ) -> Response:
     """The trace as uploaded, or only the ProfilerSteps ``steps`` names (e.g. ``5-6``); 410 when the
     store lost the file."""
+    from stepdoctor_server.trimmed import requested_steps, trimmed_download
+
+    wanted = requested_steps(steps) if steps is not None else None  # a bad range fetches nothing
     trace, _, _ = load_trace(session, principal, trace_id)
     if not store.exists(trace.storage_key):
         raise ApiError(410, "gone", f"trace {trace_id} file is missing from the store")
-    if steps is not None:
-        from stepdoctor_server.trimmed import trimmed_download
-
+    if wanted is not None:
         with store.local_copy(trace.storage_key) as path:
-            return trimmed_download(trace, path, steps, request)
+            return trimmed_download(trace, path, wanted, request)
     media = "application/gzip" if trace.filename.endswith(".gz") else "application/json"
     # The local store sends the file; S3 streams it through (or redirects to a presigned URL).
     return store.download(
