@@ -44,10 +44,11 @@ def main() -> int:
 
     from fastapi.testclient import TestClient
 
-    from stepdoctor_server import auth, migrate
-    from stepdoctor_server.app import create_app
-    from stepdoctor_server.models import Analysis, Run
-    from stepdoctor_server.settings import Settings
+    from stepdoctor_server.auth import tokens as auth
+    from stepdoctor_server.core import migrate
+    from stepdoctor_server.core.models import Analysis, Run
+    from stepdoctor_server.core.settings import Settings
+    from stepdoctor_server.web.app import create_app
 
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(data_dir=Path(tmp), database_url=args.database_url, workers=0)
@@ -154,7 +155,7 @@ def main() -> int:
 def _analysis_id(session: object, trace_id: int) -> int:
     from sqlalchemy import select
 
-    from stepdoctor_server.models import Analysis
+    from stepdoctor_server.core.models import Analysis
 
     return int(session.scalar(select(Analysis.id).where(Analysis.trace_id == trace_id)))  # type: ignore[attr-defined]
 

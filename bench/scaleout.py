@@ -39,10 +39,10 @@ import httpx  # noqa: E402
 from sqlalchemy import select, text  # noqa: E402
 
 from stepdoctor_server import auth, migrate  # noqa: E402
-from stepdoctor_server.db import Database  # noqa: E402
-from stepdoctor_server.models import Analysis, Trace  # noqa: E402
-from stepdoctor_server.queue import reset_to_pending  # noqa: E402
-from stepdoctor_server.settings import Settings  # noqa: E402
+from stepdoctor_server.core.database import Database  # noqa: E402
+from stepdoctor_server.core.models import Analysis, Trace  # noqa: E402
+from stepdoctor_server.core.settings import Settings  # noqa: E402
+from stepdoctor_server.jobs.claims import reset_to_pending  # noqa: E402
 from support.fixtures import GPU_FIXTURES, HTA_TRACES  # noqa: E402
 from support.s3 import S3Server, running_weed  # noqa: E402
 from support.server import _fresh_postgres_database, serve_subprocess, upload  # noqa: E402
@@ -144,7 +144,7 @@ def embedded_latency(tmp: Path, n: int) -> list[float]:
     """The SQLite embedded pool: re-queued (``updated_at``) -> claimed (``claimed_at``), polling."""
     from fastapi.testclient import TestClient
 
-    from stepdoctor_server.app import create_app
+    from stepdoctor_server.web.app import create_app
 
     settings = Settings(data_dir=tmp / "embedded", workers=1)
     migrate.upgrade(settings)

@@ -22,11 +22,11 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from stepdoctor_server import auth
-from stepdoctor_server.app import create_app
-from stepdoctor_server.migrate import upgrade
-from stepdoctor_server.models import Analysis
-from stepdoctor_server.settings import Settings
+from stepdoctor_server.auth import tokens as auth
+from stepdoctor_server.core.migrate import upgrade
+from stepdoctor_server.core.models import Analysis
+from stepdoctor_server.core.settings import Settings
+from stepdoctor_server.web.app import create_app
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests/fixtures/traces/hta/trace_diff/control/control.json.gz"
 TARGET_S = 2.0

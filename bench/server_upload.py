@@ -62,7 +62,7 @@ def peak_rss_mb(pid: int) -> float:
 
 def create_token(env: dict[str, str]) -> str:
     from stepdoctor_server import cli
-    from stepdoctor_server.settings import get_settings
+    from stepdoctor_server.core.settings import get_settings
 
     os.environ.update(env)
     get_settings.cache_clear()
@@ -115,9 +115,9 @@ def bench_uploads(url: str, token: str, body: bytes, digest: str, n: int, data_d
 def insert_runs(database_url: str, data_dir: Path, count: int) -> None:
     from sqlalchemy import insert, select
 
-    from stepdoctor_server.db import Database
-    from stepdoctor_server.models import Project, Run, Team
-    from stepdoctor_server.settings import Settings
+    from stepdoctor_server.core.database import Database
+    from stepdoctor_server.core.models import Project, Run, Team
+    from stepdoctor_server.core.settings import Settings
 
     db = Database(Settings(data_dir=data_dir, database_url=database_url))
     kinds = ["input", "transfer", "launch", "memory", "sync", "communication", "compute"]

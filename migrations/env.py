@@ -5,9 +5,9 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import Connection, create_engine, pool
 
-from stepdoctor_server.migrate import include_name
-from stepdoctor_server.models import Base
-from stepdoctor_server.settings import get_settings
+from stepdoctor_server.core.migrate import include_name
+from stepdoctor_server.core.models import Base
+from stepdoctor_server.core.settings import get_settings
 
 config = context.config
 target_metadata = Base.metadata

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from stepdoctor_server.app import create_app
-from stepdoctor_server.settings import Settings
+from stepdoctor_server.core.settings import Settings
+from stepdoctor_server.web.app import create_app
 from support.dashboard import launch_chromium
 from support.server import migrated_sqlite_env, serve_subprocess
 

@@ -16,7 +16,7 @@ from stepdoctor_analysis.collectives import collective_type, is_collective_kerne
 from stepdoctor_analysis.contract import decode
 from stepdoctor_analysis.pipeline import analyze_path
 from stepdoctor_analysis.ranks import TraceEntry, rank_verdict, worker_name
-from stepdoctor_server.aggregate import StoredTrace, aggregate_run
+from stepdoctor_server.runs.diagnosis import StoredTrace, aggregate_run
 from support import synthetic_dist as sd
 from support.cpu_loops import _record
 from support.fixtures import HTA_TRACES, TRACELENS_TRACES

@@ -15,7 +15,7 @@ from stepdoctor_analysis import cli as analyze_cli
 from stepdoctor_analysis import trim_cli
 from stepdoctor_analysis.cli import byte_text
 from stepdoctor_server import cli
-from stepdoctor_server.settings import get_settings
+from stepdoctor_server.core.settings import get_settings
 from support.synthetic import sync_bound_trace
 
 

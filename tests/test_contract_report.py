@@ -109,8 +109,8 @@ def test_cli_without_a_path_is_a_usage_error(capsys: pytest.CaptureFixture[str])
 
 
 def test_openapi_shows_the_report_fields(tmp_path: Path) -> None:
-    from stepdoctor_server.app import create_app
-    from stepdoctor_server.settings import Settings
+    from stepdoctor_server.core.settings import Settings
+    from stepdoctor_server.web.app import create_app
 
     spec = TestClient(create_app(Settings(data_dir=tmp_path, workers=0))).get("/openapi.json").json()
     schemas = spec["components"]["schemas"]

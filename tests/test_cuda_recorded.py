@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from stepdoctor_analysis.pipeline import analyze_path
-from stepdoctor_server.aggregate import StoredTrace
-from stepdoctor_server.compare import compare_diagnoses
+from stepdoctor_server.runs.compare import compare_diagnoses
+from stepdoctor_server.runs.diagnosis import StoredTrace
 from support.fixtures import TRACES
 from support.reports import as_verdict, server_run
 

@@ -140,7 +140,7 @@ def test_trim_cli_one_line_errors_and_a_summary(tmp_path: Path) -> None:
 
 
 def test_tensorboard_export_makes_a_rank_less_runs_windows_spans_of_one_worker(tmp_path: Path) -> None:
-    from stepdoctor_server.tensorboard_export import ExportItem, archive_names
+    from stepdoctor_server.runs.export import ExportItem, archive_names
 
     consts = pytest.importorskip("torch_tb_profiler.consts")
     files = []

@@ -16,7 +16,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
 from stepdoctor_analysis import parse, steps
-from stepdoctor_server.models import Project, Run, Team
+from stepdoctor_server.core.models import Project, Run, Team
 from support.dashboard import launch_chromium
 from support.fixtures import HTA_TRACES
 from support.server import cli_token, drain, migrated_sqlite_env, serve_subprocess, upload
@@ -30,8 +30,8 @@ KIND_COLOURS = {"rgb(238, 202, 59)", "rgb(245, 133, 24)", "rgb(84, 162, 75)", "r
 
 def _analyse(data_dir: Path) -> None:
     """Run the queued analyses in this process, as a worker of the server would (same database)."""
-    from stepdoctor_server.app import create_app
-    from stepdoctor_server.settings import Settings
+    from stepdoctor_server.core.settings import Settings
+    from stepdoctor_server.web.app import create_app
 
     app = create_app(Settings(data_dir=data_dir, workers=0))
     assert drain(app) >= 3

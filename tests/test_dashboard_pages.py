@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from stepdoctor_analysis import BOTTLENECK_KINDS, parse, steps
-from stepdoctor_server.models import Project, Run
+from stepdoctor_server.core.models import Project, Run
 from support.dashboard import page_plots
 from support.fixtures import HTA_TRACES
 from support.server import drain, logged_in, upload
@@ -200,7 +200,7 @@ def test_a_report_that_does_not_decode_is_shown_as_stale(
     admin's re-analysis has redone it the verdict is back."""
     from sqlalchemy import select
 
-    from stepdoctor_server.models import Analysis, Trace
+    from stepdoctor_server.core.models import Analysis, Trace
 
     made = upload(client, TWO_STEPS.read_bytes(), project="p", run="r").json()
     drain(app)

@@ -98,7 +98,7 @@ def test_text_report_links_the_verdict_and_card_to_their_sections(
 
 @pytest.mark.only_db("sqlite")
 def test_dashboard_cards_link_to_the_guide_page(client: TestClient) -> None:
-    from stepdoctor_dashboard.routes import templates
+    from stepdoctor_server.web.pages import templates
 
     page = client.get("/guide")
     assert page.status_code == 200

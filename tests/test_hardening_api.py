@@ -17,9 +17,9 @@ from sqlalchemy import select, text, update
 from sqlalchemy.exc import ProgrammingError
 
 from stepdoctor_server import cli
-from stepdoctor_server.models import Token, Trace, utcnow
-from stepdoctor_server.queue import REANALYSIS_PRIORITY, claim_row
-from stepdoctor_server.settings import get_settings
+from stepdoctor_server.core.models import Token, Trace, utcnow
+from stepdoctor_server.core.settings import get_settings
+from stepdoctor_server.jobs.claims import REANALYSIS_PRIORITY, claim_row
 from support.server import bearer, row_counts, store_analysis, store_files, synthetic_trace, upload
 
 BIG_IDS = (0, -1, 2**31, 2**31 + 5, 2**63 - 1, 2**63, 2**64)
@@ -306,7 +306,7 @@ def test_last_used_is_written_at_most_once_a_minute(
 
 def test_legacy_names_with_a_newline_still_export(app: FastAPI, client: TestClient) -> None:
     """Rows stored before full-match validation may end in a newline: the zip header stays valid."""
-    from stepdoctor_server.models import Project, Run
+    from stepdoctor_server.core.models import Project, Run
 
     trace = _uploaded(client)
     with app.state.db.session() as session:

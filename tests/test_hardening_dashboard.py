@@ -12,10 +12,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
-from stepdoctor_server import sessions
-from stepdoctor_server.models import DashboardSession
-from stepdoctor_server.models import utcnow as now
-from stepdoctor_server.security import inline_script_hashes
+from stepdoctor_server.auth import sessions
+from stepdoctor_server.core.models import DashboardSession
+from stepdoctor_server.core.models import utcnow as now
+from stepdoctor_server.web.security import inline_script_hashes
 from support.server import bearer, synthetic_trace, upload
 
 SAME = {"Origin": "http://testserver"}
@@ -203,7 +203,7 @@ def _page_routes() -> list[tuple[str, list[str]]]:
     """(path with ids filled in, query parameter names) of every dashboard GET page."""
     from fastapi.routing import APIRoute
 
-    from stepdoctor_dashboard import routes
+    from stepdoctor_server.web import pages as routes
 
     pages = []
     for route in routes.router.routes:

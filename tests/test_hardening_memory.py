@@ -19,8 +19,8 @@ import pytest
 
 from stepdoctor_analysis import parse
 from stepdoctor_analysis.errors import TraceError
-from stepdoctor_server.errors import ApiError
-from stepdoctor_server.ingest import MAX_COMPRESSION_RATIO, RATIO_CHECK_AFTER, BodyInspector
+from stepdoctor_server.core.errors import ApiError
+from stepdoctor_server.traces.ingest import MAX_COMPRESSION_RATIO, RATIO_CHECK_AFTER, BodyInspector
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1 << 20

@@ -18,8 +18,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from stepdoctor_server import migrate
-from stepdoctor_server.settings import Settings
+from stepdoctor_server.core import migrate
+from stepdoctor_server.core.settings import Settings
 from support.server import ServerProcess, serve_subprocess
 
 pytestmark = pytest.mark.slow

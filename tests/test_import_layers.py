@@ -41,13 +41,13 @@ KNOWN_CIRCLES = {
     ),
     frozenset(
         {
-            "stepdoctor_server.db",
-            "stepdoctor_server.jobs",
-            "stepdoctor_server.queue",
-            "stepdoctor_server.worker",
+            "stepdoctor_server.core.database",
+            "stepdoctor_server.jobs.procrastinate_app",
+            "stepdoctor_server.jobs.claims",
+            "stepdoctor_server.jobs.pool",
         }
     ),
-    frozenset({"stepdoctor_dashboard.guide_page", "stepdoctor_dashboard.routes"}),
+    frozenset({"stepdoctor_server.web.guide_page", "stepdoctor_server.web.pages"}),
 }
 
 

@@ -21,10 +21,11 @@ import httpx
 import pytest
 from sqlalchemy import func, select, text
 
-from stepdoctor_server import auth, migrate
-from stepdoctor_server.db import Database
-from stepdoctor_server.models import Analysis, Run, Trace
-from stepdoctor_server.settings import Settings
+from stepdoctor_server.auth import tokens as auth
+from stepdoctor_server.core import migrate
+from stepdoctor_server.core.database import Database
+from stepdoctor_server.core.models import Analysis, Run, Trace
+from stepdoctor_server.core.settings import Settings
 from support.s3 import S3Server, s3_server  # noqa: F401 - fixture
 from support.server import (
     FIXTURE_TRACES,

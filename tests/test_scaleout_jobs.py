@@ -21,12 +21,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 from sqlalchemy.exc import OperationalError
 
-from stepdoctor_server import migrate
-from stepdoctor_server.limits import JobFailed, run_limited
-from stepdoctor_server.models import Analysis, Trace
-from stepdoctor_server.queue import SqlJobQueue
-from stepdoctor_server.settings import Settings
-from stepdoctor_server.worker import describe_error, retry_db
+from stepdoctor_server.core import migrate
+from stepdoctor_server.core.models import Analysis, Trace
+from stepdoctor_server.core.settings import Settings
+from stepdoctor_server.jobs.claims import SqlJobQueue
+from stepdoctor_server.jobs.limits import JobFailed, run_limited
+from stepdoctor_server.jobs.pool import describe_error, retry_db
 from support.server import (
     FIXTURE_TRACES,
     _fresh_postgres_database,
@@ -130,7 +130,7 @@ def test_database_error_while_storing_is_retried_not_a_failure(
 
 def test_a_second_delivery_never_stores_a_second_analysis(client: TestClient, app: FastAPI) -> None:
     """Worker A was presumed dead and B took the trace over; A's late result is dropped."""
-    from stepdoctor_server.worker import analyze_limited
+    from stepdoctor_server.jobs.pool import analyze_limited
 
     trace_id = upload(client, SMALL.read_bytes(), run="dup").json()["id"]
     queue = SqlJobQueue(app.state.db)
@@ -155,7 +155,7 @@ def test_sqlite_page_read_answers_while_another_connection_writes(
     db_url: str, tmp_path: Path, admin_token: str, app: FastAPI
 ) -> None:
     settings = app.state.settings.model_copy(update={"sqlite_busy_timeout_s": 1.0})
-    from stepdoctor_server.app import create_app
+    from stepdoctor_server.web.app import create_app
 
     reader_app = create_app(settings)
     writer = sqlite3.connect(db_url.removeprefix("sqlite:///"), isolation_level=None, timeout=5)
@@ -205,7 +205,7 @@ def test_replicas_migrating_together_do_not_race(tmp_path: Path) -> None:
 def test_worker_metrics_expose_durations_failures_and_queue_depth(client: TestClient, app: FastAPI) -> None:
     from prometheus_client import generate_latest
 
-    from stepdoctor_server.worker import WorkerMetrics
+    from stepdoctor_server.jobs.pool import WorkerMetrics
 
     upload(client, SMALL.read_bytes(), run="metrics")
     metrics = WorkerMetrics(app.state.settings)
@@ -239,7 +239,7 @@ def test_sweep_requeues_pending_and_orphaned_traces(client: TestClient, app: Fas
 
     from sqlalchemy import text, update
 
-    from stepdoctor_server import jobs
+    from stepdoctor_server.jobs import procrastinate_app as jobs
 
     pending = upload(client, SMALL.read_bytes(), run="sweep", rank=0).json()["id"]
     orphan = upload(client, SMALL.read_bytes(), run="sweep", rank=1).json()["id"]

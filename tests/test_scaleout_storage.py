@@ -19,9 +19,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from stepdoctor_analysis import parse
-from stepdoctor_server.models import Analysis, Trace
-from stepdoctor_server.settings import Settings
-from stepdoctor_server.storage import LocalStore, S3Store, StagedFile, make_store
+from stepdoctor_server.core.models import Analysis, Trace
+from stepdoctor_server.core.settings import Settings
+from stepdoctor_server.traces.storage import LocalStore, S3Store, StagedFile, make_store
 from support.s3 import s3_env, s3_server  # noqa: F401 - fixtures
 from support.server import FIXTURE_TRACES, drain, upload
 

@@ -26,10 +26,10 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
-from stepdoctor_server.models import Analysis, Trace
-from stepdoctor_server.queue import MAX_ATTEMPTS, SqlJobQueue
-from stepdoctor_server.settings import Settings
-from stepdoctor_server.worker import start_pool
+from stepdoctor_server.core.models import Analysis, Trace
+from stepdoctor_server.core.settings import Settings
+from stepdoctor_server.jobs.claims import MAX_ATTEMPTS, SqlJobQueue
+from stepdoctor_server.jobs.pool import start_pool
 from support import verdict_traces as vt
 from support.server import FIXTURE_TRACES, drain, synthetic_trace, upload, worker_subprocess
 

@@ -11,9 +11,9 @@ import msgspec
 import pytest
 
 from stepdoctor_analysis.run_verdict import merge_recommendations
-from stepdoctor_server.aggregate import StoredTrace, aggregate_run
-from stepdoctor_server.compare import compare_diagnoses
-from stepdoctor_server.tensorboard_export import ExportItem, archive_names, stream_zip, worker_name
+from stepdoctor_server.runs.compare import compare_diagnoses
+from stepdoctor_server.runs.diagnosis import StoredTrace, aggregate_run
+from stepdoctor_server.runs.export import ExportItem, archive_names, stream_zip, worker_name
 from support.reports import recommendation, report, verdict
 from support.reports import steps as step_rows
 
@@ -43,7 +43,7 @@ def _aggregate(traces: list[StoredTrace], **counts: int) -> dict[str, Any]:
 def _merge(traces: list[StoredTrace]) -> list[dict[str, Any]]:
     """The run's merged cards over readable reports (100 µs steps in these tests)."""
     from stepdoctor_analysis.ranks import TraceEntry
-    from stepdoctor_server.reports import read_report
+    from stepdoctor_server.traces.reports import read_report
 
     entries = [TraceEntry(doc, rank=t.rank) for t in traces if (doc := read_report(t.report)) is not None]
     out: list[dict[str, Any]] = msgspec.to_builtins(merge_recommendations(entries, 100.0, None))
@@ -181,9 +181,9 @@ def test_compare_deltas_speedup_and_findings() -> None:
 
 
 def test_a_diagnosis_compare_cannot_read_is_a_409_not_a_crash() -> None:
-    from stepdoctor_server.errors import ApiError
-    from stepdoctor_server.models import Run
-    from stepdoctor_server.services.runs import run_diagnosis
+    from stepdoctor_server.core.errors import ApiError
+    from stepdoctor_server.core.models import Run
+    from stepdoctor_server.runs.service import run_diagnosis
 
     good = msgspec.to_builtins(
         verdict(traces=1, step_time_us=5.0, findings=[{"id": "a", "title": "A", "traces": 1}])

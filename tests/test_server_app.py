@@ -11,9 +11,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from stepdoctor_server import app as app_module
-from stepdoctor_server.app import create_app
-from stepdoctor_server.settings import Settings
+from stepdoctor_server.core.settings import Settings
+from stepdoctor_server.web import app as app_module
+from stepdoctor_server.web.app import create_app
 from support.server import synthetic_trace, upload
 
 
@@ -132,7 +132,7 @@ WITHOUT_PART = """
 import sys
 sys.modules[sys.argv[1]] = None
 try:
-    from stepdoctor_server.app import create_app
+    from stepdoctor_server.web.app import create_app
     create_app()
 except ImportError as exc:
     print(exc)
@@ -142,7 +142,8 @@ print("started without", sys.argv[1])
 
 
 @pytest.mark.parametrize(
-    "part", ["stepdoctor_dashboard.routes", "stepdoctor_server.api_analysis", "stepdoctor_server.worker"]
+    "part",
+    ["stepdoctor_server.web.pages", "stepdoctor_server.web.api_analysis", "stepdoctor_server.jobs.pool"],
 )
 def test_a_missing_part_stops_the_server_with_a_message(part: str, tmp_path: Path) -> None:
     env = {**os.environ, "STEPDOCTOR_DATA_DIR": str(tmp_path)}
@@ -159,7 +160,7 @@ def test_a_missing_part_stops_the_server_with_a_message(part: str, tmp_path: Pat
 def test_serve_without_a_part_is_one_line(tmp_path: Path) -> None:
     """Through the console script, a part that is not installed ends in the install hint, not a traceback."""
     code = (
-        "import sys; sys.modules['stepdoctor_dashboard.routes'] = None\n"
+        "import sys; sys.modules['stepdoctor_server.web.pages'] = None\n"
         "from stepdoctor_server import cli\n"
         "cli.migrate.upgrade = lambda settings: None\n"  # reach the app import without a database
         "from stepdoctor.cli import main\n"

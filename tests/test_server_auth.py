@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from stepdoctor_server.models import Token, utcnow
+from stepdoctor_server.core.models import Token, utcnow
 from support.server import bearer, row_counts, synthetic_trace, upload
 
 READ_ENDPOINTS = [

@@ -17,8 +17,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from stepdoctor_server.app import create_app
-from stepdoctor_server.settings import Settings
+from stepdoctor_server.core.settings import Settings
+from stepdoctor_server.web.app import create_app
 from support.server import bearer, row_counts, store_files, synthetic_trace, upload
 
 MAX_UPLOAD = 256 * 1024

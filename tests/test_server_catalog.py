@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from stepdoctor_analysis import ENGINE_VERSION
-from stepdoctor_server.models import Project, Run
+from stepdoctor_server.core.models import Project, Run
 from support.server import TeamInfo, synthetic_trace, upload
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)

@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI
 
 from stepdoctor_server import cli
-from stepdoctor_server.settings import Settings, get_settings
+from stepdoctor_server.core.settings import Settings, get_settings
 from support.server import bearer, serve_subprocess, small_trace_bytes, upload
 
 
@@ -45,7 +45,7 @@ def test_db_upgrade_then_token_create_and_list(
 
     from starlette.testclient import TestClient
 
-    from stepdoctor_server.app import create_app
+    from stepdoctor_server.web.app import create_app
 
     with TestClient(create_app(Settings(data_dir=env_settings, workers=0))) as client:
         assert client.get("/api/v1/runs", headers=bearer(token)).status_code == 200

@@ -19,8 +19,8 @@ from sqlalchemy import select
 
 from stepdoctor_analysis import deep
 from stepdoctor_dashboard import figures
-from stepdoctor_server.models import DeepAnalysis
-from stepdoctor_server.queue import SqlDeepQueue, SqlJobQueue
+from stepdoctor_server.core.models import DeepAnalysis
+from stepdoctor_server.jobs.claims import SqlDeepQueue, SqlJobQueue
 from support.server import FIXTURE_TRACES, bearer, drain, upload
 
 CP = FIXTURE_TRACES / "hta" / "critical_path"

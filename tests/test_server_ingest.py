@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from stepdoctor_server.errors import ApiError
-from stepdoctor_server.ingest import BodyInspector, normalize_tags, parse_metadata
+from stepdoctor_server.core.errors import ApiError
+from stepdoctor_server.traces.ingest import BodyInspector, normalize_tags, parse_metadata
 
 TRACE = json.dumps({"schemaVersion": 1, "traceEvents": [{"ph": "X", "name": "a"}] * 50}).encode()
 

@@ -9,9 +9,9 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, inspect, pool
 
-from stepdoctor_server import migrate
-from stepdoctor_server.models import Base
-from stepdoctor_server.settings import Settings
+from stepdoctor_server.core import migrate
+from stepdoctor_server.core.models import Base
+from stepdoctor_server.core.settings import Settings
 
 
 def test_models_and_migrations_agree(db_url: str) -> None:

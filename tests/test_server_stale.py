@@ -9,8 +9,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
 from stepdoctor_analysis import ENGINE_VERSION
-from stepdoctor_server.models import Analysis, Run, Trace
-from stepdoctor_server.queue import SqlJobQueue
+from stepdoctor_server.core.models import Analysis, Run, Trace
+from stepdoctor_server.jobs.claims import SqlJobQueue
 from support.server import drain, logged_in, small_trace_bytes, upload
 
 

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from stepdoctor_server.models import Project, Run, Trace
+from stepdoctor_server.core.models import Project, Run, Trace
 from support.server import (
     row_counts,
     small_trace_bytes,

@@ -2,7 +2,7 @@
 
 ``main(argv)`` takes the command name as ``argv[0]``; the ``stepdoctor`` dispatcher calls
 ``serve_main``/``token_main``/``db_main`` with the arguments after it (``stepdoctor worker`` is
-``stepdoctor_server.worker.main``). Every error is one line on stderr and exit status 2, as for
+``stepdoctor_server.jobs.pool.main``). Every error is one line on stderr and exit status 2, as for
 usage errors (argparse's convention), never a traceback.
 """
 
@@ -19,11 +19,12 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from stepdoctor_server import auth, migrate
-from stepdoctor_server.db import Database
-from stepdoctor_server.models import SCOPES, Team, utcnow
-from stepdoctor_server.settings import Settings, get_settings
-from stepdoctor_server.storage import make_store
+from stepdoctor_server.auth import tokens as auth
+from stepdoctor_server.core import migrate
+from stepdoctor_server.core.database import Database
+from stepdoctor_server.core.models import SCOPES, Team, utcnow
+from stepdoctor_server.core.settings import Settings, get_settings
+from stepdoctor_server.traces.storage import make_store
 
 DEFAULT_TEAM = "default"
 
@@ -248,7 +249,7 @@ def _when(value: object) -> str:
 
 
 def _check_team_name(name: str) -> None:
-    from stepdoctor_server.ingest import NAME_RE
+    from stepdoctor_server.traces.ingest import NAME_RE
 
     if not NAME_RE.fullmatch(name):
         raise CommandError(f"invalid team name {name!r}: use 1-128 characters of [A-Za-z0-9._-]")
@@ -289,7 +290,7 @@ def serve(
 ) -> int:
     import uvicorn
 
-    from stepdoctor_server.app import create_app
+    from stepdoctor_server.web.app import create_app
 
     updates: dict[str, object] = {}
     if host is not None:
@@ -318,7 +319,7 @@ def serve(
         f"{settings.workers} analysis worker(s)",
         flush=True,
     )
-    from stepdoctor_server.timeouts import uvicorn_options
+    from stepdoctor_server.web.timeouts import uvicorn_options
 
     app = create_app(settings)
     config = uvicorn.Config(
@@ -339,7 +340,7 @@ def _serve_until_signalled(config: Any, app: Any) -> None:
     workers' starting only once the last request ended."""
     import uvicorn
 
-    from stepdoctor_server.app import begin_shutdown
+    from stepdoctor_server.web.app import begin_shutdown
 
     class GracefulServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:

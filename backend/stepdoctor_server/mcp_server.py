@@ -173,7 +173,7 @@ class LocalBackend:
         """The run's diagnosis as the server builds it (``aggregate_run`` over each trace's report)."""
         from stepdoctor_analysis import parse
         from stepdoctor_analysis.pipeline import analyze_trace
-        from stepdoctor_server.aggregate import TraceReport, aggregate_run
+        from stepdoctor_server.runs.diagnosis import TraceReport, aggregate_run
 
         traces = parse.load_job(self._path(run))
         reports = [
@@ -183,7 +183,7 @@ class LocalBackend:
         return aggregate_run(reports)
 
     def compare_runs(self, base: str, other: str) -> dict[str, Any]:
-        from stepdoctor_server.compare import compare_diagnoses
+        from stepdoctor_server.runs.compare import compare_diagnoses
 
         return {
             "base": base,

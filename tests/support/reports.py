@@ -109,7 +109,7 @@ def verdict(**over: Any) -> RunVerdict:
 
 def server_run(traces: Any, **counts: int) -> dict[str, Any]:
     """The server's run diagnosis (``aggregate.aggregate_run``) as the API returns it (JSON values)."""
-    from stepdoctor_server.aggregate import aggregate_run
+    from stepdoctor_server.runs.diagnosis import aggregate_run
 
     out: dict[str, Any] = msgspec.to_builtins(aggregate_run(traces, **counts))
     return out

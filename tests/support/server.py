@@ -41,10 +41,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import delete, func, select
 
 from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
-from stepdoctor_server import auth, migrate
-from stepdoctor_server.app import create_app
-from stepdoctor_server.models import Analysis, Base, Trace
-from stepdoctor_server.settings import Settings
+from stepdoctor_server.auth import tokens as auth
+from stepdoctor_server.core import migrate
+from stepdoctor_server.core.models import Analysis, Base, Trace
+from stepdoctor_server.core.settings import Settings
+from stepdoctor_server.web.app import create_app
 from support.fixtures import TRACES
 
 __all__ = [
@@ -264,8 +265,8 @@ def upload(
 
 def drain(app: FastAPI, worker_id: str = "test:1:0") -> int:
     """Run every queued job in this process, as one worker would; returns how many ran."""
-    from stepdoctor_server.queue import SqlJobQueue
-    from stepdoctor_server.worker import process_one
+    from stepdoctor_server.jobs.claims import SqlJobQueue
+    from stepdoctor_server.jobs.pool import process_one
 
     db, n = app.state.db, 0
     queue = SqlJobQueue(db)

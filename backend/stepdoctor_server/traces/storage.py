@@ -42,8 +42,8 @@ from typing import IO, Any, BinaryIO
 import anyio.to_thread
 from starlette.responses import FileResponse, RedirectResponse, Response, StreamingResponse
 
-from stepdoctor_server.errors import ApiError
-from stepdoctor_server.limits import process_alive
+from stepdoctor_server.core.errors import ApiError
+from stepdoctor_server.jobs.limits import process_alive
 
 log = logging.getLogger("stepdoctor.storage")
 

@@ -23,9 +23,9 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from stepdoctor_server.db import Database, DatabaseDep
-from stepdoctor_server.errors import ApiError
-from stepdoctor_server.models import SCOPES, Team, Token, utcnow
+from stepdoctor_server.core.database import Database, DatabaseDep
+from stepdoctor_server.core.errors import ApiError
+from stepdoctor_server.core.models import SCOPES, Team, Token, utcnow
 
 TOKEN_PREFIX = "sdt_"
 # last_used_at is informative; writing it on every request would serialise readers on SQLite.

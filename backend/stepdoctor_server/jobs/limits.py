@@ -26,7 +26,7 @@ from typing import Any
 log = logging.getLogger("stepdoctor.limits")
 
 # Imported once in the forkserver, so each job's child starts with the engine loaded.
-_PRELOAD = ["stepdoctor_server.worker", "stepdoctor_analysis.pipeline", "stepdoctor_analysis.parse"]
+_PRELOAD = ["stepdoctor_server.jobs.pool", "stepdoctor_analysis.pipeline", "stepdoctor_analysis.parse"]
 _context: Any = None
 
 

@@ -18,7 +18,7 @@ import msgspec
 
 from stepdoctor_analysis.ranks import TraceEntry
 from stepdoctor_analysis.run_verdict import RunVerdict, run_verdict
-from stepdoctor_server.reports import read_report
+from stepdoctor_server.traces.reports import read_report
 
 
 @dataclass(frozen=True)

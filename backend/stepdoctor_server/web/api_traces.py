@@ -18,11 +18,14 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from stepdoctor_server.api_catalog import trace_summary
-from stepdoctor_server.auth import Principal, ReadTeam, UploadTeam
-from stepdoctor_server.db import Database, SessionDep, on_rollback
-from stepdoctor_server.errors import ApiError
-from stepdoctor_server.ingest import (
+from stepdoctor_server.auth.tokens import Principal, ReadTeam, UploadTeam
+from stepdoctor_server.core.database import Database, SessionDep, on_rollback
+from stepdoctor_server.core.errors import ApiError
+from stepdoctor_server.core.models import Analysis, Project, Run, Trace
+from stepdoctor_server.core.settings import Settings
+from stepdoctor_server.jobs.claims import enqueue_analyses
+from stepdoctor_server.traces import service as traces
+from stepdoctor_server.traces.ingest import (
     BodyInspector,
     UploadMetadata,
     check_content_type,
@@ -30,12 +33,9 @@ from stepdoctor_server.ingest import (
     validate_idempotency_key,
     validate_name,
 )
-from stepdoctor_server.models import Analysis, Project, Run, Trace
-from stepdoctor_server.queue import enqueue_analyses
-from stepdoctor_server.schemas import AnalysisOut, ErrorResponse, TraceOut, UploadResult
-from stepdoctor_server.services import traces
-from stepdoctor_server.settings import Settings
-from stepdoctor_server.storage import StagedFile, TraceStore, too_large
+from stepdoctor_server.traces.storage import StagedFile, TraceStore, too_large
+from stepdoctor_server.web.api_catalog import trace_summary
+from stepdoctor_server.web.schemas import AnalysisOut, ErrorResponse, TraceOut, UploadResult
 
 router = APIRouter(prefix="/api/v1/traces", tags=["traces"])
 

@@ -33,11 +33,11 @@ from sqlalchemy.orm import Session
 
 from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
 from stepdoctor_analysis.run_verdict import DIAGNOSIS_VERSION
-from stepdoctor_server.aggregate import StoredTrace, aggregate_run, read_verdict
-from stepdoctor_server.db import Database
-from stepdoctor_server.limits import process_alive
-from stepdoctor_server.models import Analysis, DeepAnalysis, Run, Trace
-from stepdoctor_server.reports import is_stale
+from stepdoctor_server.core.database import Database
+from stepdoctor_server.core.models import Analysis, DeepAnalysis, Run, Trace
+from stepdoctor_server.jobs.limits import process_alive
+from stepdoctor_server.runs.diagnosis import StoredTrace, aggregate_run, read_verdict
+from stepdoctor_server.traces.reports import is_stale
 
 # A job claimed more often than this (its worker died each time) is failed, not retried forever.
 MAX_ATTEMPTS = 3
@@ -448,7 +448,7 @@ def enqueue_analyses(session: Session, trace_ids: Sequence[int], *, reanalysis: 
     applies the same fairness).
     """
     if trace_ids and session.info.get(PROCRASTINATE):
-        from stepdoctor_server import jobs
+        from stepdoctor_server.jobs import procrastinate_app as jobs
 
         for trace_id in trace_ids:
             priority = REANALYSIS_PRIORITY if reanalysis else upload_priority(session, trace_id)
@@ -458,7 +458,7 @@ def enqueue_analyses(session: Session, trace_ids: Sequence[int], *, reanalysis: 
 def schedule_aggregation(session: Session, trace_id: int) -> None:
     """With procrastinate, queue the run's aggregation job in this transaction (coalesced per run)."""
     if session.info.get(PROCRASTINATE):
-        from stepdoctor_server import jobs
+        from stepdoctor_server.jobs import procrastinate_app as jobs
 
         run_id = session.scalar(select(Trace.run_id).where(Trace.id == trace_id))
         if run_id is not None:

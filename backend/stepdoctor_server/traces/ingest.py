@@ -27,7 +27,7 @@ from typing import Any
 
 from stepdoctor_analysis.errors import TraceError
 from stepdoctor_analysis.parsing.checking import TraceCheck
-from stepdoctor_server.errors import ApiError
+from stepdoctor_server.core.errors import ApiError
 
 GZIP_MAGIC = b"\x1f\x8b"
 # Always used with ``fullmatch``: ``^...$`` accepts a trailing newline ("abc\n").

@@ -16,8 +16,8 @@ from starlette.background import BackgroundTask
 
 from stepdoctor_analysis.errors import TraceError, TraceTooLarge
 from stepdoctor_analysis.trim import parse_steps, trim_trace
-from stepdoctor_server.errors import ApiError
-from stepdoctor_server.models import Trace
+from stepdoctor_server.core.errors import ApiError
+from stepdoctor_server.core.models import Trace
 
 
 def requested_steps(steps: str) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """Dashboard pages: server-rendered templates, figures as plotly JSON, cookie login with an API token.
 
-Pages read through the domain services the REST API also calls (``stepdoctor_server.services``:
+Pages read through the domain services the REST API also calls (``stepdoctor_server.<domain>.service``:
 the same queries and permission checks; a team sees only its own objects, others' ids are 404), and
 downloads go through the same service as the API's, so the bytes are identical.
 Every verdict, share and recommendation comes from the stored run diagnosis or trace report, the
@@ -22,19 +22,24 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import stepdoctor_dashboard
 from stepdoctor_analysis import BOTTLENECK_KINDS
 from stepdoctor_analysis.run_verdict import RunVerdict
-from stepdoctor_dashboard import assets, figures, formatting, guide_page
-from stepdoctor_server import compare, sessions
-from stepdoctor_server.auth import Principal, authenticate
-from stepdoctor_server.db import DatabaseDep, SessionDep
-from stepdoctor_server.errors import ApiError, check_id, not_found
-from stepdoctor_server.models import Project, Trace
-from stepdoctor_server.reports import ReportFacts, facts_of
-from stepdoctor_server.services import deep, runs, traces
+from stepdoctor_dashboard import assets, figures, formatting
+from stepdoctor_server.auth import sessions
+from stepdoctor_server.auth.tokens import Principal, authenticate
+from stepdoctor_server.core.database import DatabaseDep, SessionDep
+from stepdoctor_server.core.errors import ApiError, check_id, not_found
+from stepdoctor_server.core.models import Project, Trace
+from stepdoctor_server.deep import service as deep
+from stepdoctor_server.runs import compare
+from stepdoctor_server.runs import service as runs
+from stepdoctor_server.traces import service as traces
+from stepdoctor_server.traces.reports import ReportFacts, facts_of
+from stepdoctor_server.web import guide_page
 
 COOKIE = sessions.COOKIE  # a random session id (sessions.py), never the API token
-HERE = Path(__file__).parent
+HERE = Path(stepdoctor_dashboard.__file__).parent  # the templates and static files
 templates = Jinja2Templates(directory=str(HERE / "templates"))
 formatting.register(templates.env)
 router = APIRouter(include_in_schema=False)

@@ -19,12 +19,13 @@ from sqlalchemy import ColumnElement, Select, and_, or_
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from stepdoctor_analysis import BOTTLENECK_KINDS
-from stepdoctor_server.auth import ReadTeam
-from stepdoctor_server.db import SessionDep
-from stepdoctor_server.errors import MAX_ID, ApiError
-from stepdoctor_server.ingest import NAME_RE, check_tag, validate_name
-from stepdoctor_server.models import Project, Run, Trace
-from stepdoctor_server.schemas import (
+from stepdoctor_server.auth.tokens import ReadTeam
+from stepdoctor_server.core.database import SessionDep
+from stepdoctor_server.core.errors import MAX_ID, ApiError
+from stepdoctor_server.core.models import Project, Run, Trace
+from stepdoctor_server.runs import service as runs
+from stepdoctor_server.traces.ingest import NAME_RE, check_tag, validate_name
+from stepdoctor_server.web.schemas import (
     ErrorResponse,
     Page,
     ProjectOut,
@@ -33,7 +34,6 @@ from stepdoctor_server.schemas import (
     TraceSummary,
     as_utc,
 )
-from stepdoctor_server.services import runs
 
 router = APIRouter(prefix="/api/v1", tags=["catalog"])
 

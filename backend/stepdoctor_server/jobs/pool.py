@@ -34,10 +34,10 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from stepdoctor.cli import configure_logging
-from stepdoctor_server.db import Database
-from stepdoctor_server.limits import JobFailed, run_limited
-from stepdoctor_server.models import DeepAnalysis, Trace
-from stepdoctor_server.queue import (
+from stepdoctor_server.core.database import Database
+from stepdoctor_server.core.models import DeepAnalysis, Trace
+from stepdoctor_server.core.settings import Settings, get_settings
+from stepdoctor_server.jobs.claims import (
     AnalysisResult,
     JobQueue,
     SqlDeepQueue,
@@ -47,8 +47,8 @@ from stepdoctor_server.queue import (
     refresh_run_diagnosis,
     worker_identity,
 )
-from stepdoctor_server.settings import Settings, get_settings
-from stepdoctor_server.storage import TraceStore, make_store
+from stepdoctor_server.jobs.limits import JobFailed, run_limited
+from stepdoctor_server.traces.storage import TraceStore, make_store
 
 log = logging.getLogger("stepdoctor.worker")
 T = TypeVar("T")
@@ -368,7 +368,7 @@ def worker_loop(settings: Settings, index: int, stop: multiprocessing.synchroniz
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which sets ``stop``
     configure_logging()  # a fresh (spawned) process: the parent's logging setup is not inherited
     if settings.uses_procrastinate:
-        from stepdoctor_server import jobs
+        from stepdoctor_server.jobs import procrastinate_app as jobs
 
         concurrency = max(1, settings.workers)
         jobs.run_worker(
@@ -602,7 +602,7 @@ class _QueueDepth:
             self.db = self.db or Database(self.settings)
             with self.db.session(read_only=True) as session:
                 if self.settings.uses_procrastinate:
-                    from stepdoctor_server import jobs
+                    from stepdoctor_server.jobs import procrastinate_app as jobs
 
                     depth = jobs.queue_depth(session)
                 else:
@@ -649,7 +649,7 @@ def main(argv: Sequence[str] | None = None, *, settings: Settings | None = None)
         flush=True,
     )
     if settings.uses_procrastinate:
-        from stepdoctor_server import jobs
+        from stepdoctor_server.jobs import procrastinate_app as jobs
 
         # One process: procrastinate's loop, heartbeats and metrics here; each job in a child.
         jobs.run_worker(

@@ -40,6 +40,6 @@ def install(app: FastAPI, env: Environment) -> None:
 
 @router.get(PATH, response_class=HTMLResponse)
 def guide_page(request: Request) -> HTMLResponse:
-    from stepdoctor_dashboard.routes import _render
+    from stepdoctor_server.web.pages import _render
 
     return _render(request, "guide.html", None, body=guide_html())

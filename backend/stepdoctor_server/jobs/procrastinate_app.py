@@ -40,7 +40,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from stepdoctor_server.settings import Settings
+from stepdoctor_server.core.settings import Settings
 
 log = logging.getLogger("stepdoctor.jobs")
 
@@ -161,7 +161,7 @@ def _blueprint() -> Any:
     import procrastinate
     from procrastinate import RetryStrategy
 
-    from stepdoctor_server.worker import TransientJobError
+    from stepdoctor_server.jobs.pool import TransientJobError
 
     bp = procrastinate.Blueprint()
     # Only transient trouble (database away mid-job) is retried, with exponential backoff:
@@ -170,14 +170,14 @@ def _blueprint() -> Any:
 
     @bp.task(name=ANALYZE, queue=QUEUE_ANALYSIS, pass_context=True, retry=transient)
     def analyze_trace(context: Any, trace_id: int) -> None:
-        from stepdoctor_server import worker
+        from stepdoctor_server.jobs import pool as worker
 
         runtime: Runtime = context.additional_context["runtime"]
         worker.run_delivered_trace(runtime, trace_id)
 
     @bp.task(name=AGGREGATE, queue=QUEUE_AGGREGATION, pass_context=True, retry=transient)
     def aggregate_run(context: Any, run_id: int) -> None:
-        from stepdoctor_server import worker
+        from stepdoctor_server.jobs import pool as worker
 
         runtime: Runtime = context.additional_context["runtime"]
         worker.aggregate_when_finished(runtime, run_id)
@@ -185,8 +185,8 @@ def _blueprint() -> Any:
     @bp.periodic(cron="* * * * * */30", periodic_id="pending")
     @bp.task(name="stepdoctor.sweep_pending", queue=QUEUE_AGGREGATION, pass_context=True)
     def sweep_pending(context: Any, timestamp: int) -> None:
-        from stepdoctor_server.models import Trace
-        from stepdoctor_server.queue import requeue_or_give_up, requeue_outdated
+        from stepdoctor_server.core.models import Trace
+        from stepdoctor_server.jobs.claims import requeue_or_give_up, requeue_outdated
 
         runtime: Runtime = context.additional_context["runtime"]
         no_live_job = (
@@ -222,9 +222,9 @@ def _blueprint() -> Any:
     def deep_analyses(context: Any, timestamp: int) -> None:
         """Optional HTA analyses stay rows of ``deep_analyses`` (claimed like the embedded pool
         does): whichever worker runs this tick drains them, one claim at a time."""
-        from stepdoctor_server.queue import SqlDeepQueue
-        from stepdoctor_server.storage import make_store
-        from stepdoctor_server.worker import process_one_deep
+        from stepdoctor_server.jobs.claims import SqlDeepQueue
+        from stepdoctor_server.jobs.pool import process_one_deep
+        from stepdoctor_server.traces.storage import make_store
 
         runtime: Runtime = context.additional_context["runtime"]
         queue, store = SqlDeepQueue(runtime.db), make_store(runtime.settings)
@@ -275,7 +275,7 @@ def run_worker(
     When the database goes away the worker is restarted with exponential backoff (0.5 s to 30 s)
     and one log line per state change, never a traceback per poll.
     """
-    from stepdoctor_server.db import Database
+    from stepdoctor_server.core.database import Database
 
     # psycopg's pool warns on every reconnect attempt; the outage is reported once, below.
     logging.getLogger("psycopg.pool").setLevel(logging.ERROR)

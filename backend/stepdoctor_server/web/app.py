@@ -33,8 +33,9 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 try:  # the parts of the service: none is optional, so a missing one stops the server at start
-    from stepdoctor_dashboard import routes as dashboard
-    from stepdoctor_server import api_analysis, api_catalog, api_docs, api_traces, worker
+    from stepdoctor_server.jobs import pool as worker
+    from stepdoctor_server.web import api_analysis, api_catalog, api_docs, api_traces
+    from stepdoctor_server.web import pages as dashboard
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by test_server_app
     # Same class (ModuleNotFoundError stays one), so the console script still answers a missing
     # module with its one-line install hint.
@@ -43,15 +44,15 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by te
         "reinstall with pip install 'stepdoctor[server]'",
         name=exc.name,
     ) from exc
-from stepdoctor_server.auth import AdminTeam
-from stepdoctor_server.db import Database
-from stepdoctor_server.errors import ApiError
-from stepdoctor_server.models import TRACE_STATUSES, Trace
-from stepdoctor_server.schemas import ErrorResponse, HealthOut
-from stepdoctor_server.security import NulGuardMiddleware, SameOriginMiddleware, SecurityHeadersMiddleware
-from stepdoctor_server.settings import Settings, get_settings
-from stepdoctor_server.storage import make_store
-from stepdoctor_server.timeouts import BodyReadTimeoutMiddleware
+from stepdoctor_server.auth.tokens import AdminTeam
+from stepdoctor_server.core.database import Database
+from stepdoctor_server.core.errors import ApiError
+from stepdoctor_server.core.models import TRACE_STATUSES, Trace
+from stepdoctor_server.core.settings import Settings, get_settings
+from stepdoctor_server.traces.storage import make_store
+from stepdoctor_server.web.schemas import ErrorResponse, HealthOut
+from stepdoctor_server.web.security import NulGuardMiddleware, SameOriginMiddleware, SecurityHeadersMiddleware
+from stepdoctor_server.web.timeouts import BodyReadTimeoutMiddleware
 
 log = logging.getLogger("stepdoctor.server")
 

@@ -20,7 +20,7 @@ from sqlalchemy import Connection, Engine, create_engine, pool
 from sqlalchemy.engine import make_url
 
 import stepdoctor_migrations
-from stepdoctor_server.settings import Settings
+from stepdoctor_server.core.settings import Settings
 
 
 def _engine(settings: Settings) -> Engine:

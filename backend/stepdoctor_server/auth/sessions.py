@@ -18,8 +18,8 @@ from sqlalchemy.orm import Session
 from starlette.requests import Request
 from starlette.responses import Response
 
-from stepdoctor_server.auth import Principal, token_state
-from stepdoctor_server.models import DashboardSession, Team, Token, utcnow
+from stepdoctor_server.auth.tokens import Principal, token_state
+from stepdoctor_server.core.models import DashboardSession, Team, Token, utcnow
 
 COOKIE = "stepdoctor_session"
 LEGACY_COOKIES = ("stepdoctor_token",)  # the old cookie held the raw API token: cleared at logout

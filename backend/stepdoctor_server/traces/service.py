@@ -9,11 +9,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from stepdoctor_analysis.contract import ReportDoc
-from stepdoctor_server.auth import Principal
-from stepdoctor_server.errors import ApiError, check_id, not_found
-from stepdoctor_server.models import Analysis, Project, Run, Trace
-from stepdoctor_server.reports import read_analysis
-from stepdoctor_server.storage import TraceStore
+from stepdoctor_server.auth.tokens import Principal
+from stepdoctor_server.core.errors import ApiError, check_id, not_found
+from stepdoctor_server.core.models import Analysis, Project, Run, Trace
+from stepdoctor_server.traces.reports import read_analysis
+from stepdoctor_server.traces.storage import TraceStore
 
 
 def load_trace(session: Session, principal: Principal, trace_id: int) -> tuple[Trace, Run, Project]:
@@ -73,7 +73,7 @@ def download(
 ) -> Response:
     """The trace as uploaded, or only the ProfilerSteps ``steps`` names (e.g. ``5-6``); 410 when the
     store lost the file."""
-    from stepdoctor_server.trimmed import requested_steps, trimmed_download
+    from stepdoctor_server.traces.trim import requested_steps, trimmed_download
 
     wanted = requested_steps(steps) if steps is not None else None  # a bad range fetches nothing
     trace, _, _ = load_trace(session, principal, trace_id)

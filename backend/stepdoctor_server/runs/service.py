@@ -15,14 +15,14 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 
 from stepdoctor_analysis.run_verdict import RunVerdict
-from stepdoctor_server import tensorboard_export
-from stepdoctor_server.aggregate import read_verdict
-from stepdoctor_server.auth import Principal
-from stepdoctor_server.errors import ApiError, check_id, not_found
-from stepdoctor_server.models import Analysis, Project, Run, Trace
-from stepdoctor_server.queue import diagnosis_stale
-from stepdoctor_server.reports import ReportFacts, is_stale, read_facts
-from stepdoctor_server.storage import TraceStore
+from stepdoctor_server.auth.tokens import Principal
+from stepdoctor_server.core.errors import ApiError, check_id, not_found
+from stepdoctor_server.core.models import Analysis, Project, Run, Trace
+from stepdoctor_server.jobs.claims import diagnosis_stale
+from stepdoctor_server.runs import export as tensorboard_export
+from stepdoctor_server.runs.diagnosis import read_verdict
+from stepdoctor_server.traces.reports import ReportFacts, is_stale, read_facts
+from stepdoctor_server.traces.storage import TraceStore
 
 
 def load_run(session: Session, principal: Principal, run_id: int) -> tuple[Run, Project]:

@@ -29,7 +29,7 @@ import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from stepdoctor_server.errors import ApiError
+from stepdoctor_server.core.errors import ApiError
 
 
 class BodyTimeout(ApiError):

@@ -7,11 +7,11 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from stepdoctor_server.auth import Principal
-from stepdoctor_server.errors import ApiError
-from stepdoctor_server.models import DeepAnalysis
-from stepdoctor_server.queue import request_deep_analysis
-from stepdoctor_server.services.traces import load_trace
+from stepdoctor_server.auth.tokens import Principal
+from stepdoctor_server.core.errors import ApiError
+from stepdoctor_server.core.models import DeepAnalysis
+from stepdoctor_server.jobs.claims import request_deep_analysis
+from stepdoctor_server.traces.service import load_trace
 
 
 def deep_analyses(session: Session, trace_id: int) -> list[DeepAnalysis]:

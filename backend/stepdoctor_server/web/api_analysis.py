@@ -16,13 +16,15 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 from sqlalchemy import select
 
-from stepdoctor_server import compare
-from stepdoctor_server.auth import AdminTeam, ReadTeam, UploadTeam
-from stepdoctor_server.db import SessionDep
-from stepdoctor_server.models import DeepAnalysis, Trace
-from stepdoctor_server.queue import reset_to_pending
-from stepdoctor_server.schemas import ErrorResponse, ReportJSON
-from stepdoctor_server.services import deep, runs, traces
+from stepdoctor_server.auth.tokens import AdminTeam, ReadTeam, UploadTeam
+from stepdoctor_server.core.database import SessionDep
+from stepdoctor_server.core.models import DeepAnalysis, Trace
+from stepdoctor_server.deep import service as deep
+from stepdoctor_server.jobs.claims import reset_to_pending
+from stepdoctor_server.runs import compare
+from stepdoctor_server.runs import service as runs
+from stepdoctor_server.traces import service as traces
+from stepdoctor_server.web.schemas import ErrorResponse, ReportJSON
 
 router = APIRouter(prefix="/api/v1", tags=["analysis"])
 

@@ -16,7 +16,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from stepdoctor_server.settings import Settings
+from stepdoctor_server.core.settings import Settings
 
 _ROLLBACK_HOOKS = "stepdoctor_on_rollback"
 
@@ -72,7 +72,7 @@ class Database:
         self.settings = settings
         self.engine = make_engine(settings)
         # Sessions know whether jobs go through procrastinate (queue.enqueue_analyses reads it).
-        from stepdoctor_server.queue import PROCRASTINATE
+        from stepdoctor_server.jobs.claims import PROCRASTINATE
 
         info = {PROCRASTINATE: settings.uses_procrastinate}
         self.sessionmaker = sessionmaker(self.engine, expire_on_commit=False, info=info)

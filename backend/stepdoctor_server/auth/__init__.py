@@ -1,0 +1,1 @@
+"""API tokens (scopes, teams) and the dashboard's cookie sessions."""

@@ -1,0 +1,1 @@
+"""Optional HTA analyses of a trace (critical path), queued and read through its service."""
