@@ -8,7 +8,7 @@ the same question elsewhere, so the agent reads the numbers the CLI and the dash
 - ``run_verdict``, ``step_breakdown``: the run's diagnosis (the server's ``/runs/{id}/diagnosis``,
   locally the report ``stepdoctor analyze RUN`` gives) and its per-step rows;
 - ``compare_runs``: ``compare.compare_diagnoses`` (the compare page's numbers), over the server's
-  ``/compare`` or over ``aggregate.aggregate_run`` of two local runs;
+  ``/compare`` or over ``run_verdict.run_verdict`` of two local runs;
 - ``guide``: a section of docs/verdicts.md (``stepdoctor_analysis.guide``, shipped in the wheel).
 
 Two backends: local files (runs are trace files or directories, projects the log directories
@@ -33,6 +33,7 @@ import httpx
 
 from stepdoctor_analysis import guide
 from stepdoctor_analysis.errors import TraceError
+from stepdoctor_analysis.run_verdict import RunVerdict
 
 NAME = "stepdoctor"
 MAX_TIMELINE_TRACES = 16  # a run's timeline lists at most this many traces' steps
@@ -169,18 +170,19 @@ class LocalBackend:
         report = analyze_report(str(self._path(run)))
         return {"run": run, "verdict": verdict_of(report), "timeline": step_rows(report)}
 
-    def _diagnosis(self, run: str) -> dict[str, Any]:
-        """The run's diagnosis as the server builds it (``aggregate_run`` over each trace's report)."""
+    def _diagnosis(self, run: str) -> RunVerdict:
+        """The run's verdict as every surface builds it (``run_verdict.run_verdict``)."""
         from stepdoctor_analysis import parse
         from stepdoctor_analysis.pipeline import analyze_trace
-        from stepdoctor_server.runs.diagnosis import TraceReport, aggregate_run
+        from stepdoctor_analysis.ranks import TraceEntry, worker_name
+        from stepdoctor_analysis.run_verdict import run_verdict
 
         traces = parse.load_job(self._path(run))
-        reports = [
-            TraceReport(trace_id=i, rank=t.rank, window_index=None, report=analyze_trace(t).to_dict())
+        entries = [
+            TraceEntry(analyze_trace(t).typed(), window=i, worker=worker_name(t.source))
             for i, t in enumerate(traces)
         ]
-        return aggregate_run(reports)
+        return run_verdict(entries)
 
     def compare_runs(self, base: str, other: str) -> dict[str, Any]:
         from stepdoctor_server.runs.compare import compare_diagnoses
