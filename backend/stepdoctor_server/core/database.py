@@ -65,19 +65,36 @@ def _configure_sqlite(engine: Engine, settings: Settings) -> None:
         conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READ_ONLY) else "BEGIN IMMEDIATE")
 
 
+class AppSession(Session):
+    """A session of this app's database; ``defers_jobs``: work queued in its transaction goes to a
+    job engine's table (procrastinate) rather than being claimed from ``traces`` by the pool."""
+
+    def __init__(self, *args: Any, defers_jobs: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.defers_jobs = defers_jobs
+
+
+def defers_jobs(session: Session) -> bool:
+    """Whether jobs queued in ``session``'s transaction are deferred to the job engine."""
+    return isinstance(session, AppSession) and session.defers_jobs
+
+
 class Database:
     """The engine and session factory of one app (tests build several side by side)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.engine = make_engine(settings)
-        # Sessions know whether jobs go through procrastinate (queue.enqueue_analyses reads it).
-        from stepdoctor_server.jobs.claims import PROCRASTINATE
-
-        info = {PROCRASTINATE: settings.uses_procrastinate}
-        self.sessionmaker = sessionmaker(self.engine, expire_on_commit=False, info=info)
+        # Sessions know whether their jobs are deferred to a job engine (``defers_jobs``).
+        defer = settings.uses_procrastinate
+        self.sessionmaker = sessionmaker(
+            self.engine, class_=AppSession, expire_on_commit=False, defers_jobs=defer
+        )
         self.read_sessionmaker = sessionmaker(
-            self.engine.execution_options(**{READ_ONLY: True}), expire_on_commit=False, info=info
+            self.engine.execution_options(**{READ_ONLY: True}),
+            class_=AppSession,
+            expire_on_commit=False,
+            defers_jobs=defer,
         )
 
     @contextmanager

@@ -33,8 +33,9 @@ from sqlalchemy.orm import Session
 
 from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
 from stepdoctor_analysis.run_verdict import DIAGNOSIS_VERSION
-from stepdoctor_server.core.database import Database
+from stepdoctor_server.core.database import Database, defers_jobs
 from stepdoctor_server.core.models import Analysis, DeepAnalysis, Run, Trace
+from stepdoctor_server.jobs.defer import defer_aggregation, defer_analyses
 from stepdoctor_server.jobs.limits import process_alive
 from stepdoctor_server.runs.diagnosis import StoredTrace, aggregate_run, read_verdict
 from stepdoctor_server.traces.reports import is_stale
@@ -416,10 +417,6 @@ def requeue_or_give_up(session: Session, table: JobTable, ids: Sequence[int]) ->
     return int(result.rowcount)  # type: ignore[attr-defined]
 
 
-# Set on sessions (``Session.info``) of a database whose jobs go through procrastinate.
-PROCRASTINATE = "stepdoctor_procrastinate"
-
-
 # procrastinate fetches the highest priority first (ties: oldest first). A fresh upload's priority
 # is minus its team's backlog of pending traces, so each team's k-th waiting job ranks with the
 # other teams' k-th: a flood from one team delays another team's next upload by at most one job
@@ -447,22 +444,18 @@ def enqueue_analyses(session: Session, trace_ids: Sequence[int], *, reanalysis: 
     pool needs nothing: its workers claim pending rows of ``traces`` directly (``claim_row``
     applies the same fairness).
     """
-    if trace_ids and session.info.get(PROCRASTINATE):
-        from stepdoctor_server.jobs import procrastinate_app as jobs
-
+    if trace_ids and defers_jobs(session):
         for trace_id in trace_ids:
             priority = REANALYSIS_PRIORITY if reanalysis else upload_priority(session, trace_id)
-            jobs.defer_analyses(session, [trace_id], priority=priority)
+            defer_analyses(session, [trace_id], priority=priority)
 
 
 def schedule_aggregation(session: Session, trace_id: int) -> None:
     """With procrastinate, queue the run's aggregation job in this transaction (coalesced per run)."""
-    if session.info.get(PROCRASTINATE):
-        from stepdoctor_server.jobs import procrastinate_app as jobs
-
+    if defers_jobs(session):
         run_id = session.scalar(select(Trace.run_id).where(Trace.id == trace_id))
         if run_id is not None:
-            jobs.defer_aggregation(session, run_id)
+            defer_aggregation(session, run_id)
 
 
 def reset_to_pending(session: Session, trace_ids: Sequence[int]) -> int:

@@ -37,6 +37,7 @@ from stepdoctor.cli import configure_logging
 from stepdoctor_server.core.database import Database
 from stepdoctor_server.core.models import DeepAnalysis, Trace
 from stepdoctor_server.core.settings import Settings, get_settings
+from stepdoctor_server.jobs import procrastinate_app as jobs
 from stepdoctor_server.jobs.claims import (
     AnalysisResult,
     JobQueue,
@@ -47,6 +48,7 @@ from stepdoctor_server.jobs.claims import (
     refresh_run_diagnosis,
     worker_identity,
 )
+from stepdoctor_server.jobs.defer import AGGREGATE, ANALYZE, DEEP, TransientJobError, handles
 from stepdoctor_server.jobs.limits import JobFailed, run_limited
 from stepdoctor_server.traces.storage import TraceStore, make_store
 
@@ -62,10 +64,6 @@ STALE_SWEEP_S = 30.0
 
 
 # -- one job -------------------------------------------------------------------------------------
-
-
-class TransientJobError(Exception):
-    """The database stayed unreachable mid-job: the job is retried later, never failed for it."""
 
 
 def analyze_stored(
@@ -248,6 +246,7 @@ def process_one(db: Database, queue: JobQueue, store: TraceStore, settings: Sett
     return True
 
 
+@handles(ANALYZE)
 def run_delivered_trace(runtime: Any, trace_id: int) -> None:
     """Body of procrastinate's ``analyze_trace`` job: claim that trace, analyse, store.
 
@@ -260,6 +259,7 @@ def run_delivered_trace(runtime: Any, trace_id: int) -> None:
     handle_trace(runtime.db, queue, runtime.settings, trace_id, runtime.worker_id, runtime.metrics)
 
 
+@handles(AGGREGATE)
 def aggregate_when_finished(runtime: Any, run_id: int) -> None:
     """Body of procrastinate's ``aggregate_run`` job: aggregate once no trace of the run waits.
 
@@ -305,6 +305,14 @@ def run_deep(kind: str, params: dict[str, Any], path: Path, rank: int | None) ->
         step = params.get("step")
         return deep.critical_path(path, rank=rank, step=step if isinstance(step, int) else None)
     raise ValueError(f"unknown deep analysis kind {kind!r}")
+
+
+@handles(DEEP)
+def drain_deep(runtime: Any) -> None:
+    """Body of procrastinate's periodic ``deep_analyses``: drain the optional HTA jobs."""
+    queue, store = SqlDeepQueue(runtime.db), make_store(runtime.settings)
+    while process_one_deep(runtime.db, queue, store, runtime.worker_id):
+        pass
 
 
 def process_one_deep(db: Database, queue: SqlDeepQueue, store: TraceStore, worker_id: str) -> bool:
@@ -368,8 +376,6 @@ def worker_loop(settings: Settings, index: int, stop: multiprocessing.synchroniz
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which sets ``stop``
     configure_logging()  # a fresh (spawned) process: the parent's logging setup is not inherited
     if settings.uses_procrastinate:
-        from stepdoctor_server.jobs import procrastinate_app as jobs
-
         concurrency = max(1, settings.workers)
         jobs.run_worker(
             settings, concurrency=concurrency, name=worker_identity(index), stop=stop, watch_parent=True
@@ -602,8 +608,6 @@ class _QueueDepth:
             self.db = self.db or Database(self.settings)
             with self.db.session(read_only=True) as session:
                 if self.settings.uses_procrastinate:
-                    from stepdoctor_server.jobs import procrastinate_app as jobs
-
                     depth = jobs.queue_depth(session)
                 else:
                     pending = session.scalar(select(func.count(Trace.id)).where(Trace.status == "pending"))
@@ -649,8 +653,6 @@ def main(argv: Sequence[str] | None = None, *, settings: Settings | None = None)
         flush=True,
     )
     if settings.uses_procrastinate:
-        from stepdoctor_server.jobs import procrastinate_app as jobs
-
         # One process: procrastinate's loop, heartbeats and metrics here; each job in a child.
         jobs.run_worker(
             settings.model_copy(update={"workers": size}),

@@ -26,98 +26,34 @@ The analysis itself runs in a child process under the job's time and memory limi
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from stepdoctor_server.core.database import Database
+from stepdoctor_server.core.models import Trace
 from stepdoctor_server.core.settings import Settings
-
-log = logging.getLogger("stepdoctor.jobs")
-
-ANALYZE = "stepdoctor.analyze_trace"
-AGGREGATE = "stepdoctor.aggregate_run"
-QUEUE_ANALYSIS = "analysis"
-QUEUE_AGGREGATION = "aggregation"
-QUEUE_DEEP = "deep"
-
-_DEFER = text(
-    "SELECT procrastinate_defer_jobs_v1(ARRAY[ROW(CAST(:queue AS varchar), CAST(:task AS varchar), "
-    "CAST(:priority AS integer), CAST(:lock AS text), CAST(:qlock AS text), CAST(:args AS jsonb), "
-    "CAST(:at AS timestamptz))::procrastinate_job_to_defer_v1])"
+from stepdoctor_server.jobs.claims import requeue_or_give_up, requeue_outdated
+from stepdoctor_server.jobs.defer import (
+    AGGREGATE,
+    ANALYZE,
+    DEEP,
+    HANDLERS,
+    QUEUE_AGGREGATION,
+    QUEUE_ANALYSIS,
+    QUEUE_DEEP,
+    TransientJobError,
+    defer_analyses,
 )
 
-
-# -- deferring inside the caller's transaction (no procrastinate import needed) -----------------
-
-
-def _defer(
-    session: Session,
-    *,
-    task: str,
-    queue: str,
-    args: dict[str, Any],
-    lock: str,
-    queueing_lock: str | None,
-    priority: int = 0,
-) -> bool:
-    """Insert one job row in the session's transaction; False when one already waits (queueing lock)."""
-    try:
-        with session.begin_nested():
-            session.execute(
-                _DEFER,
-                {
-                    "queue": queue,
-                    "task": task,
-                    "priority": priority,
-                    "lock": lock,
-                    "qlock": queueing_lock,
-                    "args": json.dumps(args),
-                    "at": None,  # run as soon as committed
-                },
-            )
-    except IntegrityError:  # the queueing lock: a job for the same object is already waiting
-        return False
-    return True
-
-
-def defer_analyses(session: Session, trace_ids: Sequence[int], *, priority: int = 0) -> None:
-    """``priority``: procrastinate fetches higher first (``queue.enqueue_analyses`` sets it per team)."""
-    for trace_id in trace_ids:
-        _defer(
-            session,
-            task=ANALYZE,
-            queue=QUEUE_ANALYSIS,
-            args={"trace_id": int(trace_id)},
-            lock=f"trace:{trace_id}",
-            queueing_lock=f"trace:{trace_id}",
-            priority=priority,
-        )
-
-
-def defer_aggregation(session: Session, run_id: int) -> None:
-    _defer(
-        session,
-        task=AGGREGATE,
-        queue=QUEUE_AGGREGATION,
-        args={"run_id": int(run_id)},
-        lock=f"run:{run_id}",
-        # No queueing lock: coalescing at defer time would race with a waiting job that starts
-        # before this transaction commits (and skips, seeing this trace still running). One job
-        # per finished trace, serialised by the lock; all but the last skip after two cheap
-        # queries (traces waiting? inputs digest unchanged?), so reports are read once.
-        queueing_lock=None,
-        priority=1,
-    )
+log = logging.getLogger("stepdoctor.jobs")
 
 
 def libpq_url(database_url: str) -> str:
@@ -161,8 +97,6 @@ def _blueprint() -> Any:
     import procrastinate
     from procrastinate import RetryStrategy
 
-    from stepdoctor_server.jobs.pool import TransientJobError
-
     bp = procrastinate.Blueprint()
     # Only transient trouble (database away mid-job) is retried, with exponential backoff:
     # 2, 4, 8, ... s. A bad trace fails once, with its reason stored in ``traces``.
@@ -170,24 +104,15 @@ def _blueprint() -> Any:
 
     @bp.task(name=ANALYZE, queue=QUEUE_ANALYSIS, pass_context=True, retry=transient)
     def analyze_trace(context: Any, trace_id: int) -> None:
-        from stepdoctor_server.jobs import pool as worker
-
-        runtime: Runtime = context.additional_context["runtime"]
-        worker.run_delivered_trace(runtime, trace_id)
+        HANDLERS[ANALYZE](context.additional_context["runtime"], trace_id)
 
     @bp.task(name=AGGREGATE, queue=QUEUE_AGGREGATION, pass_context=True, retry=transient)
     def aggregate_run(context: Any, run_id: int) -> None:
-        from stepdoctor_server.jobs import pool as worker
-
-        runtime: Runtime = context.additional_context["runtime"]
-        worker.aggregate_when_finished(runtime, run_id)
+        HANDLERS[AGGREGATE](context.additional_context["runtime"], run_id)
 
     @bp.periodic(cron="* * * * * */30", periodic_id="pending")
     @bp.task(name="stepdoctor.sweep_pending", queue=QUEUE_AGGREGATION, pass_context=True)
     def sweep_pending(context: Any, timestamp: int) -> None:
-        from stepdoctor_server.core.models import Trace
-        from stepdoctor_server.jobs.claims import requeue_or_give_up, requeue_outdated
-
         runtime: Runtime = context.additional_context["runtime"]
         no_live_job = (
             "NOT EXISTS (SELECT 1 FROM procrastinate_jobs j WHERE j.lock = 'trace:' || t.id "
@@ -218,18 +143,11 @@ def _blueprint() -> Any:
                 defer_analyses(session, ids)
 
     @bp.periodic(cron="* * * * * */5", periodic_id="deep")
-    @bp.task(name="stepdoctor.deep_analyses", queue=QUEUE_DEEP, pass_context=True)
+    @bp.task(name=DEEP, queue=QUEUE_DEEP, pass_context=True)
     def deep_analyses(context: Any, timestamp: int) -> None:
         """Optional HTA analyses stay rows of ``deep_analyses`` (claimed like the embedded pool
         does): whichever worker runs this tick drains them, one claim at a time."""
-        from stepdoctor_server.jobs.claims import SqlDeepQueue
-        from stepdoctor_server.jobs.pool import process_one_deep
-        from stepdoctor_server.traces.storage import make_store
-
-        runtime: Runtime = context.additional_context["runtime"]
-        queue, store = SqlDeepQueue(runtime.db), make_store(runtime.settings)
-        while process_one_deep(runtime.db, queue, store, runtime.worker_id):
-            pass
+        HANDLERS[DEEP](context.additional_context["runtime"])
 
     return bp
 
@@ -275,8 +193,6 @@ def run_worker(
     When the database goes away the worker is restarted with exponential backoff (0.5 s to 30 s)
     and one log line per state change, never a traceback per poll.
     """
-    from stepdoctor_server.core.database import Database
-
     # psycopg's pool warns on every reconnect attempt; the outage is reported once, below.
     logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
     db = Database(settings)

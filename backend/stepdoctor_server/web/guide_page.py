@@ -16,6 +16,7 @@ from fastapi.responses import HTMLResponse
 from jinja2 import Environment
 
 from stepdoctor_analysis import guide
+from stepdoctor_server.web.render import render
 
 PATH = "/guide"
 router = APIRouter(include_in_schema=False)
@@ -40,6 +41,4 @@ def install(app: FastAPI, env: Environment) -> None:
 
 @router.get(PATH, response_class=HTMLResponse)
 def guide_page(request: Request) -> HTMLResponse:
-    from stepdoctor_server.web.pages import _render
-
-    return _render(request, "guide.html", None, body=guide_html())
+    return render(request, "guide.html", None, body=guide_html())

@@ -9,7 +9,6 @@ same JSON the API returns; templates only format it.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import parse_qs, urlencode
 
@@ -17,15 +16,13 @@ import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
-from fastapi.templating import Jinja2Templates
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import stepdoctor_dashboard
 from stepdoctor_analysis import BOTTLENECK_KINDS
 from stepdoctor_analysis.run_verdict import RunVerdict
-from stepdoctor_dashboard import assets, figures, formatting
+from stepdoctor_dashboard import assets, figures
 from stepdoctor_server.auth import sessions
 from stepdoctor_server.auth.tokens import Principal, authenticate
 from stepdoctor_server.core.database import DatabaseDep, SessionDep
@@ -37,11 +34,10 @@ from stepdoctor_server.runs import service as runs
 from stepdoctor_server.traces import service as traces
 from stepdoctor_server.traces.reports import ReportFacts, facts_of
 from stepdoctor_server.web import guide_page
+from stepdoctor_server.web.render import HERE, templates
+from stepdoctor_server.web.render import render as _render
 
 COOKIE = sessions.COOKIE  # a random session id (sessions.py), never the API token
-HERE = Path(stepdoctor_dashboard.__file__).parent  # the templates and static files
-templates = Jinja2Templates(directory=str(HERE / "templates"))
-formatting.register(templates.env)
 router = APIRouter(include_in_schema=False)
 
 # Paths for programs, not people: their errors stay JSON.
@@ -110,12 +106,6 @@ def _html_errors(app: FastAPI) -> None:
             return page(request, exc.status_code, message)
         answer: Any = json_http_error(request, exc)
         return await answer
-
-
-def _render(request: Request, name: str, viewer: Principal | None, **context: Any) -> HTMLResponse:
-    return templates.TemplateResponse(
-        request, name, {"viewer": viewer, "asset": assets.url, "refresh_s": None, **context}
-    )
 
 
 # -- login ---------------------------------------------------------------------------------------

@@ -1,0 +1,111 @@
+"""Deferring jobs inside the caller's transaction, and the handlers that run them.
+
+The job rows go into procrastinate's table by the caller's own commit (no procrastinate import
+needed), so an accepted upload is never without its job and a rolled-back one never has one.
+The domains register what each task runs (``HANDLERS``, filled by ``jobs.pool``): the job engine
+(``procrastinate_app``) calls them by name and imports no domain, so no import runs upward.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+ANALYZE = "stepdoctor.analyze_trace"
+DEEP = "stepdoctor.deep_analyses"
+AGGREGATE = "stepdoctor.aggregate_run"
+QUEUE_ANALYSIS = "analysis"
+QUEUE_AGGREGATION = "aggregation"
+QUEUE_DEEP = "deep"
+
+_DEFER = text(
+    "SELECT procrastinate_defer_jobs_v1(ARRAY[ROW(CAST(:queue AS varchar), CAST(:task AS varchar), "
+    "CAST(:priority AS integer), CAST(:lock AS text), CAST(:qlock AS text), CAST(:args AS jsonb), "
+    "CAST(:at AS timestamptz))::procrastinate_job_to_defer_v1])"
+)
+
+
+# -- deferring inside the caller's transaction (no procrastinate import needed) -----------------
+
+
+def _defer(
+    session: Session,
+    *,
+    task: str,
+    queue: str,
+    args: dict[str, Any],
+    lock: str,
+    queueing_lock: str | None,
+    priority: int = 0,
+) -> bool:
+    """Insert one job row in the session's transaction; False when one already waits (queueing lock)."""
+    try:
+        with session.begin_nested():
+            session.execute(
+                _DEFER,
+                {
+                    "queue": queue,
+                    "task": task,
+                    "priority": priority,
+                    "lock": lock,
+                    "qlock": queueing_lock,
+                    "args": json.dumps(args),
+                    "at": None,  # run as soon as committed
+                },
+            )
+    except IntegrityError:  # the queueing lock: a job for the same object is already waiting
+        return False
+    return True
+
+
+def defer_analyses(session: Session, trace_ids: Sequence[int], *, priority: int = 0) -> None:
+    """``priority``: procrastinate fetches higher first (``queue.enqueue_analyses`` sets it per team)."""
+    for trace_id in trace_ids:
+        _defer(
+            session,
+            task=ANALYZE,
+            queue=QUEUE_ANALYSIS,
+            args={"trace_id": int(trace_id)},
+            lock=f"trace:{trace_id}",
+            queueing_lock=f"trace:{trace_id}",
+            priority=priority,
+        )
+
+
+def defer_aggregation(session: Session, run_id: int) -> None:
+    _defer(
+        session,
+        task=AGGREGATE,
+        queue=QUEUE_AGGREGATION,
+        args={"run_id": int(run_id)},
+        lock=f"run:{run_id}",
+        # No queueing lock: coalescing at defer time would race with a waiting job that starts
+        # before this transaction commits (and skips, seeing this trace still running). One job
+        # per finished trace, serialised by the lock; all but the last skip after two cheap
+        # queries (traces waiting? inputs digest unchanged?), so reports are read once.
+        queueing_lock=None,
+        priority=1,
+    )
+
+
+class TransientJobError(Exception):
+    """The database stayed unreachable mid-job: the job is retried later, never failed for it."""
+
+
+# Task name -> what runs it, with the worker's runtime first (registered by ``jobs.pool``).
+HANDLERS: dict[str, Callable[..., None]] = {}
+
+
+def handles(task: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register the function a task runs."""
+
+    def register(fn: Callable[..., None]) -> Callable[..., None]:
+        HANDLERS[task] = fn
+        return fn
+
+    return register
