@@ -126,7 +126,7 @@ def test_a_dead_port_is_reported_before_every_wait_and_what_is_left_is_counted(
     argv = ["--spool", str(tmp_path), "--token", TOKEN, "--timeout", "3", "--backoff-base", "0.3"]
     assert sync.main(argv) == 1
     out, err = capsys.readouterr()
-    waits = sync_lines(err)
+    waits = sync_lines(err)[1:]  # after the line saying what it sends
     assert waits, err
     assert all("server not reachable (ConnectionRefusedError" in line for line in waits)
     assert all("; 2 left, " in line and "(--timeout)" in line for line in waits), waits
@@ -147,7 +147,11 @@ def test_timeout_bounds_the_whole_command_against_a_hung_server(
         elapsed = time.monotonic() - started
     assert code == 1
     assert elapsed < 3 + 10, elapsed  # the old per-request 60 s is far beyond
-    (last,) = sync_lines(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    first = sync_lines(err)[0]  # said before the first request, which the server holds
+    assert first.startswith("stepdoctor sync: 1 trace (")
+    assert first.endswith(f" MB) waiting in {tmp_path}; sending (giving up after 3 s, --timeout)")
+    (last,) = sync_lines(out)
     assert f"0 uploaded, 1 left in {tmp_path}" in last
     assert "last error: DeadlineExceeded: no answer within the time limit" in last
     assert len(Spool(tmp_path).sidecars()) == 1
