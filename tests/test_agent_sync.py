@@ -170,6 +170,19 @@ def test_every_connection_is_bounded_by_the_connect_timeout(tmp_path: Path, real
     assert elapsed < 1 + 20, elapsed  # the 60 s read timeout does not apply to connecting
 
 
+def test_sync_passes_its_connect_timeout_to_every_request(
+    tmp_path: Path, real_trace: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with unconnectable_server() as url:
+        spool_traces(Spool(tmp_path), real_trace, 1, url)
+        argv = ["--spool", str(tmp_path), "--token", TOKEN, "--connect-timeout", "0.5", "--timeout", "4"]
+        assert sync.main(argv) == 1
+    out, err = capsys.readouterr()
+    waits = sync_lines(err)[1:]
+    assert waits and all("server not reachable (TimeoutError: timed out (connecting))" in w for w in waits)
+    assert "last error: TimeoutError: timed out (connecting)" in out
+
+
 def test_sync_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         sync.main(["--help"])
