@@ -91,6 +91,7 @@ def figure(data: list[dict[str, Any]], title: str, **layout: Any) -> Fig:
 # plotly turns back into the characters; only our own hover templates are markup.
 _PLOTLY_MARKUP_KEYS = frozenset({"hovertemplate", "texttemplate"})
 _PLOTLY_ESCAPES = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;"})
+_NUMBERS = (float, int)
 
 
 def plotly_text(value: Any) -> Any:
@@ -99,8 +100,8 @@ def plotly_text(value: Any) -> Any:
         return value.translate(_PLOTLY_ESCAPES) if ("<" in value or ">" in value or "&" in value) else value
     if isinstance(value, dict):
         return {k: v if k in _PLOTLY_MARKUP_KEYS else plotly_text(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [plotly_text(v) for v in value]
+    if isinstance(value, list | tuple):  # numbers, the bulk of a figure, are kept without a call
+        return [v if type(v) in _NUMBERS else plotly_text(v) for v in value]
     return value
 
 
