@@ -24,11 +24,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import PurePath
 from typing import Any
 
-from . import BOTTLENECK_KINDS
+from . import BOTTLENECK_KINDS, STRAGGLER_ID
 from .job import job_limiter, num, step_count, step_time_us
 
 STRAGGLER = 0.10
-STRAGGLER_ID = "communication.straggler"  # the job-level card (``straggler_advice``)
 _WORKER_RE = re.compile(r"^(.*?)(\.\d+)?\.pt\.trace\.json(\.gz)?$")  # TensorBoard's run-file pattern
 
 RankKey = int | str | None  # a rank number, a worker name, or unknown
