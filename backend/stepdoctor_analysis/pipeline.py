@@ -19,6 +19,7 @@ from . import diagnose, gpu_metrics, parse, step_timeline, steps, tables
 from . import hta_metrics as hta
 from . import timeline as tl
 from .comm import analyze_comm
+from .consistency import consistent
 from .errors import TraceError
 from .floors import analyze_floors
 from .inputs import analyze_inputs, loader_settings
@@ -28,7 +29,7 @@ from .ops import analyze_ops
 from .precision import DeviceCaps, trace_caps
 from .recurrence import pass_waits
 from .report import Report, StepRow, field_dict, plain
-from .rules import KINDS, Context, pattern_minimums
+from .rules import KINDS, Context, declared, pattern_minimums
 from .sync import analyze_sync
 from .transfers import analyze_transfers
 from .workload import detect_workload
@@ -335,4 +336,7 @@ def _job_report(path: Path, traces: list[RankTrace], reports: list[Report]) -> R
         rec = diagnose.Recommendation(**card)
         top.recommendations = ranks.with_straggler_advice(top.recommendations, rec, top.primary.kind)
         top.findings = ranks.with_straggler_advice(top.findings, rec, top.primary.kind)
+        # The job's card joins after each rank's consistency stage: hold it to the same rules.
+        top.recommendations = consistent(top.recommendations, declared)
+        top.findings = consistent(top.findings, declared)
     return top
