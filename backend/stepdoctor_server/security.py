@@ -1,8 +1,8 @@
 """Browser-facing defences for every response: a same-origin check on state-changing requests and
 security headers (CSP, frame blocking, no MIME sniffing).
 
-Both are pure ASGI middlewares (nothing buffered except HTML pages, which are small), registered
-once in ``app.py`` so every route, present and future, gets them.
+Both are pure ASGI middlewares (nothing buffered, nothing read from the body), registered once in
+``app.py`` so every route, present and future, gets them.
 
 - **Origin check.** A ``POST``/``PUT``/``PATCH``/``DELETE`` that carries no ``Authorization`` header
   (so it could ride on the dashboard cookie, or log a victim in: login CSRF) must come from this
@@ -17,7 +17,8 @@ once in ``app.py`` so every route, present and future, gets them.
   tags, and ``script-src`` names that nonce and nothing else. A script injected through data cannot
   know the nonce, so it never runs, even if an escaping bug lets its markup through. The policy is
   never derived from the response body (hashing the page's inline scripts would allow injected
-  ones too). Styles, images and fonts come from this origin only; ``frame-ancestors 'none'`` plus
+  ones too). Images, fonts and styles come from this origin (styles may also be inline: plotly.js
+  and Swagger UI set them); ``frame-ancestors 'none'`` plus
   ``X-Frame-Options: DENY``, ``X-Content-Type-Options: nosniff`` and ``Referrer-Policy: same-origin``.
 - **Data in script blocks.** ``script_json`` is the one way a value is written into a page's
   ``<script>`` element (a JSON data block or an inline script): JSON with ``<``, ``>``, ``&``, ``'``
