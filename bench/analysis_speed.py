@@ -6,6 +6,8 @@ its wall time (imports excluded), the whole process's wall time, its peak RSS (`
 imports included) and how far that peak rose above what the imports alone reached:
 - ours: ``load_trace`` + steps + breakdown + GPU metrics + HTA-style temporal/idle/launch metrics;
 - pipeline: the full ``pipeline.analyze_path`` report, when that module exists;
+- cli: ``stepdoctor analyze --format json PATH`` as a user runs it, in one process whose every
+  import counts (its ``proc s`` against HTA's whole process is the "whole process" figure);
 - hta: ``TraceAnalysis`` load + temporal breakdown + idle-time breakdown (the rank passed);
 - floor: gzip decompression + one typed msgspec decode of the whole file (the naive lower bound);
 - stream: our own streaming decompress + chunked typed decode with the column building switched off
@@ -69,6 +71,13 @@ elif mode == "pipeline":
     t = time.perf_counter()
     pipeline.analyze_path(path).to_dict()
     print(json.dumps({"engine": pipeline.__file__}))
+elif mode == "cli":
+    import contextlib, io
+    imported_mb = status_mb("VmHWM")  # the interpreter only: the command's imports are its work
+    t = time.perf_counter()
+    from stepdoctor.cli import main
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["analyze", "--format", "json", path]) == 0
 elif mode == "floor":
     import zlib, msgspec
     from stepdoctor_analysis.parse import _Event
@@ -287,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                 pipe, base = run_against(path, repeat, engine)
             else:
                 pipe = run_best("pipeline", path, repeat) if have_pipeline else None
+            cli = run_best("cli", path, repeat) if have_pipeline else None
             floor = run_best("floor", path, repeat)
             stream = run_best("stream", path, repeat)
             hta: dict[str, float] | None = None
@@ -302,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                     note = "HTA failed or timed out"
                 elif label.startswith("df_index"):
                     hta_rate = hta["seconds"] / mb
-            rows.append((label, mb, ours, pipe, hta, floor, stream, note))
+            rows.append((label, mb, ours, pipe, hta, floor, stream, note, cli))
             print_row(rows[-1])
             if engine is not None:
                 against.append((label, mb, pipe, base))
@@ -315,14 +325,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_row(row: tuple[Any, ...]) -> None:
-    label, mb, ours, pipe, hta, floor, stream, note = row
+    label, mb, ours, pipe, hta, floor, stream, note, cli = row
 
     def sec(r: dict[str, float] | None) -> str:
         return "-" if r is None else f"{r['seconds']:.3f}s/{r['rss_mb']:.0f}MB"
 
     print(
         f"  {label}: {mb:.0f} MB ours={sec(ours)} pipeline={sec(pipe)} hta={sec(hta)} floor={sec(floor)} "
-        f"stream={sec(stream)} {note}",
+        f"stream={sec(stream)} cli={sec(cli)} {note}",
         flush=True,
     )
 
@@ -340,12 +350,13 @@ def print_table(rows: list[tuple[Any, ...]]) -> None:
     head = (
         f"{'trace':<34} {'MB':>5} | {'pipe s':>7} {'HTA s':>7} {'HTA/pipe':>8} | {'ours s':>7} {'HTA/ours':>8} | "
         f"{'pipe MB':>7} {'HTA MB':>7} {'ratio':>5} | {'+pipe':>6} {'+HTA':>6} {'ratio':>5} | "
-        f"{'proc s':>6} {'HTA':>6} {'ratio':>6} | {'floor s':>7} {'MB':>5} | {'strm s':>6}"
+        f"{'proc s':>6} {'HTA':>6} {'ratio':>6} | {'cli s':>6} {'ratio':>6} | {'floor s':>7} {'MB':>5} | "
+        f"{'strm s':>6}"
     )
     print()
     print(head)
     print("-" * len(head))
-    for label, mb, ours, pipe, hta, floor, stream, note in rows:
+    for label, mb, ours, pipe, hta, floor, stream, note, cli in rows:
 
         def g(r: dict[str, float] | None, key: str) -> float | None:
             return None if r is None else r[key]
@@ -362,6 +373,7 @@ def print_table(rows: list[tuple[Any, ...]]) -> None:
             f"{num(extra[0], 6, 0)} {num(extra[1], 6, 0)} {_ratio(extra[0], extra[1]):>5} | "
             f"{num(g(pipe, 'process_s'), 6, 2)} {num(g(hta, 'process_s'), 6, 2)} "
             f"{_ratio(g(hta, 'process_s'), g(pipe, 'process_s'), 'x'):>6} | "
+            f"{num(g(cli, 'process_s'), 6, 2)} {_ratio(g(hta, 'process_s'), g(cli, 'process_s'), 'x'):>6} | "
             f"{num(g(floor, 'seconds'), 7)} {num(g(floor, 'rss_mb'), 5, 0)} | {num(g(stream, 'seconds'), 6)}"
             + (f"  ({note})" if note else "")
         )

@@ -38,7 +38,8 @@ sys.path[:0] = [str(REPO / "tests")]
 import httpx  # noqa: E402
 from sqlalchemy import select, text  # noqa: E402
 
-from stepdoctor_server import auth, migrate  # noqa: E402
+from stepdoctor_server.auth import tokens as auth  # noqa: E402
+from stepdoctor_server.core import migrate  # noqa: E402
 from stepdoctor_server.core.database import Database  # noqa: E402
 from stepdoctor_server.core.models import Analysis, Trace  # noqa: E402
 from stepdoctor_server.core.settings import Settings  # noqa: E402

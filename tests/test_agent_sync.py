@@ -126,7 +126,7 @@ def test_a_dead_port_is_reported_before_every_wait_and_what_is_left_is_counted(
     argv = ["--spool", str(tmp_path), "--token", TOKEN, "--timeout", "3", "--backoff-base", "0.3"]
     assert sync.main(argv) == 1
     out, err = capsys.readouterr()
-    waits = sync_lines(err)
+    waits = sync_lines(err)[1:]  # after the line saying what it sends
     assert waits, err
     assert all("server not reachable (ConnectionRefusedError" in line for line in waits)
     assert all("; 2 left, " in line and "(--timeout)" in line for line in waits), waits
@@ -147,7 +147,11 @@ def test_timeout_bounds_the_whole_command_against_a_hung_server(
         elapsed = time.monotonic() - started
     assert code == 1
     assert elapsed < 3 + 10, elapsed  # the old per-request 60 s is far beyond
-    (last,) = sync_lines(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    first = sync_lines(err)[0]  # said before the first request, which the server holds
+    assert first.startswith("stepdoctor sync: 1 trace (")
+    assert first.endswith(f" MB) waiting in {tmp_path}; sending (giving up after 3 s, --timeout)")
+    (last,) = sync_lines(out)
     assert f"0 uploaded, 1 left in {tmp_path}" in last
     assert "last error: DeadlineExceeded: no answer within the time limit" in last
     assert len(Spool(tmp_path).sidecars()) == 1
@@ -164,6 +168,19 @@ def test_every_connection_is_bounded_by_the_connect_timeout(tmp_path: Path, real
     assert result.outcome == "retry" and result.status is None and not result.connected
     assert result.detail.startswith("TimeoutError") and "(connecting)" in result.detail
     assert elapsed < 1 + 20, elapsed  # the 60 s read timeout does not apply to connecting
+
+
+def test_sync_passes_its_connect_timeout_to_every_request(
+    tmp_path: Path, real_trace: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with unconnectable_server() as url:
+        spool_traces(Spool(tmp_path), real_trace, 1, url)
+        argv = ["--spool", str(tmp_path), "--token", TOKEN, "--connect-timeout", "0.5", "--timeout", "4"]
+        assert sync.main(argv) == 1
+    out, err = capsys.readouterr()
+    waits = sync_lines(err)[1:]
+    assert waits and all("server not reachable (TimeoutError: timed out (connecting))" in w for w in waits)
+    assert "last error: TimeoutError: timed out (connecting)" in out
 
 
 def test_sync_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:

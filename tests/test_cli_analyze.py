@@ -127,3 +127,35 @@ def test_max_bytes_in_human_units_caps_the_trace(trace: Path, capsys: pytest.Cap
         cli.main([str(trace), "--max-bytes", "lots"])
     assert exit_info.value.code == 2
     assert "not a size: 'lots'" in capsys.readouterr().err
+
+
+# Modules a plain ``stepdoctor analyze TRACE`` must not import: the directory/job analysis, HTA's
+# deep analyses, the server, and the agent's logging setup. Import only what a command uses.
+NOT_FOR_ONE_TRACE = (
+    "logging",
+    "socket",
+    "stepdoctor_analysis.ranks",
+    "stepdoctor_analysis.job",
+    "stepdoctor_analysis.deep",
+    "stepdoctor_server",
+    "hta",
+    "pandas",
+)
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_analyze_imports_only_what_one_trace_needs(trace: Path, fmt: str) -> None:
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from stepdoctor.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    rc = main(['analyze', '--format', {fmt!r}, sys.argv[1]])\n"
+        "print(json.dumps({'rc': rc, 'modules': sorted(sys.modules)}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(trace)], capture_output=True, text=True, timeout=120
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["rc"] == 0, out.stderr
+    loaded = [m for m in got["modules"] if m.split(".")[0] in NOT_FOR_ONE_TRACE or m in NOT_FOR_ONE_TRACE]
+    assert loaded == []

@@ -17,25 +17,15 @@ from sqlalchemy.orm import Session
 
 from stepdoctor_analysis import parse, steps
 from stepdoctor_server.core.models import Project, Run, Team
-from support.dashboard import launch_chromium
+from support.dashboard import analyse_queued, launch_chromium
 from support.fixtures import HTA_TRACES
-from support.server import cli_token, drain, migrated_sqlite_env, serve_subprocess, upload
+from support.server import cli_token, migrated_sqlite_env, serve_subprocess, upload
 
 TWO_STEPS = HTA_TRACES / "trace_filter" / "sampled_rank-0.json.gz"
 FAST = HTA_TRACES / "trace_compare" / "test" / "test.json.gz"
 NO_MARKERS = HTA_TRACES / "critical_path" / "simple_add" / "benchmark_result_493459_1694039959_trace.json.gz"
 KIND_COLOURS = {"rgb(238, 202, 59)", "rgb(245, 133, 24)", "rgb(84, 162, 75)", "rgb(228, 87, 86)",
                 "rgb(157, 117, 93)", "rgb(114, 183, 178)", "rgb(76, 120, 168)", "rgb(186, 176, 172)"}  # fmt: skip
-
-
-def _analyse(data_dir: Path) -> None:
-    """Run the queued analyses in this process, as a worker of the server would (same database)."""
-    from stepdoctor_server.core.settings import Settings
-    from stepdoctor_server.web.app import create_app
-
-    app = create_app(Settings(data_dir=data_dir, workers=0))
-    assert drain(app) >= 3
-    app.state.db.dispose()
 
 
 def _thousand_runs(db_path: Path) -> int:
@@ -72,7 +62,7 @@ def test_dashboard_pages_in_chromium(tmp_path: Path) -> None:
             plain = upload(
                 api, NO_MARKERS.read_bytes(), token=token, project="vision", run="no-markers"
             ).json()
-            _analyse(tmp_path / "data")
+            assert analyse_queued(tmp_path / "data") >= 3
             diagnosis = api.get(
                 f"/api/v1/runs/{slow['run_id']}", headers={"Authorization": f"Bearer {token}"}
             ).json()["diagnosis"]

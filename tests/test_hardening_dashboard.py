@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import re
 from datetime import timedelta
@@ -15,7 +14,6 @@ from sqlalchemy import select, update
 from stepdoctor_server.auth import sessions
 from stepdoctor_server.core.models import DashboardSession
 from stepdoctor_server.core.models import utcnow as now
-from stepdoctor_server.web.security import inline_script_hashes
 from support.server import bearer, synthetic_trace, upload
 
 SAME = {"Origin": "http://testserver"}
@@ -145,30 +143,6 @@ def test_security_headers_on_every_response(app: FastAPI, read_token: str) -> No
             assert policy["frame-ancestors"] == "frame-ancestors 'none'"
             assert policy["default-src"] == "default-src 'self'"
             assert "unsafe-inline" not in policy["script-src"] and "http" not in policy["script-src"]
-
-
-def test_inline_scripts_are_allowed_by_hash_only(app: FastAPI, read_token: str) -> None:
-    with TestClient(app) as browser:
-        _login(browser, read_token)
-        page = browser.get("/")
-        scripts = inline_script_hashes(page.content)
-        allowed = _csp(page)["script-src"]
-        for digest in scripts:
-            assert f"'sha256-{digest}'" in allowed
-        # The hash is of the script text exactly as served.
-        body = re.search(rb"<script>(.*?)</script>", page.content, re.DOTALL)
-        if body:
-            expected = base64.b64encode(hashlib.sha256(body.group(1)).digest()).decode()
-            assert f"'sha256-{expected}'" in allowed
-
-
-def test_inline_script_hashes_skip_data_blocks_and_external_scripts() -> None:
-    html = (
-        b'<script src="/a.js"></script><script type="application/json">{"a": 1}</script>'
-        b"<script>go()</script><script type='module'>m()</script>"
-    )
-    expected = [base64.b64encode(hashlib.sha256(s).digest()).decode() for s in (b"go()", b"m()")]
-    assert inline_script_hashes(html) == expected
 
 
 @pytest.mark.parametrize(

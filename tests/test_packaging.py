@@ -294,6 +294,7 @@ def test_server_modules_import_only_what_the_server_extra_installs() -> None:
     [
         ("stepdoctor.integrations.lightning", "lightning,pytorch_lightning", "lightning"),
         ("stepdoctor.integrations.transformers", "transformers", "transformers"),
+        ("stepdoctor.integrations.accelerate", "accelerate", "accelerate"),
     ],
 )
 def test_an_integration_without_its_framework_names_the_extra(module: str, absent: str, extra: str) -> None:

@@ -117,6 +117,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker = DeliveryWorker(spool, route, delivery)
     spool.cleanup_orphans()
     retried = _review_failed(spool, route, retry_all=args.retry_failed)
+    waiting, size = spool.pending()
+    if waiting:  # a slow or hung server may hold the first request until --timeout: say what runs
+        print(
+            f"stepdoctor sync: {waiting} trace{'' if waiting == 1 else 's'} ({size / 1e6:.1f} MB) waiting in "
+            f"{spool.root}; sending (giving up after {args.timeout:g} s, --timeout)",
+            file=sys.stderr,
+            flush=True,
+        )
     remaining = worker.run_pass(deadline)
     while remaining and time.monotonic() < deadline:
         wait = max(0.05, min(worker.backoff_wait() or 0.5, deadline - time.monotonic()))

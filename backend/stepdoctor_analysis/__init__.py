@@ -21,6 +21,9 @@ BOTTLENECK_KINDS: tuple[str, ...] = (
     "communication",
     "compute",
 )
+# The job-level straggler card's id (``ranks.straggler_advice``); here so the guide and the text
+# report name its section without importing the rank analysis.
+STRAGGLER_ID = "communication.straggler"
 BREAKDOWN_CATEGORIES: tuple[str, ...] = (
     "kernel",
     "memcpy",

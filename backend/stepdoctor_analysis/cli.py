@@ -128,6 +128,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _deep(args: argparse.Namespace, progress: _Progress) -> dict[str, Any] | None:
+    if args.diff is None and args.deep is None:
+        return None  # a plain report: HTA's module is not imported
     from . import deep
 
     if args.diff is not None:

@@ -94,7 +94,12 @@ class Recommendation(_Doc):
 
 
 class Breakdown(_Doc):
-    """TensorBoard's categories, µs per step, summing to the step."""
+    """TensorBoard's categories, µs per step, summing to the step.
+
+    ``dataloader`` counts ``enumerate(DataLoader)#…__next__`` whether recorded as ``cpu_op`` or as
+    ``user_annotation`` (torch 2.x). torch-tb-profiler 0.4.3 drops user annotations other than
+    ProfilerStep and gloo/nccl ones, so its overview shows DataLoader 0 for such traces and counts
+    that time as Other (``report.TENSORBOARD_DATALOADER_NOTE``)."""
 
     kernel: float
     memcpy: float

@@ -12,8 +12,7 @@ import re
 from functools import cache
 from importlib import resources
 
-from . import BOTTLENECK_KINDS
-from .ranks import STRAGGLER_ID
+from . import BOTTLENECK_KINDS, STRAGGLER_ID
 
 DOC_PATH = "docs/verdicts.md"  # where the guide lives in the repository (and on its web host)
 STRAGGLERS = "stragglers"

@@ -7,7 +7,6 @@ stay pure functions of the trace.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -282,12 +281,18 @@ def _host_memory(metadata: dict[str, Any] | None) -> int:
         v = md.get(key)
         if isinstance(v, int) and not isinstance(v, bool) and v > 0:
             return v
-    if md.get("host") not in (None, socket.gethostname()):
+    if md.get("host") is not None and md["host"] != _hostname():
         return 0
     try:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def _hostname() -> str:
+    import socket  # only metadata naming a host asks this machine's name
+
+    return socket.gethostname()
 
 
 def _job_report(path: Path, traces: list[RankTrace], reports: list[Report]) -> Report:

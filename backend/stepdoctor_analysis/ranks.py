@@ -28,13 +28,12 @@ from typing import TypeVar
 
 import msgspec
 
-from . import BOTTLENECK_KINDS
+from . import BOTTLENECK_KINDS, STRAGGLER_ID
 from .contract import Recommendation, ReportDoc
 from .job import job_limiter, step_count, step_time_us
 
 STRAGGLER = 0.10
 T = TypeVar("T")
-STRAGGLER_ID = "communication.straggler"  # the job-level card (``straggler_advice``)
 _WORKER_RE = re.compile(r"^(.*?)(\.\d+)?\.pt\.trace\.json(\.gz)?$")  # TensorBoard's run-file pattern
 
 

@@ -68,6 +68,15 @@ from .contract import Bottleneck, Recommendation, ReportDoc, StepRow
 from .contract import decode as decode_report
 
 BREAKDOWN_KEYS = BREAKDOWN_CATEGORIES
+# torch-tb-profiler 0.4.3 reads only ProfilerStep and gloo/nccl ranges among ``user_annotation``
+# events (``trace.create_trace_event``), and torch 2.x records ``enumerate(DataLoader)#…__next__`` as
+# one: its overview then shows DataLoader 0 and counts that time as Other (the CPU ops inside it as
+# CPU Exec). Recategorised as ``cpu_op``, as older torch wrote them, it shows our number. The plugin's
+# miss, not the export's: the exported files are the uploaded bytes.
+TENSORBOARD_DATALOADER_NOTE = (
+    "TensorBoard's profiler plugin (torch-tb-profiler 0.4.3) shows DataLoader 0 for traces that record "
+    "DataLoader.__next__ as a user_annotation (torch 2.x): it drops those events and counts the time as Other."
+)
 
 KIND_WORDS = {
     "input": "the training loop waits for the next batch from the DataLoader",
@@ -254,6 +263,8 @@ def render_text(r: Report) -> str:
     for k in BREAKDOWN_KEYS:
         v = r.breakdown.get(k, 0.0)
         lines.append(f"  {k:<14}{v:>14.1f}  {100 * v / total:5.1f}%")
+    if r.breakdown.get("dataloader", 0.0) > 0:
+        lines.append(f"  ({TENSORBOARD_DATALOADER_NOTE})")
     by_type = (r.metrics.get("communication") or {}).get("by_type") or []
     if by_type:
         lines += ["", "Communication by collective type (per step):"]

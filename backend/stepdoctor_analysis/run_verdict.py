@@ -25,11 +25,12 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from . import BREAKDOWN_CATEGORIES
+from .consistency import consistent
 from .contract import Recommendation, ReportDoc
 from .diagnose import MIN_CARD_SPEEDUP, sure_share
 from .job import job_limiter, span_us, step_count, step_time_us
@@ -43,6 +44,7 @@ from .ranks import (
     straggler_advice,
     with_straggler_advice,
 )
+from .rules import declared
 
 DIAGNOSIS_VERSION = 2  # the layout of ``RunVerdict``: a stored one of another version is stale
 MAX_REMOVABLE = 0.95  # no change removes more than this fraction of a step (gains cap at 20×)
@@ -99,6 +101,9 @@ class RunFinding(msgspec.Struct, kw_only=True):
     basis: str = "measured"
     expected_speedup_range: tuple[float, float] | None = None
     traces: int = 0
+
+
+C = TypeVar("C", "RunCard", "RunFinding")
 
 
 class RemovableShare(msgspec.Struct):
@@ -179,9 +184,14 @@ def run_verdict(
     shares = limiter.shares
     ranks = rank_verdict(entries)
     cards = merge_recommendations(entries, step, limiter.kind)
-    if (straggler := straggler_advice(ranks)) is not None:
+    findings = merge_findings(docs)
+    if (straggler := straggler_advice(ranks)) is not None:  # the others wait: fix the straggler first
         card = _run_card(straggler, straggler.removable_us_per_step / step if step > 0 else 0.0, step)
         cards = with_straggler_advice(cards, card, limiter.kind)
+        finding = RunFinding(**(msgspec.structs.asdict(straggler) | {"traces": len(entries)}))
+        findings = with_straggler_advice(findings, finding, limiter.kind)
+    # The run's cards join after each trace's consistency stage: held to the same rules.
+    cards, findings = _consistent(cards), _consistent(findings)
     primary = None
     if limiter.kind is not None:
         removable, basis = limiter.removable[limiter.kind]
@@ -215,7 +225,7 @@ def run_verdict(
         removable={k: RemovableShare(round(v[0], 6), v[1]) for k, v in limiter.removable.items()},
         gpu_utilization=_weighted_utilization(docs),
         recommendations=cards,
-        findings=merge_findings(docs),
+        findings=findings,
         ranks=ranks.ranks,
         rank_spread=_spread(ranks),
         rank_basis=ranks.basis,
@@ -288,6 +298,20 @@ def _run_card(rec: Recommendation, removable_share: float, step_us: float) -> Ru
         fields["expected_speedup"] = gain_of(share)
         fields["removable_us_per_step"] = round(share * step_us, 3)
     return RunCard(**fields, removable_share=round(share, 6))
+
+
+def _consistent(items: list[C]) -> list[C]:
+    """``consistency.consistent`` over run cards or findings: the same ones dropped, facts' ranges cleared."""
+    kept = {r.id: r for r in consistent([_recommendation(i) for i in items], declared)}
+    return [
+        msgspec.structs.replace(i, expected_speedup_range=kept[i.id].expected_speedup_range)
+        for i in items
+        if i.id in kept
+    ]
+
+
+def _recommendation(item: RunCard | RunFinding) -> Recommendation:
+    return Recommendation(**{f: getattr(item, f) for f in Recommendation.__struct_fields__})
 
 
 def merge_findings(docs: Sequence[ReportDoc]) -> list[RunFinding]:

@@ -11,7 +11,6 @@ theme travels as JSON in each layout (plotly.js knows no templates by name).
 from __future__ import annotations
 
 import functools
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -73,23 +72,42 @@ def _view(value: Any) -> Any:
 
 
 def figure(data: list[dict[str, Any]], title: str, **layout: Any) -> Fig:
-    """A figure in the dashboard's style: white theme, title, the given layout over the defaults."""
+    """A figure in the dashboard's style: white theme, title, the given layout over the defaults.
+
+    Every text in it is ``plotly_text``: names from a trace show as written, never as markup.
+    """
     return Fig(
-        data=data,
-        layout={**_LAYOUT, "template": _white_template(), "title": {"text": title}, **layout},
+        data=plotly_text(data),
+        layout={
+            **_LAYOUT,
+            "template": _white_template(),
+            **plotly_text({"title": {"text": title}, **layout}),
+        },
     )
+
+
+# plotly.js draws every text (trace names, tick labels, hover text, titles) through its own small
+# markup language: <b>, <i>, <a href=...>, <br> and entities. A kernel named ``f<a href=...>x</a>``
+# would draw as a link reading "x". Text is data, so ``&``, ``<`` and ``>`` go as the entities
+# plotly turns back into the characters; only our own hover templates are markup.
+_PLOTLY_MARKUP_KEYS = frozenset({"hovertemplate", "texttemplate"})
+_PLOTLY_ESCAPES = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;"})
+_NUMBERS = (float, int)
+
+
+def plotly_text(value: Any) -> Any:
+    """``value`` with every string in it escaped for plotly's text markup (hover templates kept)."""
+    if isinstance(value, str):
+        return value.translate(_PLOTLY_ESCAPES) if ("<" in value or ">" in value or "&" in value) else value
+    if isinstance(value, dict):
+        return {k: v if k in _PLOTLY_MARKUP_KEYS else plotly_text(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):  # numbers, the bulk of a figure, are kept without a call
+        return [v if type(v) in _NUMBERS else plotly_text(v) for v in value]
+    return value
 
 
 def _axis(title: str, **more: Any) -> dict[str, Any]:
     return {"title": {"text": title}, **more}
-
-
-def to_json(fig: Mapping[str, Any]) -> str:
-    return json.dumps(fig, separators=(",", ":"), allow_nan=False, default=_jsonable)
-
-
-def _jsonable(value: Any) -> Any:
-    raise TypeError(f"a figure holds a {type(value).__name__}")
 
 
 def _num(value: Any) -> float:
@@ -106,7 +124,7 @@ def breakdown_figure(breakdown: Mapping[str, Any], title: str = "Average step ti
             "x": [_num(value) / 1000.0],
             "name": category,
             "marker": {"color": CATEGORY_COLORS.get(category)},
-            "hovertemplate": f"{category}: %{{x:.3f}} ms<extra></extra>",
+            "hovertemplate": "%{fullData.name}: %{x:.3f} ms<extra></extra>",
         }
         for category, value in _ordered(breakdown)
     ]
@@ -314,7 +332,7 @@ def step_figure(step: Mapping[str, Any], names: Sequence[str]) -> Fig:
                     "marker": {"color": KIND_COLORS[kind], "line": {"width": 0}},
                     "name": kind,
                     "legendgroup": kind,
-                    "hovertemplate": f"{kind}: %{{x:.3f}} ms at %{{base:.3f}} ms<extra></extra>",
+                    "hovertemplate": "%{fullData.name}: %{x:.3f} ms at %{base:.3f} ms<extra></extra>",
                 }
             )
     height = 120 + 34 * len(rows)

@@ -1,6 +1,8 @@
 """Numbers as people read them: durations in the unit that fits, sizes in binary units, factors > 1.
 
-Registered as Jinja filters (``register``) so every page formats the same value the same way.
+Registered as Jinja filters (``register``) so every page formats the same value the same way, and
+writes data into ``<script>`` elements the same way: ``script_json`` (the server's one escaper for
+that context). Templates never mark data ``| safe``; ``tests/test_dashboard_escaping.py`` checks.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from typing import Any
 from jinja2 import Environment
 
 from stepdoctor_analysis.cli import byte_text
+from stepdoctor_dashboard.escaping import script_json
 
 
 def _number(value: Any) -> float | None:
@@ -59,4 +62,4 @@ def factor(speedup: Any) -> str:
 
 
 def register(env: Environment) -> None:
-    env.filters.update(duration=duration, size=size, percent=percent, factor=factor)
+    env.filters.update(duration=duration, size=size, percent=percent, factor=factor, script_json=script_json)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 CHROMIUM = "/usr/bin/chromium"
@@ -29,3 +30,17 @@ def page_plots(html: str) -> dict[str, Any]:
         name, rest = chunk.split('">', 1)
         out[name] = json.loads(rest.split("</script>", 1)[0])
     return out
+
+
+def analyse_queued(data_dir: Path) -> int:
+    """Run the queued analyses of a ``serve_subprocess`` server in this process, as one of its
+    workers would (same data directory and database); returns how many ran."""
+    from stepdoctor_server.core.settings import Settings
+    from stepdoctor_server.web.app import create_app
+    from support.server import drain
+
+    app = create_app(Settings(data_dir=data_dir, workers=0))
+    try:
+        return drain(app)
+    finally:
+        app.state.db.dispose()

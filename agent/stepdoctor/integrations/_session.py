@@ -7,18 +7,29 @@ from collections.abc import Mapping
 from typing import Any
 
 from stepdoctor.guard import guarded
+from stepdoctor.integrations.trackers import Reporter, start_reporter
 from stepdoctor.metadata import LOADER_FIELDS, loader_settings
 from stepdoctor.profiler import NoopProfile, Profile, profile
 
 
 class Session:
-    """Holds the arguments of :func:`stepdoctor.profile` until the trainer knows its DataLoader."""
+    """Holds the arguments of :func:`stepdoctor.profile` until the trainer knows its DataLoader.
+
+    Besides :func:`stepdoctor.profile`'s keywords it takes the tracker options
+    (:mod:`stepdoctor.integrations.trackers`): ``read_token`` (a token that may read the verdict,
+    default the upload token), ``tracker_interval`` and ``tracker_timeout`` (seconds).
+    """
 
     def __init__(self, project: str | None, run: str | None, options: dict[str, Any]) -> None:
         if "loader" in options or "metadata" in options:
             raise TypeError("the callback records the trainer's DataLoader and settings itself")
+        options = dict(options)
+        self.read_token: str | None = options.pop("read_token", None)
+        self.tracker_interval: float = options.pop("tracker_interval", 30.0)
+        self.tracker_timeout: float = options.pop("tracker_timeout", 30.0)
         self.project, self.run, self.options = project, run, options
         self.prof: Profile | NoopProfile | None = None
+        self.reporter: Reporter | None = None
 
     @guarded()
     def start(self, loader: Mapping[str, Any] | None, framework: dict[str, Any]) -> None:
@@ -28,6 +39,7 @@ class Session:
             self.project, self.run, loader=loader, metadata={"framework": framework}, **self.options
         )
         self.prof.start()
+        self.reporter = start_reporter(self.prof, read_token=self.read_token, interval=self.tracker_interval)
 
     def step(self) -> None:
         if self.prof is not None:
@@ -36,8 +48,11 @@ class Session:
     @guarded()
     def stop(self) -> None:
         prof, self.prof = self.prof, None
+        reporter, self.reporter = self.reporter, None
         if prof is not None:
-            prof.stop()
+            prof.stop()  # delivers the last windows first
+        if reporter is not None:
+            reporter.close(self.tracker_timeout)
 
 
 def merged_loader_settings(loader: Any, known: Mapping[str, Any]) -> dict[str, Any]:

@@ -4,17 +4,25 @@ FastAPI's defaults load both from a CDN, so the API docs are blank on an air-gap
 every visit tells a third party who reads them. Here the pages, their scripts, styles and icon all
 come from this server; ReDoc is told not to fetch Google Fonts and Swagger UI not to call its
 online validator.
+
+The pages are written here rather than by ``fastapi.openapi.docs``, whose Swagger page carries an
+inline script with no nonce and pastes its settings in unescaped: here every ``<script>`` tag
+carries the response's CSP nonce (``security.csp_nonce``), text is HTML-escaped, and the Swagger
+settings go through ``stepdoctor_dashboard.escaping.script_json``, as the dashboard's data does.
 """
 
 from __future__ import annotations
 
 import functools
+from html import escape
 from importlib.resources import files
 
-from fastapi import FastAPI
-from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi import FastAPI, Request
 from starlette.responses import HTMLResponse, Response
 from starlette.staticfiles import StaticFiles
+
+from stepdoctor_dashboard.escaping import script_json
+from stepdoctor_server.web.security import csp_nonce
 
 ASSETS_URL = "/docs-assets"
 ASSETS_PACKAGE = ("fastapi_offline", "static")  # swagger-ui-bundle.js, swagger-ui.css, redoc.standalone.js
@@ -43,23 +51,59 @@ def install(app: FastAPI) -> None:
     title = f"{app.title} API"
 
     @app.get("/docs", include_in_schema=False)
-    async def swagger_ui() -> HTMLResponse:
-        return get_swagger_ui_html(
-            openapi_url=openapi_url,
-            title=title,
-            swagger_js_url=f"{ASSETS_URL}/swagger-ui-bundle.js",
-            swagger_css_url=f"{ASSETS_URL}/swagger-ui.css",
-            swagger_favicon_url=f"{ASSETS_URL}/favicon.png",
-            oauth2_redirect_url=None,
-            swagger_ui_parameters={"validatorUrl": None},
-        )
+    async def swagger_ui(request: Request) -> HTMLResponse:
+        return HTMLResponse(swagger_ui_html(title, openapi_url, csp_nonce(request.scope)))
 
     @app.get("/redoc", include_in_schema=False)
-    async def redoc() -> HTMLResponse:
-        return get_redoc_html(
-            openapi_url=openapi_url,
-            title=title,
-            redoc_js_url=f"{ASSETS_URL}/redoc.standalone.js",
-            redoc_favicon_url=f"{ASSETS_URL}/favicon.png",
-            with_google_fonts=False,
-        )
+    async def redoc(request: Request) -> HTMLResponse:
+        return HTMLResponse(redoc_html(title, openapi_url, csp_nonce(request.scope)))
+
+
+# The settings FastAPI's own Swagger page uses, with the online validator off.
+SWAGGER_SETTINGS = {
+    "dom_id": "#swagger-ui",
+    "layout": "BaseLayout",
+    "deepLinking": True,
+    "showExtensions": True,
+    "showCommonExtensions": True,
+    "validatorUrl": None,
+}
+
+
+def swagger_ui_html(title: str, openapi_url: str, nonce: str) -> str:
+    """Swagger UI's page: its bundle and its start-up script, both under this response's nonce."""
+    settings = script_json({**SWAGGER_SETTINGS, "url": openapi_url})
+    body = f"""<div id="swagger-ui"></div>
+<script nonce="{escape(nonce)}" src="{ASSETS_URL}/swagger-ui-bundle.js"></script>
+<script nonce="{escape(nonce)}">
+SwaggerUIBundle(Object.assign({settings}, {{
+  presets: [SwaggerUIBundle.presets.apis, SwaggerUIBundle.SwaggerUIStandalonePreset]
+}}));
+</script>"""
+    return _page(title, f'<link rel="stylesheet" href="{ASSETS_URL}/swagger-ui.css">', body)
+
+
+def redoc_html(title: str, openapi_url: str, nonce: str) -> str:
+    """ReDoc's page: no Google Fonts, its bundle under this response's nonce."""
+    body = f"""<noscript>ReDoc needs JavaScript to show the API documentation.</noscript>
+<redoc spec-url="{escape(openapi_url)}"></redoc>
+<script nonce="{escape(nonce)}" src="{ASSETS_URL}/redoc.standalone.js"></script>"""
+    return _page(title, "<style>body { margin: 0; padding: 0; }</style>", body)
+
+
+def _page(title: str, head: str, body: str) -> str:
+    """A docs page with our icon around ``head`` and ``body`` (markup, already escaped)."""
+    return f"""<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="{ASSETS_URL}/favicon.png">
+<title>{escape(title)}</title>
+{head}
+</head>
+<body>
+{body}
+</body>
+</html>
+"""

@@ -230,13 +230,13 @@ def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep)
     trace_rows, trace_count = runs.run_traces(session, run.id, MAX_TRACES_LISTED)
     rep_id, warnings = runs.run_facts(session, run.id)
     facts = runs.facts_report(session, rep_id) if rep_id is not None else None
-    figs = {}
+    figs: dict[str, figures.Fig] = {}
     if d.breakdown:
-        figs["breakdown"] = figures.to_json(figures.breakdown_figure(d.breakdown))
+        figs["breakdown"] = figures.breakdown_figure(d.breakdown)
     if d.shares:
-        figs["shares"] = figures.to_json(figures.shares_figure(d.shares))
+        figs["shares"] = figures.shares_figure(d.shares)
     if len(d.ranks) > 1:
-        figs["ranks"] = figures.to_json(figures.ranks_figure(d.ranks))
+        figs["ranks"] = figures.ranks_figure(d.ranks)
     others = runs.sibling_runs(session, run, 200)
     waiting = any(t.status in ("pending", "running") for t, _, _ in trace_rows)
     return _render(
@@ -311,25 +311,25 @@ def trace_page(
 ) -> HTMLResponse:
     trace, run, project = traces.load_trace(session, viewer, trace_id)
     doc, stale = traces.trace_report(session, trace)
-    figs = {}
+    figs: dict[str, figures.Fig] = {}
     if doc is not None:
-        figs["breakdown"] = figures.to_json(figures.breakdown_figure(msgspec.structs.asdict(doc.breakdown)))
+        figs["breakdown"] = figures.breakdown_figure(msgspec.structs.asdict(doc.breakdown))
     if doc is not None and doc.steps:
-        figs["steps"] = figures.to_json(figures.steps_figure(doc.steps))
+        figs["steps"] = figures.steps_figure(doc.steps)
     # ``metrics.memory`` and ``timeline`` are free-form sections of the contract: read guarded.
     memory = figures.memory_figure(doc.metrics.memory.get("series") or {}) if doc is not None else None
     if memory is not None:
-        figs["memory"] = figures.to_json(memory)
+        figs["memory"] = memory
     timeline = (doc.timeline if doc is not None else None) or {}
     drawn = [s for s in timeline.get("steps") or [] if isinstance(s, dict)]
     shown_step = next((s for s in drawn if s.get("number") == step), drawn[0] if drawn else None)
     if shown_step is not None:
-        figs["step"] = figures.to_json(figures.step_figure(shown_step, timeline.get("names") or []))
+        figs["step"] = figures.step_figure(shown_step, timeline.get("names") or [])
     jobs = [j for j in deep.deep_analyses(session, trace.id) if j.kind == "critical_path"]
     latest = jobs[0] if jobs else None
     shown = next((j for j in jobs if j.status == "done" and j.result), None)
     if shown is not None and shown.result is not None:
-        figs["critical_path"] = figures.to_json(figures.critical_path_figure(shown.result))
+        figs["critical_path"] = figures.critical_path_figure(shown.result)
     step_numbers = [s.number for s in doc.steps] if doc is not None else []
     return _render(
         request,
@@ -412,8 +412,8 @@ def compare_page(
     differences = compare.context_differences(
         runs.comparison_context(session, base_run), runs.comparison_context(session, other_run)
     )
-    fig = figures.to_json(figures.compare_figure(comparison, base_run.name, other_run.name))
-    kinds_fig = figures.to_json(figures.kind_delta_figure(comparison.get("kinds") or {}))
+    fig = figures.compare_figure(comparison, base_run.name, other_run.name)
+    kinds_fig = figures.kind_delta_figure(comparison.get("kinds") or {})
     return _render(
         request,
         "compare.html",

@@ -12,6 +12,7 @@ from fastapi.templating import Jinja2Templates
 import stepdoctor_dashboard
 from stepdoctor_dashboard import assets, formatting
 from stepdoctor_server.auth.tokens import Principal
+from stepdoctor_server.web.security import csp_nonce
 
 HERE = Path(stepdoctor_dashboard.__file__).parent  # the templates and static files
 templates = Jinja2Templates(directory=str(HERE / "templates"))
@@ -19,7 +20,6 @@ formatting.register(templates.env)
 
 
 def render(request: Request, name: str, viewer: Principal | None, **context: Any) -> HTMLResponse:
-    """A page: its template with the viewer, the asset URLs and no auto-refresh unless asked."""
-    return templates.TemplateResponse(
-        request, name, {"viewer": viewer, "asset": assets.url, "refresh_s": None, **context}
-    )
+    """A page from its template; ``csp_nonce`` is for the template's own ``<script>`` tags only."""
+    base = {"viewer": viewer, "asset": assets.url, "refresh_s": None, "csp_nonce": csp_nonce(request.scope)}
+    return templates.TemplateResponse(request, name, {**base, **context})

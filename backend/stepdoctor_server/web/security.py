@@ -1,8 +1,8 @@
 """Browser-facing defences for every response: a same-origin check on state-changing requests and
 security headers (CSP, frame blocking, no MIME sniffing).
 
-Both are pure ASGI middlewares (nothing buffered except HTML pages, which are small), registered
-once in ``app.py`` so every route, present and future, gets them.
+Both are pure ASGI middlewares (nothing buffered, nothing read from the body), registered once in
+``app.py`` so every route, present and future, gets them.
 
 - **Origin check.** A ``POST``/``PUT``/``PATCH``/``DELETE`` that carries no ``Authorization`` header
   (so it could ride on the dashboard cookie, or log a victim in: login CSRF) must come from this
@@ -12,39 +12,53 @@ once in ``app.py`` so every route, present and future, gets them.
   with none of them come from non-browser clients (browsers always send ``Origin`` on
   cross-origin POSTs) and pass; bearer-token calls pass (a browser never adds that
   header on its own, so they cannot be forged cross-site).
-- **Headers.** ``Content-Security-Policy`` allows scripts, styles, images and fonts from this
-  origin only (inline ``<script>`` blocks of each HTML page are allowed by their sha256, computed
-  here, so templates need no nonces), ``frame-ancestors 'none'`` plus ``X-Frame-Options: DENY``,
-  ``X-Content-Type-Options: nosniff`` and ``Referrer-Policy: same-origin``.
+- **Headers.** ``Content-Security-Policy`` runs only the scripts the templates themselves carry: each
+  response gets a fresh random nonce (``csp_nonce``), templates put it on their own ``<script>``
+  tags, and ``script-src`` names that nonce and nothing else. A script injected through data cannot
+  know the nonce, so it never runs, even if an escaping bug lets its markup through. The policy is
+  never derived from the response body (hashing the page's inline scripts would allow injected
+  ones too). Images, fonts and styles come from this origin (styles may also be inline: plotly.js
+  and Swagger UI set them); ``frame-ancestors 'none'`` plus
+  ``X-Frame-Options: DENY``, ``X-Content-Type-Options: nosniff`` and ``Referrer-Policy: same-origin``.
+- **Data in script blocks.** ``stepdoctor_dashboard.escaping.script_json`` is the one way a value is written into a page's
+  ``<script>`` element (a JSON data block or an inline script): JSON with ``<``, ``>``, ``&``, ``'``
+  and U+2028/U+2029 escaped, so no string can close the element or break the JavaScript around it.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
-import re
+import secrets
 from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 _DEFAULT_PORTS = {"http": "80", "https": "443"}
-# Inline scripts only: <script> without src and with no type, or a JavaScript type. Data blocks
-# (type="application/json") are not executed, so CSP does not apply to them.
-_INLINE_SCRIPT = re.compile(rb"<script\b([^>]*)>(.*?)</script\s*>", re.IGNORECASE | re.DOTALL)
-_SRC_ATTR = re.compile(rb"\ssrc\s*=", re.IGNORECASE)
-_TYPE_ATTR = re.compile(rb"""\stype\s*=\s*["']?([^"'\s>]+)""", re.IGNORECASE)
-_JS_TYPES = frozenset({b"text/javascript", b"application/javascript", b"module"})
-_MAX_HASHED_HTML = 8 << 20  # larger HTML is sent as is, under the strict policy
+NONCE_KEY = "stepdoctor.csp_nonce"  # where the middleware leaves this response's nonce in the scope
 
 
-def _policy(script_hashes: list[str]) -> str:
-    scripts = " ".join(["'self'", *(f"'sha256-{h}'" for h in script_hashes)])
+def new_nonce() -> str:
+    """A CSP nonce: 128 random bits, base64 (the form the ``'nonce-…'`` source expects)."""
+    return base64.b64encode(secrets.token_bytes(16)).decode("ascii")
+
+
+def csp_nonce(scope: Scope) -> str:
+    """This response's nonce, for templates to put on their own ``<script>`` tags.
+
+    Set by ``SecurityHeadersMiddleware`` before the route runs; outside it (a page rendered with
+    no middleware) there is no policy to satisfy, and an empty nonce matches no policy either.
+    """
+    return str(scope.get(NONCE_KEY, ""))
+
+
+def content_security_policy(nonce: str) -> str:
+    """The policy for one response: scripts only with this response's nonce, the rest same-origin."""
     return "; ".join(
         [
             "default-src 'self'",
-            f"script-src {scripts}",
+            f"script-src 'nonce-{nonce}'",
             # plotly.js and Swagger UI set inline style attributes and inject <style> elements.
             "style-src 'self' 'unsafe-inline'",
             "img-src 'self' data: blob:",
@@ -59,24 +73,12 @@ def _policy(script_hashes: list[str]) -> str:
     )
 
 
-def inline_script_hashes(html: bytes) -> list[str]:
-    """Base64 sha256 of every executable inline script in ``html`` (the CSP hash source form)."""
-    hashes: list[str] = []
-    for match in _INLINE_SCRIPT.finditer(html):
-        attrs, body = match.group(1), match.group(2)
-        if _SRC_ATTR.search(attrs):
-            continue
-        kind = _TYPE_ATTR.search(attrs)
-        if kind is not None and kind.group(1).lower() not in _JS_TYPES:
-            continue
-        digest = base64.b64encode(hashlib.sha256(body).digest()).decode("ascii")
-        if digest not in hashes:
-            hashes.append(digest)
-    return hashes
-
-
 class SecurityHeadersMiddleware:
-    """Adds the security headers to every HTTP response; HTML pages get their inline-script hashes."""
+    """Adds the security headers to every HTTP response, with a fresh script nonce for each one.
+
+    Nothing is buffered: the nonce is chosen before the route runs (left in the scope for the
+    templates) and the policy naming it goes out with the response's headers.
+    """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -85,45 +87,21 @@ class SecurityHeadersMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        start: Message | None = None
-        body: list[bytes] = []
-        size = 0
+        nonce = new_nonce()
+        scope[NONCE_KEY] = nonce
 
         async def send_with_headers(message: Message) -> None:
-            nonlocal start, size
             if message["type"] == "http.response.start":
-                if not _is_html(message):
-                    await send(_with_headers(message, []))
-                    return
-                start = message  # hold the headers until the page is known
-                return
-            if start is None or message["type"] != "http.response.body":
-                await send(message)
-                return
-            body.append(message.get("body", b""))
-            size += len(body[-1])
-            if message.get("more_body", False) and size <= _MAX_HASHED_HTML:
-                return
-            page = b"".join(body)
-            hashes = inline_script_hashes(page) if size <= _MAX_HASHED_HTML else []
-            held, start = start, None
-            await send(_with_headers(held, hashes))
-            await send({**message, "body": page})
+                message = _with_headers(message, nonce)
+            await send(message)
 
         await self.app(scope, receive, send_with_headers)
 
 
-def _is_html(message: Message) -> bool:
-    for name, value in message.get("headers", ()):
-        if name.lower() == b"content-type":
-            return value.lower().startswith(b"text/html")
-    return False
-
-
-def _with_headers(message: Message, script_hashes: list[str]) -> Message:
+def _with_headers(message: Message, nonce: str) -> Message:
     headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() not in _OWN_HEADERS]
     headers += [
-        (b"content-security-policy", _policy(script_hashes).encode("ascii")),
+        (b"content-security-policy", content_security_policy(nonce).encode("ascii")),
         (b"x-frame-options", b"DENY"),
         (b"x-content-type-options", b"nosniff"),
         (b"referrer-policy", b"same-origin"),

@@ -1,0 +1,210 @@
+"""Hostile names on every page that shows data, in Debian's Chromium: no script runs, nothing turns
+into markup, and the text reads as it was written.
+
+Two runs are uploaded with an upload-scope token, as any training job could: their event, kernel and
+GPU names, tags, hostnames, command lines and batch sizes carry the payloads of ``support.hostile``.
+Then each page is opened as the admin who would read them. A payload that ran would set
+``window.__xss`` or open a dialog; one that became markup would leave an element with an event
+handler, an ``<img>``, a ``javascript:`` link or an inline script in the DOM. The page's own scripts
+must still run (plots drawn) with no Content-Security-Policy complaint: the nonce lets them in.
+"""
+
+from __future__ import annotations
+
+from html import escape
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import httpx
+import pytest
+
+from support.dashboard import analyse_queued, launch_chromium
+from support.hostile import (
+    DEVICE,
+    IMG_ONERROR,
+    KERNELS,
+    LINE_SEPARATORS,
+    OPS,
+    PAYLOADS,
+    SCRIPT_CLOSE,
+    gzipped,
+    hostile_metadata,
+    hostile_trace,
+)
+from support.server import cli_token, migrated_sqlite_env, serve_subprocess, upload
+
+OTHER_DEVICE = "other" + LINE_SEPARATORS
+TAGS = [f"#t{i}{p}" for i, p in enumerate(PAYLOADS)]
+# What markup a payload would have left behind, and whether the JSON data blocks still parse.
+INSPECT = """() => {
+  const injected = [];
+  for (const el of document.querySelectorAll("*")) {
+    for (const name of el.getAttributeNames()) {
+      if (name.toLowerCase().startsWith("on")) injected.push(el.tagName + "[" + name + "]");
+    }
+    const tag = el.tagName.toLowerCase();
+    if (tag === "img") injected.push("img " + el.getAttribute("src"));
+    const href = (el.getAttribute("href") || el.getAttribute("xlink:href") || "").trim().toLowerCase();
+    if (href.startsWith("javascript:")) injected.push(tag + " " + href);
+    if (tag === "script" && !el.src && el.type !== "application/json") injected.push("inline script");
+  }
+  const broken = [];
+  for (const block of document.querySelectorAll("script[type='application/json']")) {
+    try { JSON.parse(block.textContent); } catch (e) { broken.push(String(e)); }
+  }
+  return {xss: window.__xss === undefined ? null : window.__xss, injected: injected, broken: broken,
+          text: document.body.textContent};
+}"""
+
+
+class Watch:
+    """A page with everything that would show a payload at work recorded as it happens."""
+
+    def __init__(self, page: Any) -> None:
+        self.page = page
+        self.dialogs: list[str] = []
+        self.csp: list[str] = []
+        self.errors: list[str] = []
+        page.on("dialog", self._dialog)
+        page.on("console", lambda m: self.csp.append(m.text) if "Content Security Policy" in m.text else None)
+        page.on("pageerror", lambda exc: self.errors.append(str(exc)))
+
+    def _dialog(self, dialog: Any) -> None:
+        self.dialogs.append(dialog.message)
+        dialog.dismiss()
+
+    def visit(self, url: str, plots: tuple[str, ...] = ()) -> str:
+        """Open ``url``, wait for its plots, check nothing ran or became markup; the page's text."""
+        self.page.goto(url)
+        self.check(url)
+        for plot in plots:  # drawn: the page's own scripts ran under the nonce
+            self.page.wait_for_selector(f"#{plot} .main-svg", timeout=30_000)
+        return self.check(url)
+
+    def check(self, where: str) -> str:
+        seen = self.page.evaluate(INSPECT)
+        assert seen["xss"] is None, (where, seen["xss"])
+        assert seen["injected"] == [], (where, seen["injected"])
+        assert seen["broken"] == [], (where, seen["broken"])
+        assert self.dialogs == [], (where, self.dialogs)
+        assert self.csp == [], (where, self.csp)
+        assert self.errors == [], (where, self.errors)
+        return str(seen["text"])
+
+
+def _upload_runs(url: str, token: str, tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    with httpx.Client(base_url=url, timeout=60) as api:
+        a = upload(
+            api,
+            gzipped(hostile_trace(tmp_path / "a.json")),
+            token=token,
+            project="hostile",
+            run="a",
+            metadata=hostile_metadata(),
+        )
+        other = hostile_metadata(devices=OTHER_DEVICE, batch_size=IMG_ONERROR)
+        b = upload(
+            api,
+            gzipped(hostile_trace(tmp_path / "b.json", device=OTHER_DEVICE)),
+            token=token,
+            project="hostile",
+            run="b",
+            metadata=other,
+        )
+    assert a.status_code == b.status_code == 201, (a.text, b.text)
+    return a.json(), b.json()
+
+
+@pytest.mark.browser
+@pytest.mark.slow
+def test_hostile_names_stay_text_on_every_page_in_chromium(tmp_path: Path) -> None:
+    playwright = pytest.importorskip("playwright.sync_api")
+    env = migrated_sqlite_env(tmp_path / "data")
+    with serve_subprocess(env) as server:
+        token = cli_token(env, "upload")  # what every training job holds
+        admin = cli_token(env, "admin")
+        a, b = _upload_runs(server.url, token, tmp_path)
+        assert analyse_queued(tmp_path / "data") == 2
+        with playwright.sync_playwright() as pw:
+            browser = launch_chromium(pw)
+            watch = Watch(browser.new_page(viewport={"width": 1280, "height": 900}))
+            page, base = watch.page, server.url
+
+            # Login: the ``next`` it carries back into the form stays a value.
+            watch.visit(f"{base}/login?next=" + quote("/" + SCRIPT_CLOSE))
+            assert page.input_value("input[name=next]") == "/" + SCRIPT_CLOSE
+            page.fill("input[name=token]", admin)
+            page.click("button[type=submit]")
+            page.wait_for_load_state()
+            assert "Not found" in watch.check("the 404 page ``next`` led to")
+
+            # Lists: every tag as written.
+            home = watch.visit(f"{base}/")
+            assert all(tag in home for tag in TAGS), home
+            project = page.get_attribute("#projects a", "href")
+            assert all(tag in watch.visit(f"{base}{project}") for tag in TAGS)
+            assert all(tag in watch.visit(f"{base}/runs") for tag in TAGS)
+            watch.visit(f"{base}/runs?" + urlencode({"q": IMG_ONERROR, "tag": LINE_SEPARATORS}))
+            assert page.input_value("input[name=q]") == IMG_ONERROR
+            assert page.input_value("input[name=tag]") == LINE_SEPARATORS
+
+            # Run: tags, the GPU's name, kernel and op tables.
+            run = watch.visit(f"{base}/runs/{a['run_id']}", plots=("plot-breakdown",))
+            assert all(tag in run for tag in TAGS)
+            assert DEVICE in page.text_content("#device-summary")  # type: ignore[operator]
+            _names_shown(page, "#kernels", KERNELS)
+            _names_shown(page, "#operators", OPS)
+
+            # Trace: the same, plus the drawn step's boxes named by the hostile events.
+            watch.visit(f"{base}/traces/{a['id']}", plots=("plot-step", "plot-breakdown"))
+            assert DEVICE in page.text_content("#device-summary")  # type: ignore[operator]
+            _names_shown(page, "#kernels", KERNELS)
+            _names_shown(page, "#operators", OPS)
+            step = page.evaluate(
+                "() => JSON.parse(document.querySelector(\"script[data-plot='plot-step']\").textContent)"
+            )
+            boxes = {n for trace in step["data"] for n, _ in trace.get("customdata") or []}
+            # In plotly's markup, escaped as plotly reads it back: the names as written.
+            assert {escape(n, quote=False) for n in (*KERNELS, *OPS)} <= boxes, boxes
+            assert _hover_names(page, OPS) == set(OPS)  # hover labels: the host ops' names as written
+            watch.check("the step plot after hovering its boxes")
+
+            # Compare: the sentences that quote both runs' GPUs and batch sizes.
+            compare = watch.visit(f"{base}/compare?base={a['run_id']}&other={b['run_id']}", ("plot-compare",))
+            assert f"devices: {DEVICE} vs {OTHER_DEVICE}." in compare, compare
+            assert f"batch size: {SCRIPT_CLOSE} vs {IMG_ONERROR}." in compare, compare
+
+            # Error pages that quote what was asked for.
+            steps = "<img src=x onerror=alert(9)>"
+            error = watch.visit(f"{base}/traces/{a['id']}/download?" + urlencode({"steps": steps}))
+            assert repr(steps) in page.text_content("#error"), error  # type: ignore[operator]
+            watch.visit(f"{base}/runs/987654" + quote(SCRIPT_CLOSE))
+            cookies = [c["value"] for c in page.context.cookies()]
+            browser.close()
+        # What the pages were asked with never reaches the server's log: tokens, session cookies.
+        log = server.output()
+        assert cookies and all(secret not in log for secret in (token, admin, *cookies))
+
+
+def _names_shown(page: Any, table: str, names: tuple[str, ...]) -> None:
+    """Each name is a table cell's title and text, character for character."""
+    cells = page.eval_on_selector_all(
+        f"{table} td.name", "els => els.map(e => [e.title, e.firstChild.textContent])"
+    )
+    for name in names:
+        assert [name, name] in cells, (name, cells)
+
+
+def _hover_names(page: Any, names: tuple[str, ...], most: int = 120) -> set[str]:
+    """Plotly draws hover labels through its own markup language: hover the step's boxes until a
+    label has begun with each of ``names`` (or ``most`` boxes); the names seen written as given."""
+    boxes = page.locator("#plot-step .trace.bars path")
+    seen: set[str] = set()
+    for i in range(min(boxes.count(), most)):
+        boxes.nth(i).hover(force=True, timeout=10_000)  # scrolled into view, the mouse on its centre
+        for label in page.locator("#plot-step .hoverlayer .hovertext").all_text_contents():
+            seen.update(n for n in names if label.startswith(n))
+        if seen == set(names):
+            break
+    return seen
