@@ -130,7 +130,7 @@ def test_database_error_while_storing_is_retried_not_a_failure(
 
 def test_a_second_delivery_never_stores_a_second_analysis(client: TestClient, app: FastAPI) -> None:
     """Worker A was presumed dead and B took the trace over; A's late result is dropped."""
-    from stepdoctor_server.jobs.pool import analyze_limited
+    from stepdoctor_server.traces.analysis_job import analyze_limited
 
     trace_id = upload(client, SMALL.read_bytes(), run="dup").json()["id"]
     queue = SqlJobQueue(app.state.db)

@@ -28,8 +28,9 @@ from sqlalchemy import select, update
 
 from stepdoctor_server.core.models import Analysis, Trace
 from stepdoctor_server.core.settings import Settings
+from stepdoctor_server.job_handlers import start_pool
 from stepdoctor_server.jobs.claims import MAX_ATTEMPTS, SqlJobQueue
-from stepdoctor_server.jobs.pool import start_pool
+from stepdoctor_server.runs.diagnosis_job import requeue_outdated_now
 from support import verdict_traces as vt
 from support.server import FIXTURE_TRACES, drain, synthetic_trace, upload, worker_subprocess
 
@@ -245,7 +246,7 @@ def test_reanalyze_and_stale_reports(client: TestClient, app: FastAPI, read_toke
         )
     report = client.get(f"/api/v1/traces/{trace_id}/report").json()
     assert report["stale"] is True and report["status"] == "done" and report["report"] is not None
-    assert SqlJobQueue(app.state.db).requeue_outdated() == [trace_id]
+    assert requeue_outdated_now(app.state.db) == [trace_id]
     assert drain(app) == 1
     fresh = client.get(f"/api/v1/traces/{trace_id}/report").json()
     assert fresh["stale"] is False and fresh["status"] == "done"
@@ -257,7 +258,7 @@ def test_reanalyze_and_stale_reports(client: TestClient, app: FastAPI, read_toke
     run_diag = client.get(f"/api/v1/runs/{run_id}/diagnosis").json()
     assert run_diag["stale"] is True and "requeued" not in run_diag
     assert run_diag["trace_status"] == {"done": 1} and run_diag["diagnosis"]["traces"] == 1
-    assert SqlJobQueue(app.state.db).requeue_outdated() == [trace_id]
+    assert requeue_outdated_now(app.state.db) == [trace_id]
     assert drain(app) == 1
     run_diag = client.get(f"/api/v1/runs/{run_id}/diagnosis").json()
     assert run_diag["stale"] is False and run_diag["trace_status"] == {"done": 1}

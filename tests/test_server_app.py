@@ -87,7 +87,7 @@ def test_lifespan_starts_and_stops_the_worker_pool(
         events.append(f"start:{settings.workers}")
         return Handle()
 
-    monkeypatch.setattr(app_module.worker, "start_pool", start_pool)
+    monkeypatch.setattr(app_module.job_handlers, "start_pool", start_pool)
 
     with TestClient(create_app(server_settings.model_copy(update={"workers": 2}))):
         assert events == ["start:2"]

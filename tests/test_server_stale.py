@@ -1,6 +1,6 @@
 """Is this stale? One owner (``reports.is_stale``): the API and the pages flag a report from an older
 engine the same way, reading writes nothing, and the re-analysis is a job of its own
-(``queue.requeue_outdated``, the workers' sweep)."""
+(``runs.diagnosis_job.requeue_outdated``, the workers' sweep)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from sqlalchemy import select, update
 
 from stepdoctor_analysis import ENGINE_VERSION
 from stepdoctor_server.core.models import Analysis, Run, Trace
-from stepdoctor_server.jobs.claims import SqlJobQueue
+from stepdoctor_server.runs.diagnosis_job import requeue_outdated_now
 from support.server import drain, logged_in, small_trace_bytes, upload
 
 
@@ -29,7 +29,7 @@ def test_a_stale_report_is_flagged_on_every_surface_and_redone_by_the_sweep(
     current = client.get(f"/api/v1/traces/{trace_id}").json()
     assert current["status"] == "done" and current["stale"] is False
     run_id = current["run_id"]
-    assert SqlJobQueue(app.state.db).requeue_outdated() == [], "a current report must not be redone"
+    assert requeue_outdated_now(app.state.db) == [], "a current report must not be redone"
 
     with app.state.db.session() as session:
         session.execute(
@@ -49,7 +49,7 @@ def test_a_stale_report_is_flagged_on_every_surface_and_redone_by_the_sweep(
     assert _trace_row(app, trace_id) == before and stale["status"] == "done"
     assert drain(app) == 0
 
-    assert SqlJobQueue(app.state.db).requeue_outdated() == [trace_id]
+    assert requeue_outdated_now(app.state.db) == [trace_id]
     assert drain(app) == 1
     fresh = client.get(f"/api/v1/traces/{trace_id}").json()
     assert fresh["stale"] is False and fresh["status"] == "done"
@@ -68,7 +68,7 @@ def test_a_run_diagnosis_of_an_older_layout_is_stale_and_rebuilt_by_the_sweep(
         session.execute(update(Run).where(Run.id == run_id).values(diagnosis={"traces": 1, "primary": "x"}))
     assert client.get(f"/api/v1/runs/{run_id}/diagnosis").json()["stale"] is True
     assert client.get(f"/api/v1/compare?base={run_id}&other={run_id}").status_code == 409
-    SqlJobQueue(app.state.db).requeue_outdated()
+    requeue_outdated_now(app.state.db)
     with app.state.db.session() as session:
         rebuilt = session.scalar(select(Run.diagnosis).where(Run.id == run_id))
     assert rebuilt["diagnosis_version"] >= 2 and rebuilt["traces"] == 1

@@ -31,7 +31,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "sync": Command("stepdoctor.sync:main", None, "upload traces left in the local spool"),
     "serve": Command("stepdoctor_server.cli:serve_main", "server", "run the API server and dashboard"),
-    "worker": Command("stepdoctor_server.jobs.pool:main", "server", "run analysis workers only"),
+    "worker": Command("stepdoctor_server.job_handlers:main", "server", "run analysis workers only"),
     "token": Command("stepdoctor_server.cli:token_main", "server", "create, list or revoke API tokens"),
     "db": Command("stepdoctor_server.cli:db_main", "server", "database migrations (db upgrade)"),
     "mcp": Command(

@@ -26,24 +26,18 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
 
-import msgspec
 from sqlalchemy import ColumnElement, delete, func, null, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
-from stepdoctor_analysis.run_verdict import DIAGNOSIS_VERSION
 from stepdoctor_server.core.database import Database, defers_jobs
-from stepdoctor_server.core.models import Analysis, DeepAnalysis, Run, Trace
+from stepdoctor_server.core.models import Analysis, DeepAnalysis, Trace
 from stepdoctor_server.jobs.defer import defer_aggregation, defer_analyses
 from stepdoctor_server.jobs.limits import process_alive
-from stepdoctor_server.runs.diagnosis import StoredTrace, aggregate_run, read_verdict
-from stepdoctor_server.traces.reports import is_stale
 
 # A job claimed more often than this (its worker died each time) is failed, not retried forever.
 MAX_ATTEMPTS = 3
 REASON_MAX_CHARS = 1000
-DIAGNOSIS_MIN_INTERVAL = timedelta(seconds=5)
 
 
 @dataclass(frozen=True)
@@ -84,9 +78,6 @@ class JobQueue(Protocol):
 
     def requeue_worker(self, worker_id: str) -> int:
         """Put back the jobs held by one worker (the pool saw it die)."""
-
-    def requeue_outdated(self) -> list[int]:
-        """Put back finished traces whose report another engine wrote (``queue.requeue_outdated``)."""
 
 
 def make_queue(db: Database) -> JobQueue:
@@ -289,10 +280,6 @@ class SqlJobQueue:
         """Requeue the jobs held by one worker (its process just died)."""
         return self._requeue_running(lambda table: table.claimed_by == worker_id)
 
-    def requeue_outdated(self) -> list[int]:
-        with self.db.session() as session:
-            return requeue_outdated(session)
-
     def _requeue_running(self, which: Callable[[JobTable], ColumnElement[bool]]) -> int:
         """Requeue (or give up on) the running jobs of every job table that match ``which``."""
         with self.db.session() as session:
@@ -478,114 +465,3 @@ def reset_to_pending(session: Session, trace_ids: Sequence[int]) -> int:
         .execution_options(synchronize_session=False)
     )
     return int(result.rowcount)  # type: ignore[attr-defined]
-
-
-def requeue_outdated(session: Session) -> list[int]:
-    """The re-analysis job for stale reports (``reports.is_stale``): finished traces whose analysis
-    another engine or schema wrote go back to pending (behind fresh uploads), and runs whose stored
-    diagnosis is another layout are re-aggregated. Run by the workers' sweep, never by a GET."""
-    rows = session.execute(
-        select(Trace.id, Analysis.engine_version, Analysis.schema_version)
-        .join(Analysis, Analysis.trace_id == Trace.id)
-        .where(Trace.status.in_(("done", "failed")))
-        .where((Analysis.engine_version != ENGINE_VERSION) | (Analysis.schema_version != SCHEMA_VERSION))
-    ).all()
-    ids = [r.id for r in rows if is_stale(r.engine_version, r.schema_version)]
-    reset_to_pending(session, ids)
-    for run_id, diagnosis in session.execute(select(Run.id, Run.diagnosis).where(Run.diagnosis.is_not(None))):
-        if diagnosis_stale(diagnosis):
-            refresh_run_diagnosis(session, run_id)
-    return ids
-
-
-def diagnosis_stale(stored: dict[str, Any] | None) -> bool:
-    """A stored run diagnosis of another layout (``run_verdict.DIAGNOSIS_VERSION``) or engine."""
-    verdict = read_verdict(stored)
-    return (
-        verdict is None
-        or verdict.diagnosis_version != DIAGNOSIS_VERSION
-        or (verdict.engine_version is not None and verdict.engine_version != ENGINE_VERSION)
-    )
-
-
-def diagnosis_due(session: Session, run_id: int, *, min_interval: timedelta = DIAGNOSIS_MIN_INTERVAL) -> bool:
-    """Whether to re-aggregate the run now.
-
-    Aggregating reads every report of the run, so redoing it after each of a 512-trace run's jobs
-    would be quadratic. While other traces of the run are still queued, refresh at most every
-    ``min_interval``; the run's last job always refreshes.
-    """
-    waiting = session.scalar(
-        select(func.count(Trace.id)).where(Trace.run_id == run_id, Trace.status.in_(("pending", "running")))
-    )
-    if not waiting:
-        return True
-    diagnosis = session.scalar(select(Run.diagnosis).where(Run.id == run_id))
-    computed = (diagnosis or {}).get("computed_at")
-    if not isinstance(computed, str):
-        return True
-    try:
-        last = datetime.fromisoformat(computed)
-    except ValueError:
-        return True
-    return _now() - last >= min_interval
-
-
-def refresh_run_diagnosis(session: Session, run_id: int, *, force: bool = True) -> dict[str, Any] | None:
-    """Recompute and store the run-level diagnosis from every analysed trace of the run.
-
-    The run row is locked first (``FOR UPDATE`` on PostgreSQL; SQLite serialises writers), so two
-    aggregations of one run never interleave and the last one to commit saw every earlier commit:
-    no lost update. Without ``force`` nothing is re-read when the inputs (analysis ids and trace
-    states) are the ones the stored diagnosis was built from; then None is returned.
-    """
-    session.execute(select(Run.id).where(Run.id == run_id).with_for_update())
-    basis = _diagnosis_basis(session, run_id)
-    if not force and session.scalar(select(Run.diagnosis_basis).where(Run.id == run_id)) == basis:
-        return None
-    rows = session.execute(
-        select(Trace.id, Trace.rank, Trace.window_index, Trace.meta, Analysis.report)
-        .join(Analysis, Analysis.trace_id == Trace.id)
-        .where(Trace.run_id == run_id)
-        .order_by(Trace.id)
-    ).all()
-    counts = dict(
-        session.execute(
-            select(Trace.status, func.count()).where(Trace.run_id == run_id).group_by(Trace.status)
-        ).all()
-    )
-    verdict = aggregate_run(
-        [StoredTrace(*row) for row in rows],
-        failed=int(counts.get("failed", 0)),
-        pending=int(counts.get("pending", 0)) + int(counts.get("running", 0)),
-    )
-    verdict.computed_at = _now().isoformat()
-    diagnosis: dict[str, Any] = msgspec.to_builtins(verdict)
-    engine_version = verdict.engine_version
-    session.execute(
-        update(Run)
-        .where(Run.id == run_id)
-        .values(
-            diagnosis=diagnosis,
-            diagnosis_basis=basis,
-            aggregations=Run.aggregations + 1,
-            primary_kind=verdict.primary.kind if verdict.primary else None,
-            diagnosis_engine_version=engine_version if isinstance(engine_version, str) else None,
-            updated_at=_now(),
-        )
-        .execution_options(synchronize_session=False)
-    )
-    return diagnosis
-
-
-def _diagnosis_basis(session: Session, run_id: int) -> str:
-    """A digest of what a run diagnosis depends on: each trace's state and analysis id (no reports)."""
-    import hashlib
-
-    rows = session.execute(
-        select(Trace.id, Trace.status, Analysis.id)
-        .outerjoin(Analysis, Analysis.trace_id == Trace.id)
-        .where(Trace.run_id == run_id)
-        .order_by(Trace.id)
-    ).all()
-    return hashlib.sha256(json.dumps([list(r) for r in rows]).encode()).hexdigest()

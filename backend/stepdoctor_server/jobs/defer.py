@@ -2,14 +2,17 @@
 
 The job rows go into procrastinate's table by the caller's own commit (no procrastinate import
 needed), so an accepted upload is never without its job and a rolled-back one never has one.
-The domains register what each task runs (``HANDLERS``, filled by ``jobs.pool``): the job engine
-(``procrastinate_app``) calls them by name and imports no domain, so no import runs upward.
+The domains register what each task runs (``HANDLERS``), what the embedded pool claims
+(``CLAIMERS``), what follows a stored trace (``TRACE_DONE``) and the sweeps (``SWEEPS``), from their
+job modules (``traces.analysis_job``, ``runs.diagnosis_job``, ``deep.job``; imported together by
+``stepdoctor_server.job_handlers``): the job engine calls them and imports no domain.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import text
@@ -97,8 +100,32 @@ class TransientJobError(Exception):
     """The database stayed unreachable mid-job: the job is retried later, never failed for it."""
 
 
-# Task name -> what runs it, with the worker's runtime first (registered by ``jobs.pool``).
+# Task name -> what runs it, with the worker's runtime first (registered by the domains' job modules).
 HANDLERS: dict[str, Callable[..., None]] = {}
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What a claimer of the embedded pool gets: the database, the queue, the store, its identity."""
+
+    db: Any
+    queue: Any
+    store: Any
+    settings: Any
+    worker_id: str
+
+
+# The embedded pool's claimers, asked in order for one job each (True: one ran).
+CLAIMERS: list[Callable[[JobContext], bool]] = []
+# Run (with the database and the run id) after a trace's analysis is stored by the embedded pool.
+TRACE_DONE: list[Callable[[Any, int], None]] = []
+# Periodic sweeps (with the database) the pool runs at start and every sweep; they return the ids they requeued.
+SWEEPS: list[Callable[[Any], list[int]]] = []
+
+
+def run_sweeps(db: Any) -> int:
+    """Run every registered sweep; how many jobs they put back."""
+    return sum(len(sweep(db)) for sweep in SWEEPS)
 
 
 def handles(task: str) -> Callable[[Callable[..., None]], Callable[..., None]]:

@@ -25,8 +25,9 @@ from typing import Any
 
 log = logging.getLogger("stepdoctor.limits")
 
-# Imported once in the forkserver, so each job's child starts with the engine loaded.
-_PRELOAD = ["stepdoctor_server.jobs.pool", "stepdoctor_analysis.pipeline", "stepdoctor_analysis.parse"]
+# Imported once in the forkserver, so each job's child starts with the engine loaded (and the module
+# of the first job's function: ``_ctx(fn)``).
+_PRELOAD = ["stepdoctor_analysis.pipeline", "stepdoctor_analysis.parse"]
 _context: Any = None
 
 
@@ -39,13 +40,13 @@ class JobFailed(Exception):
         self.details = details
 
 
-def _ctx() -> Any:
+def _ctx(fn: Callable[..., Any] | None = None) -> Any:
     global _context
     if _context is None:
         method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
         _context = multiprocessing.get_context(method)
         if method == "forkserver":
-            _context.set_forkserver_preload(_PRELOAD)
+            _context.set_forkserver_preload([*([fn.__module__] if fn is not None else []), *_PRELOAD])
     return _context
 
 
@@ -62,7 +63,7 @@ def run_limited(
     ``describe_error(exc)`` turns an exception raised in the child into (reason, internal).
     ``fn`` and ``args`` must be picklable (``fn`` a module-level function).
     """
-    ctx = _ctx()
+    ctx = _ctx(fn)
     receiver, sender = ctx.Pipe(duplex=False)
     child = ctx.Process(
         target=_child_main, args=(sender, fn, args, memory_bytes, describe_error), name="stepdoctor-job"

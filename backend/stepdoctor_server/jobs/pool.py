@@ -16,7 +16,7 @@ and never stored as the trace's failure.
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import logging
 import multiprocessing
 import multiprocessing.synchronize
@@ -24,10 +24,9 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy import func, select
@@ -35,22 +34,15 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from stepdoctor.cli import configure_logging
 from stepdoctor_server.core.database import Database
-from stepdoctor_server.core.models import DeepAnalysis, Trace
-from stepdoctor_server.core.settings import Settings, get_settings
+from stepdoctor_server.core.models import Trace
+from stepdoctor_server.core.settings import Settings
 from stepdoctor_server.jobs import procrastinate_app as jobs
 from stepdoctor_server.jobs.claims import (
-    AnalysisResult,
     JobQueue,
-    SqlDeepQueue,
-    SqlJobQueue,
-    diagnosis_due,
     make_queue,
-    refresh_run_diagnosis,
     worker_identity,
 )
-from stepdoctor_server.jobs.defer import AGGREGATE, ANALYZE, DEEP, TransientJobError, handles
-from stepdoctor_server.jobs.limits import JobFailed, run_limited
-from stepdoctor_server.traces.storage import TraceStore, make_store
+from stepdoctor_server.jobs.defer import CLAIMERS, JobContext, TransientJobError, run_sweeps
 
 log = logging.getLogger("stepdoctor.worker")
 T = TypeVar("T")
@@ -64,44 +56,6 @@ STALE_SWEEP_S = 30.0
 
 
 # -- one job -------------------------------------------------------------------------------------
-
-
-def analyze_stored(
-    settings_json: str,
-    storage_key: str,
-    filename: str,
-    metadata: dict[str, Any],
-    aws_env: dict[str, str] | None = None,
-) -> AnalysisResult:
-    """Stream one stored trace from the store and run the engine (in the job's child process).
-
-    ``aws_env`` is the worker's ``AWS_*`` environment: the child descends from a forkserver
-    started earlier, whose environment may predate the worker's.
-    """
-    from stepdoctor_analysis import contract, parse, pipeline
-
-    if aws_env is not None:
-        for name in [n for n in os.environ if n.startswith("AWS_")]:
-            del os.environ[name]
-        os.environ.update(aws_env)
-    settings = Settings.model_validate_json(settings_json)
-    start = time.perf_counter()
-    with make_store(settings).open(storage_key) as stream:
-        trace = parse.load_trace(stream, max_bytes=settings.max_decompressed_bytes, name=filename)
-    # The upload's run metadata (loader settings, CPU count, host RAM) lets recommendations name exact
-    # values; the engine merges it with what the trace embeds, as ``stepdoctor analyze`` does.
-    report = pipeline.analyze_trace(trace, metadata=metadata or None).to_dict()
-    # Stored as the engine wrote it, once it decoded as the contract: readers decode it typed too.
-    doc = contract.decode(report)
-    duration_ms = int((time.perf_counter() - start) * 1000)
-    return AnalysisResult(
-        engine_version=doc.engine_version,
-        schema_version=doc.schema_version,
-        primary_kind=doc.primary.kind,
-        primary_share=doc.primary.share,
-        report=report,
-        duration_ms=duration_ms,
-    )
 
 
 def describe_error(exc: BaseException) -> tuple[str, bool]:
@@ -120,24 +74,6 @@ def describe_error(exc: BaseException) -> tuple[str, bool]:
 def failure_reason(exc: BaseException) -> str:
     """The engine's own one-line message for bad traces; anything else is an internal error."""
     return describe_error(exc)[0]
-
-
-def analyze_limited(
-    settings: Settings, storage_key: str, filename: str, metadata: dict[str, Any]
-) -> AnalysisResult:
-    """``analyze_stored`` in a child process under the job time and memory limits (JobFailed past them)."""
-    result: AnalysisResult = run_limited(
-        analyze_stored,
-        (settings.model_dump_json(), storage_key, filename, metadata, _aws_env()),
-        timeout_s=settings.job_timeout_s,
-        memory_bytes=settings.job_memory_limit_bytes,
-        describe_error=describe_error,
-    )
-    return result
-
-
-def _aws_env() -> dict[str, str]:
-    return {name: value for name, value in os.environ.items() if name.startswith("AWS_")}
 
 
 _TRANSIENT = (OperationalError, InterfaceError)
@@ -175,193 +111,19 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
-@dataclass(frozen=True)
-class _TraceJob:
-    run_id: int
-    storage_key: str
-    filename: str
-    meta: dict[str, Any]
+def process_one(db: Database, queue: JobQueue, store: Any, settings: Settings, worker_id: str) -> bool:
+    """Run one claimed job of any domain (embedded engine); False when none was waiting.
 
-
-def _load_job(db: Database, trace_id: int) -> _TraceJob | None:
-    with db.session() as session:
-        row = session.execute(
-            select(Trace.run_id, Trace.storage_key, Trace.filename, Trace.meta).where(Trace.id == trace_id)
-        ).first()
-    return None if row is None else _TraceJob(row[0], row[1], row[2], dict(row[3] or {}))
-
-
-def handle_trace(
-    db: Database, queue: SqlJobQueue, settings: Settings, trace_id: int, worker_id: str, metrics: Any = None
-) -> int | None:
-    """Analyse a claimed trace and store the outcome; returns its run id (None if the row is gone).
-
-    A bad trace, a time or memory limit fails the job with its reason; an unreachable database is
-    retried (TransientJobError past the patience), never recorded as the trace's failure.
+    The claimers the domains registered (``defer.CLAIMERS``) are asked in order: traces first,
+    the optional deep analyses only when no trace waits.
     """
-    job = retry_db(lambda: _load_job(db, trace_id), what=f"trace {trace_id}")
-    if job is None:
-        return None
-    started = time.perf_counter()
-    try:
-        result = analyze_limited(settings, job.storage_key, job.filename, job.meta)
-    except Exception as exc:  # JobFailed, or the child could not even start (fork failed, ...)
-        reason = str(exc) if isinstance(exc, JobFailed) else describe_error(exc)[0]
-        if not isinstance(exc, JobFailed):
-            log.exception("trace %s: %s", trace_id, reason)
-        elif exc.internal:
-            log.error("trace %s: %s\n%s", trace_id, reason, exc.details)
-        else:
-            log.info("trace %s: %s", trace_id, reason)
-        ended = retry_db(lambda: queue.fail(trace_id, reason, worker_id), what=f"trace {trace_id}")
-        _observe(metrics, "analyze", "failed" if ended else "superseded", started, reason)
-        return job.run_id
-    stored = retry_db(lambda: queue.complete(trace_id, result, worker_id), what=f"trace {trace_id}")
-    if stored:
-        log.info("trace %s: %s in %d ms", trace_id, result.primary_kind, result.duration_ms)
-    else:
-        log.warning("trace %s: job was taken over or reset meanwhile; this result is not stored", trace_id)
-    _observe(metrics, "analyze", "done" if stored else "superseded", started)
-    return job.run_id
+    job = JobContext(db=db, queue=queue, store=store, settings=settings, worker_id=worker_id)
+    return any(claim(job) for claim in CLAIMERS)
 
 
 def _observe(metrics: Any, task: str, outcome: str, started: float, reason: str = "") -> None:
     if metrics is not None:
         metrics.observe(task, outcome, time.perf_counter() - started, reason)
-
-
-def process_one(db: Database, queue: JobQueue, store: TraceStore, settings: Settings, worker_id: str) -> bool:
-    """Claim and handle one job (embedded engine); returns False when the queue was empty.
-
-    Whatever goes wrong after the claim ends the job (done or failed): a claimed job is never
-    left ``running`` by a worker that is still alive. Deep (HTA) jobs run only when no trace waits.
-    """
-    trace_id = queue.claim(worker_id)
-    if trace_id is None:
-        return process_one_deep(db, SqlDeepQueue(db), store, worker_id)
-    sql_queue = queue if isinstance(queue, SqlJobQueue) else SqlJobQueue(db)
-    run_id = handle_trace(db, sql_queue, settings, trace_id, worker_id)
-    if run_id is not None:
-        _refresh_run(db, run_id)
-    return True
-
-
-@handles(ANALYZE)
-def run_delivered_trace(runtime: Any, trace_id: int) -> None:
-    """Body of procrastinate's ``analyze_trace`` job: claim that trace, analyse, store.
-
-    A delivery finding the trace done or failed (a duplicate) does nothing.
-    """
-    queue = SqlJobQueue(runtime.db)
-    if not retry_db(lambda: queue.claim_trace(trace_id, runtime.worker_id), what=f"trace {trace_id}"):
-        log.info("trace %s: already analysed or gone; nothing to do", trace_id)
-        return
-    handle_trace(runtime.db, queue, runtime.settings, trace_id, runtime.worker_id, runtime.metrics)
-
-
-@handles(AGGREGATE)
-def aggregate_when_finished(runtime: Any, run_id: int) -> None:
-    """Body of procrastinate's ``aggregate_run`` job: aggregate once no trace of the run waits.
-
-    The transaction that ends the run's last trace queues the final aggregation, so skipping
-    while traces wait loses nothing; the inputs digest skips a repeat with nothing new.
-    """
-    started = time.perf_counter()
-
-    def aggregate() -> bool:
-        with runtime.db.session() as session:
-            waiting = session.scalar(
-                select(func.count(Trace.id)).where(
-                    Trace.run_id == run_id, Trace.status.in_(("pending", "running"))
-                )
-            )
-            if waiting:
-                return False
-            return refresh_run_diagnosis(session, run_id, force=False) is not None
-
-    done = retry_db(aggregate, what=f"run {run_id} aggregation")
-    if done:
-        log.info("run %s: diagnosis aggregated", run_id)
-        _observe(runtime.metrics, "aggregate", "done", started)
-
-
-def _logged_reason(exc: BaseException, path: Path | None, filename: str, job: str) -> str:
-    """The failure reason users see, logged: with the traceback only when it is our own bug."""
-    reason = failure_reason(exc)
-    if path is not None:  # users know the file by its download name, not by our storage key
-        reason = reason.replace(str(path), filename).replace(path.name, filename)
-    if reason.startswith("internal error"):
-        log.exception("%s: failed", job)
-    else:
-        log.info("%s: %s", job, reason)
-    return reason
-
-
-def run_deep(kind: str, params: dict[str, Any], path: Path, rank: int | None) -> dict[str, Any]:
-    """Run one deep analysis on a stored trace file (HTA missing: a one-line TraceError)."""
-    from stepdoctor_analysis import deep
-
-    if kind == "critical_path":
-        step = params.get("step")
-        return deep.critical_path(path, rank=rank, step=step if isinstance(step, int) else None)
-    raise ValueError(f"unknown deep analysis kind {kind!r}")
-
-
-@handles(DEEP)
-def drain_deep(runtime: Any) -> None:
-    """Body of procrastinate's periodic ``deep_analyses``: drain the optional HTA jobs."""
-    queue, store = SqlDeepQueue(runtime.db), make_store(runtime.settings)
-    while process_one_deep(runtime.db, queue, store, runtime.worker_id):
-        pass
-
-
-def process_one_deep(db: Database, queue: SqlDeepQueue, store: TraceStore, worker_id: str) -> bool:
-    """Claim and handle one deep-analysis job; False when there was none.
-
-    A failing analysis fails its job; the database going away is waited out (``retry_db``), never
-    recorded as the job's failure.
-
-    HTA reads files by path, so a trace in object storage is copied to a temporary file first.
-    """
-    job_id = queue.claim(worker_id)
-    if job_id is None:
-        return False
-    what = f"deep job {job_id}"
-
-    def load() -> tuple[str, dict[str, Any], int | None, str, str]:
-        with db.session() as session:
-            job, trace = session.execute(
-                select(DeepAnalysis, Trace)
-                .join(Trace, Trace.id == DeepAnalysis.trace_id)
-                .where(DeepAnalysis.id == job_id)
-            ).one()
-            return job.kind, dict(job.params or {}), trace.rank, trace.storage_key, trace.filename
-
-    kind, params, rank, key, filename = retry_db(load, what=what)
-    path: Path | None = None
-    start = time.perf_counter()
-    try:
-        with store.local_copy(key) as path:
-            result = run_deep(kind, params, path, rank)
-            if result.get("source") == path.name:
-                result["source"] = filename
-    except Exception as exc:  # one bad job fails itself, never the worker
-        reason = _logged_reason(exc, path, filename, what)
-        retry_db(lambda: queue.fail(job_id, reason), what=what)
-        return True
-    retry_db(lambda: queue.complete(job_id, result), what=what)
-    log.info("deep %s %s: done in %.1f s", kind, job_id, time.perf_counter() - start)
-    return True
-
-
-def _refresh_run(db: Database, run_id: int) -> None:
-    try:
-        with db.session() as session:
-            if not diagnosis_due(session, run_id):
-                return
-            refresh_run_diagnosis(session, run_id, force=False)
-    except Exception:  # the per-trace result is stored; the aggregate is redone on the next job
-        log.exception("run %s: diagnosis refresh failed", run_id)
 
 
 # -- worker process ------------------------------------------------------------------------------
@@ -383,7 +145,7 @@ def worker_loop(settings: Settings, index: int, stop: multiprocessing.synchroniz
         return
     db = Database(settings)
     queue = make_queue(db)
-    store = make_store(settings)
+    store = None  # each claimer opens the store it needs (``JobContext.store``)
     worker_id = worker_identity(index)
     parent = os.getppid()
     down_since: float | None = None
@@ -418,10 +180,14 @@ def worker_loop(settings: Settings, index: int, stop: multiprocessing.synchroniz
         db.dispose()
 
 
-def _worker_main(settings_json: str, index: int, stop: multiprocessing.synchronize.Event) -> None:
+def _worker_main(
+    settings_json: str, index: int, stop: multiprocessing.synchronize.Event, setup: str = ""
+) -> None:
     # Daemonic so a dying server never waits for us; but each job runs in a child of ours, which
     # multiprocessing refuses to daemons. We exit with our parent anyway (see worker_loop).
     multiprocessing.current_process().daemon = False
+    if setup:  # a spawned process: the module that registers the domains' handlers, by name
+        importlib.import_module(setup)
     worker_loop(Settings.model_validate_json(settings_json), index, stop)
 
 
@@ -444,6 +210,7 @@ class Pool:
     _stopping: threading.Event = field(default_factory=threading.Event)
     restarts: int = 0
     _settings_json: str = ""
+    setup: str = ""  # module that registers the domains' job handlers in each worker process
 
     def start(self) -> Pool:
         self._stop = self._ctx.Event()
@@ -466,7 +233,7 @@ class Pool:
             queue = make_queue(db)
             # Jobs left running by dead workers (previous server, killed process) resume.
             # Reports another engine wrote are redone here, never by the GET that reads them.
-            outdated = len(queue.requeue_outdated())
+            outdated = run_sweeps(db)
             return (
                 (queue.requeue_dead_local() if dead_local else 0)
                 + queue.requeue_stale(stale_after(self.settings))
@@ -481,7 +248,7 @@ class Pool:
     def _spawn(self, index: int) -> Any:
         proc = self._ctx.Process(
             target=_worker_main,
-            args=(self._settings_json, index, self._stop),
+            args=(self._settings_json, index, self._stop, self.setup),
             name=f"stepdoctor-worker-{index}",
             daemon=True,
         )
@@ -541,9 +308,10 @@ class Pool:
                 proc.join(2.0)
 
 
-def start_pool(settings: Settings, size: int | None = None) -> Pool:
-    """Start ``settings.workers`` analysis processes (used by the app lifespan and ``stepdoctor worker``)."""
-    return Pool(settings=settings, size=settings.workers if size is None else size).start()
+def start_pool(settings: Settings, size: int | None = None, *, setup: str = "") -> Pool:
+    """Start ``settings.workers`` analysis processes (used by the app lifespan and ``stepdoctor worker``);
+    ``setup``: the module each imports to register the domains' handlers (``job_handlers``)."""
+    return Pool(settings=settings, size=settings.workers if size is None else size, setup=setup).start()
 
 
 # -- metrics -------------------------------------------------------------------------------------
@@ -617,59 +385,6 @@ class _QueueDepth:
         for queue in ("analysis", "aggregation"):
             family.add_metric([queue], depth.get(queue, 0))
         yield family
-
-
-# -- ``stepdoctor worker`` -----------------------------------------------------------------------
-
-
-def main(argv: Sequence[str] | None = None, *, settings: Settings | None = None) -> int:
-    """Run workers in the foreground until Ctrl-C/SIGTERM (no HTTP server)."""
-    parser = argparse.ArgumentParser(prog="stepdoctor worker", description="run analysis workers only")
-    parser.add_argument(
-        "-n", "--workers", type=int, default=None, help="jobs at a time (default STEPDOCTOR_WORKERS)"
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics on this port (default STEPDOCTOR_METRICS_PORT; 0 = off)",
-    )
-    args = parser.parse_args(list(argv or []))
-    settings = settings or get_settings()
-    size = args.workers if args.workers is not None else max(1, settings.workers)
-    if size < 1:
-        parser.error("--workers must be at least 1")
-    configure_logging()
-    metrics = WorkerMetrics(settings)
-    port = args.metrics_port if args.metrics_port is not None else settings.metrics_port
-    if port:
-        metrics.serve(settings.metrics_host, port)
-    done = threading.Event()
-    _on_signals(done.set)
-    engine = "procrastinate" if settings.uses_procrastinate else "embedded pool"
-    print(
-        f"stepdoctor worker: {size} analysis process(es) at a time ({engine}) on {settings.database_url_shown}, "
-        f"traces from {make_store(settings).description}; Ctrl-C to stop",
-        flush=True,
-    )
-    if settings.uses_procrastinate:
-        # One process: procrastinate's loop, heartbeats and metrics here; each job in a child.
-        jobs.run_worker(
-            settings.model_copy(update={"workers": size}),
-            concurrency=size,
-            name=worker_identity(0),
-            stop=done,
-            metrics=metrics,
-        )
-        return 0
-    pool = start_pool(settings, size)
-    try:
-        done.wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        pool.stop()
-    return 0
 
 
 def _on_signals(handler: Callable[[], None]) -> None:

@@ -40,7 +40,7 @@ from sqlalchemy.orm import Session
 from stepdoctor_server.core.database import Database
 from stepdoctor_server.core.models import Trace
 from stepdoctor_server.core.settings import Settings
-from stepdoctor_server.jobs.claims import requeue_or_give_up, requeue_outdated
+from stepdoctor_server.jobs.claims import requeue_or_give_up
 from stepdoctor_server.jobs.defer import (
     AGGREGATE,
     ANALYZE,
@@ -51,6 +51,7 @@ from stepdoctor_server.jobs.defer import (
     QUEUE_DEEP,
     TransientJobError,
     defer_analyses,
+    run_sweeps,
 )
 
 log = logging.getLogger("stepdoctor.jobs")
@@ -118,8 +119,8 @@ def _blueprint() -> Any:
             "NOT EXISTS (SELECT 1 FROM procrastinate_jobs j WHERE j.lock = 'trace:' || t.id "
             "AND j.status IN ('todo', 'doing'))"
         )
+        run_sweeps(runtime.db)  # e.g. reports another engine wrote: redone by this job, not by a GET
         with runtime.db.session() as session:
-            requeue_outdated(session)  # reports another engine wrote: redone by this job, not by a GET
             # Running with no delivery left (its job failed for good, e.g. retries exhausted
             # during a long outage): back to pending, or failed after MAX_ATTEMPTS.
             orphans = session.scalars(

@@ -18,9 +18,9 @@ from stepdoctor_analysis.run_verdict import RunVerdict
 from stepdoctor_server.auth.tokens import Principal
 from stepdoctor_server.core.errors import ApiError, check_id, not_found
 from stepdoctor_server.core.models import Analysis, Project, Run, Trace
-from stepdoctor_server.jobs.claims import diagnosis_stale
 from stepdoctor_server.runs import export as tensorboard_export
 from stepdoctor_server.runs.diagnosis import read_verdict
+from stepdoctor_server.runs.diagnosis_job import diagnosis_stale
 from stepdoctor_server.traces.reports import ReportFacts, is_stale, read_facts
 from stepdoctor_server.traces.storage import TraceStore
 

@@ -33,6 +33,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 try:  # the parts of the service: none is optional, so a missing one stops the server at start
+    from stepdoctor_server import job_handlers
     from stepdoctor_server.jobs import pool as worker
     from stepdoctor_server.web import api_analysis, api_catalog, api_docs, api_traces
     from stepdoctor_server.web import pages as dashboard
@@ -236,7 +237,7 @@ def _start_workers(settings: Settings) -> worker.Pool | None:
     """The in-process analysis pool; none with ``workers=0`` (API-only replicas)."""
     if settings.workers <= 0:
         return None
-    return worker.start_pool(settings)
+    return job_handlers.start_pool(settings)
 
 
 def _stop_workers(handle: worker.Pool | None, timeout: float) -> None:
