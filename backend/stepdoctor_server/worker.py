@@ -11,7 +11,9 @@ it in a child process under the time and memory limits, store the outcome):
   time with heartbeats, and a dead or hung worker's jobs run elsewhere.
 
 The database going away mid-job is retried with backoff (``retry_db``), one log line per outage,
-and never stored as the trace's failure.
+and never stored as the trace's failure. An analysis that failed because the trace store was
+unreachable is tried again after ``retry_wait_s`` (the embedded pool waits in the job; procrastinate
+schedules the job again), ``settings.analysis_tries`` times in all, before the trace fails.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -35,6 +38,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from stepdoctor.cli import configure_logging
 from stepdoctor_server.db import Database
+from stepdoctor_server.errors import TransientError
 from stepdoctor_server.limits import JobFailed, run_limited
 from stepdoctor_server.models import DeepAnalysis, Trace
 from stepdoctor_server.queue import (
@@ -110,13 +114,14 @@ def describe_error(exc: BaseException) -> tuple[str, bool]:
     """(reason users see, whether it is our own bug) for an exception raised by a job."""
     from stepdoctor_analysis.errors import TraceError
 
-    if isinstance(exc, TraceError):
+    if isinstance(exc, TraceError | TransientError):  # one line written for users
         return str(exc) or type(exc).__name__, False
     if isinstance(exc, FileNotFoundError):
         return "internal error: the trace file is missing from the store", True
     if isinstance(exc, MemoryError):
         return "internal error: out of memory while analysing this trace", True
-    return f"internal error: {type(exc).__name__}: {exc}", True
+    # An exception's text may hold paths, keys or endpoints: it goes to the log with the traceback.
+    return f"internal error: {type(exc).__name__} (details in the server log)", True
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -193,22 +198,69 @@ def _load_job(db: Database, trace_id: int) -> _TraceJob | None:
     return None if row is None else _TraceJob(row[0], row[1], row[2], dict(row[3] or {}))
 
 
+def retry_wait_s(settings: Settings, tries: int) -> float:
+    """How long to wait after the ``tries``-th try (1-based) failed on an unreachable store."""
+    return float(min(300.0, settings.analysis_retry_wait_s * 2 ** (tries - 1)))
+
+
+def _gave_up(tries: int, reason: str) -> str:
+    return f"{reason} ({tries} tries with backoff); reanalyse the trace once it is back"
+
+
 def handle_trace(
-    db: Database, queue: SqlJobQueue, settings: Settings, trace_id: int, worker_id: str, metrics: Any = None
+    db: Database,
+    queue: SqlJobQueue,
+    settings: Settings,
+    trace_id: int,
+    worker_id: str,
+    metrics: Any = None,
+    *,
+    delivery: int | None = None,
 ) -> int | None:
     """Analyse a claimed trace and store the outcome; returns its run id (None if the row is gone).
 
     A bad trace, a time or memory limit fails the job with its reason; an unreachable database is
-    retried (TransientJobError past the patience), never recorded as the trace's failure.
+    retried (TransientJobError past the patience), never recorded as the trace's failure. An
+    unreachable trace store is tried again ``settings.analysis_tries`` times in all, with backoff:
+    in this process (``delivery`` None, the embedded pool), or, for the ``delivery``-th (0-based)
+    delivery of a procrastinate job, by putting the trace back to pending and raising
+    TransientJobError so procrastinate schedules the job again (``jobs``).
     """
     job = retry_db(lambda: _load_job(db, trace_id), what=f"trace {trace_id}")
     if job is None:
         return None
     started = time.perf_counter()
+    tries = 0 if delivery is None else delivery
     try:
-        result = analyze_limited(settings, job.storage_key, job.filename, job.meta)
+        while True:
+            tries += 1
+            try:
+                result = analyze_limited(settings, job.storage_key, job.filename, job.meta)
+                break
+            except JobFailed as exc:
+                if not exc.transient or tries >= settings.analysis_tries:
+                    raise
+                wait = retry_wait_s(settings, tries)
+                log.warning(
+                    "trace %s: %s (try %d of %d); again in %.0f s",
+                    trace_id,
+                    exc,
+                    tries,
+                    settings.analysis_tries,
+                    wait,
+                )
+                note = f"waiting to retry: {exc} (try {tries} of {settings.analysis_tries})"
+                if delivery is not None:
+                    retry_db(partial(queue.release, trace_id, note, worker_id), what=f"trace {trace_id}")
+                    raise TransientJobError(f"trace {trace_id}: {exc}") from None
+                retry_db(partial(queue.note, trace_id, note, worker_id), what=f"trace {trace_id}")
+                time.sleep(wait)
+    except TransientJobError:
+        raise
     except Exception as exc:  # JobFailed, or the child could not even start (fork failed, ...)
         reason = str(exc) if isinstance(exc, JobFailed) else describe_error(exc)[0]
+        if isinstance(exc, JobFailed) and exc.transient:
+            reason = _gave_up(tries, reason)
         if not isinstance(exc, JobFailed):
             log.exception("trace %s: %s", trace_id, reason)
         elif exc.internal:
@@ -248,16 +300,19 @@ def process_one(db: Database, queue: JobQueue, store: TraceStore, settings: Sett
     return True
 
 
-def run_delivered_trace(runtime: Any, trace_id: int) -> None:
+def run_delivered_trace(runtime: Any, trace_id: int, delivery: int = 0) -> None:
     """Body of procrastinate's ``analyze_trace`` job: claim that trace, analyse, store.
 
-    A delivery finding the trace done or failed (a duplicate) does nothing.
+    A delivery finding the trace done or failed (a duplicate) does nothing. ``delivery``: how many
+    times procrastinate ran this job before (its retries after an unreachable store).
     """
     queue = SqlJobQueue(runtime.db)
     if not retry_db(lambda: queue.claim_trace(trace_id, runtime.worker_id), what=f"trace {trace_id}"):
         log.info("trace %s: already analysed or gone; nothing to do", trace_id)
         return
-    handle_trace(runtime.db, queue, runtime.settings, trace_id, runtime.worker_id, runtime.metrics)
+    handle_trace(
+        runtime.db, queue, runtime.settings, trace_id, runtime.worker_id, runtime.metrics, delivery=delivery
+    )
 
 
 def aggregate_when_finished(runtime: Any, run_id: int) -> None:
