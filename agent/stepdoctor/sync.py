@@ -117,11 +117,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker = DeliveryWorker(spool, route, delivery)
     spool.cleanup_orphans()
     retried = _review_failed(spool, route, retry_all=args.retry_failed)
-    waiting, size = spool.pending()
-    if waiting:  # a slow or hung server may hold the first request until --timeout: say what runs
+    remaining = _send_until(worker, deadline, args.timeout)
+    return _report(spool, worker, remaining, retried, override)
+
+
+def _send_until(worker: DeliveryWorker, deadline: float, timeout: float) -> int:
+    """Passes over the spool, backing off between them, until all went or ``deadline``; returns
+    how many are left. A line says what is sent first (a hung server may hold that first request
+    until the deadline) and what the trouble is before every wait."""
+    waiting, size = worker.spool.pending()
+    if waiting:
         print(
             f"stepdoctor sync: {waiting} trace{'' if waiting == 1 else 's'} ({size / 1e6:.1f} MB) waiting in "
-            f"{spool.root}; sending (giving up after {args.timeout:g} s, --timeout)",
+            f"{worker.spool.root}; sending (giving up after {timeout:g} s, --timeout)",
             file=sys.stderr,
             flush=True,
         )
@@ -131,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say_waiting(worker, remaining, wait, deadline)
         time.sleep(wait)
         remaining = worker.run_pass(deadline)
-    return _report(spool, worker, remaining, retried, override)
+    return remaining
 
 
 def _review_failed(spool: Spool, route: Router, *, retry_all: bool) -> int:
