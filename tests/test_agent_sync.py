@@ -201,3 +201,17 @@ def test_a_time_limit_that_bounds_nothing_is_refused_in_one_line(
     assert sync.main(["--spool", str(tmp_path), option, value]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err == f"stepdoctor sync: {option} must be a finite number of seconds above 0\n"
+
+
+def test_compression_stops_at_the_deadline_and_keeps_the_export(tmp_path: Path, real_trace: bytes) -> None:
+    """A multi-GB raw export takes a minute to compress: --timeout bounds that too."""
+    spool = Spool(tmp_path)
+    spool_traces(spool, real_trace, 1, None)
+    with spool.claim(spool.sidecars()[0]) as entry:
+        assert entry is not None
+        with pytest.raises(TimeoutError, match="did not finish in time"):
+            Spool.compress(entry, 6, deadline=time.monotonic() - 1)
+        assert entry.export.read_bytes() == real_trace and not entry.trace.exists()
+        assert [p.name for p in tmp_path.rglob("*.partial")] == []
+        Spool.compress(entry, 6)  # the next sync, with time left
+        assert gzip.decompress(entry.trace.read_bytes()) == real_trace
