@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import timeline as tl
+from .memory_use import MemoryUse, analyze_memory_use
 from .model import NONE, HostKind, MemoryEvents, RankTrace, Step
 
 _FREE_API_RE = re.compile(r"^(cuda|hip)Free(Async)?$|^cuMemFree(_v2)?$")
@@ -73,6 +74,8 @@ class MemoryStats:
     allocator_evidence: dict[str, object] = field(default_factory=dict)
     steady_frees_per_step: float = 0.0  # cudaFree & co. after the first step
     steady_frees_outside_ops_per_step: float = 0.0  # ... with no op around them (``empty_cache()``)
+    # What holds the memory, leaks, fragmentation, OOM forensics (``memory_use``).
+    use: MemoryUse = field(default_factory=MemoryUse)
 
     def worst(self) -> DeviceMemory | None:
         return max(self.devices, key=lambda d: d.peak_fraction, default=None)
@@ -138,6 +141,12 @@ def analyze_memory(trace: RankTrace, steps: list[Step], *, host_memory: int = 0)
         allocator_evidence=evidence,
         steady_frees_per_step=int(np.count_nonzero(frees)) / steady_steps,
         steady_frees_outside_ops_per_step=outside / steady_steps,
+        use=analyze_memory_use(
+            trace,
+            steps,
+            devices=_device_keys(trace) if len(m) else [],
+            capacities={d.device: d.capacity for d in devices},
+        ),
     )
 
 
