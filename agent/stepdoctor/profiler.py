@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from stepdoctor import config as _config
+from stepdoctor import memory_snapshot as _memory_snapshot
 from stepdoctor import metadata as _metadata
 from stepdoctor import series as _series
 from stepdoctor.guard import guarded, log_once, raise_errors, say
@@ -99,8 +100,12 @@ class Profile:
         schedule: Callable[[int], Any] | None = None,
         profiler_kwargs: dict[str, Any] | None = None,
         series: _series.SeriesSettings | None = None,
+        memory_snapshot: bool = False,
     ) -> None:
         self.config = cfg
+        self._memory_snapshot = (
+            memory_snapshot  # the CUDA allocator's history per window (memory_snapshot.py)
+        )
         self.profiler: Any = None
         self.run_dir: Path | None = None
         self.captured = 0
@@ -313,6 +318,8 @@ class Profile:
             self._active = None
             self._state = "broken"
             raise
+        if self._memory_snapshot:
+            _memory_snapshot.start()
 
     @guarded()
     def _step_in_window(self) -> None:
@@ -363,6 +370,8 @@ class Profile:
                     self._note_step(prof.step_num)
                 prof.stop()  # a window cut short is still saved
         finally:
+            if self._memory_snapshot:
+                _memory_snapshot.stop()
             series, self._series = self._series, None
             if series is not None:  # local disk: a few ms, bounded in case it hangs
                 series.close(max(2.0, self.config.delivery.flush_timeout))
@@ -436,6 +445,8 @@ class Profile:
         }
         self._window_index += 1
         self._first_step = self._last_step = None
+        if self._memory_snapshot:  # the window's allocator history, beside its trace; recording stops
+            _memory_snapshot.dump(_memory_snapshot.snapshot_path(self.run_dir, stem))
         try:
             self._export(prof, stem)
             self._commit(stem, window)
@@ -621,6 +632,7 @@ def profile(
     anomaly_k: float | None = None,
     anomaly_interval: float | None = None,
     series_settings: _series.SeriesSettings | None = None,
+    memory_snapshot: bool = False,
 ) -> Profile | NoopProfile:
     """Profile a training loop; call ``prof.step()`` once per step.
 
@@ -638,6 +650,12 @@ def profile(
     (1.5) times the rolling median of the last 50 steps captures the next window, at most once per
     ``anomaly_interval`` seconds (600); ``anomaly_capture=False`` or ``STEPDOCTOR_ANOMALY_CAPTURE=0``
     turns that off. ``series_settings`` sets every knob at once (tests, benchmarks).
+
+    ``memory_snapshot=True`` records the CUDA allocator's history (every allocation and free with
+    its stack) during each window and writes it beside the trace, in
+    ``SPOOL/<project>/<run>/memory_snapshots/``, for https://pytorch.org/memory_viz. Off by default:
+    recording costs a stack capture per allocation inside the window and tens of MB per window
+    (``stepdoctor.memory_snapshot``); a no-op without CUDA.
     """
     try:
         if flush_timeout is None:
@@ -693,6 +711,7 @@ def profile(
         schedule=schedule,
         profiler_kwargs=profiler_kwargs,
         series=series_settings,
+        memory_snapshot=memory_snapshot,
     )
 
 
