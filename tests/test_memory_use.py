@@ -15,6 +15,7 @@ from stepdoctor_analysis.contract import decode
 from stepdoctor_analysis.memory_use import CATEGORIES
 from stepdoctor_analysis.parse import load_trace
 from stepdoctor_analysis.pipeline import analyze_path
+from stepdoctor_analysis.report import render_text
 from support import cpu_loops
 from support.synthetic import GIB, memory_trace
 
@@ -63,6 +64,8 @@ def test_a_loss_kept_with_its_graph_is_a_leak_with_its_growth_and_cause(loops: d
     assert "loss.item()" in card["change"] and "losses.append(loss)" in card["change"]
     assert top["op"] in card["why"]
     assert card.get("expected_speedup") in (None, 1.0)  # it averts an OOM, it promises no speed
+    text = render_text(analyze_path(loops["leak"]))  # the terminal report shows the fix, not only the why
+    assert "Memory grows every step" in text and "losses.append(loss.item())" in text
 
 
 def test_the_fixed_loop_does_not_leak(loops: dict[str, Path]) -> None:

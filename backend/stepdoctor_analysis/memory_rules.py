@@ -84,8 +84,8 @@ def _leak_change(top: dict[str, object] | None) -> str:
     if top is not None and top.get("phase") == "forward":
         return (
             "Keep numbers, not tensors, across steps: losses.append(loss.item()) (or loss.detach()) instead of "
-            "losses.append(loss); a kept loss keeps its autograd graph and every activation the graph saved. "
-            "Evaluate under torch.no_grad()"
+            "losses.append(loss): a kept loss keeps its autograd graph and every activation the graph saved; "
+            "and run evaluation under torch.no_grad()"
         )
     return (
         "Find the list, dict or attribute that keeps tensors across steps and store detached copies "
