@@ -205,16 +205,27 @@ def test_growth_that_levels_off_is_not_a_leak(tmp_path: Path) -> None:
 # Real CUDA fixtures ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["memory.json.gz", "memory.after.json.gz", "input.json.gz", "sync.json.gz"])
-def test_recorded_h100_loops_have_categories_that_add_up_and_no_false_memory_cards(
+@pytest.mark.parametrize(
+    "name",
+    [
+        "cuda/memory.json.gz",
+        "cuda/memory.after.json.gz",
+        "cuda/input.json.gz",
+        "cuda/sync.json.gz",
+        "hta/df_index_resolver/df_index_resolver.json.gz",
+        "tracelens/h100_google_owlv2-large-patch14-ensemble__1016001.json.gz",
+    ],
+)
+def test_real_traces_have_categories_that_add_up_and_no_false_memory_cards(
     fixtures_dir: Path, name: str
 ) -> None:
-    report = _report(fixtures_dir / "cuda" / name)
+    report = _report(fixtures_dir / name)
     cuda = [c for c in report["metrics"]["memory"]["by_category"] if c["device"].startswith("cuda")]
     assert cuda
     for c in cuda:
         assert sum(c["bytes"].values()) == c["allocated"]
         assert sum(c["shares"].values()) == pytest.approx(1.0, abs=1e-3)
-    # Small loops on an 80 GB H100: no leak, nothing fragmented, nothing near capacity.
+    # Small loops on an 80 GB H100 (and df_index_resolver's 12 GB reserved of a 32 GB V100, 48% above
+    # allocated): no leak, nothing fragmented where memory is plentiful, nothing near capacity.
     for rule_id in ("memory.leak", "memory.fragmentation", "memory.pressure"):
         assert _card(report, rule_id) is None, rule_id
