@@ -204,8 +204,8 @@ class Profile:
         """Mark the end of a training step. Outside capture windows this appends the step's wall
         time and data wait to two arrays and compares a few numbers (torch.profiler itself is not
         running; bench/step_series_cost.py measures it); it never touches the disk or the network."""
-        series = self._series
         if self._active is None:
+            series = self._series
             if series is not None:
                 now = _perf_ns()
                 wall = now - series.last
@@ -225,6 +225,7 @@ class Profile:
             if series is not None:
                 series.restart_clock()
         elif self._state == "running" and self._pid == _PID:
+            series = self._series
             if series is not None:
                 series.profiled_step(self._step_num)
             self._step_in_window()

@@ -73,14 +73,15 @@ class SeriesSettings:
     anomaly_window: int = 50
     anomaly_warmup: int = 50
     anomaly_interval: float = 600.0
+    anomaly_min_ms: float = 1.0
 
     def __post_init__(self) -> None:
         if self.chunk_steps < 1 or not 0 < self.chunk_seconds < float("inf"):
             raise ValueError("series chunks need chunk_steps >= 1 and a finite chunk_seconds > 0")
         if not self.anomaly_k > 1.0 or self.anomaly_window < 2 or self.anomaly_warmup < 0:
             raise ValueError("anomaly_k must be above 1, anomaly_window at least 2, anomaly_warmup >= 0")
-        if not self.anomaly_interval >= 0:
-            raise ValueError("anomaly_interval must be >= 0 seconds")
+        if not self.anomaly_interval >= 0 or not self.anomaly_min_ms >= 0:
+            raise ValueError("anomaly_interval and anomaly_min_ms must be >= 0")
 
 
 def settings_from_env(**given: Any) -> SeriesSettings:
@@ -100,6 +101,12 @@ def settings_from_env(**given: Any) -> SeriesSettings:
     return SeriesSettings(**values)
 
 
+def anomaly_threshold(median_ns: int, k: float, min_ms: float) -> int:
+    """Slower than this (ns) is an anomaly: ``k`` x the median, and at least ``min_ms`` above it
+    (a 0.2 ms step that took 0.4 ms is scheduler noise, not worth a capture)."""
+    return max(int(k * median_ns), median_ns + int(min_ms * 1e6))
+
+
 def block_median(values: list[int]) -> int:
     """The median the anomaly rule compares against (upper median on even counts, like the engine)."""
     ordered = sorted(values)
@@ -111,8 +118,43 @@ class SeriesRecorder:
 
     ``Profile.step`` touches ``last``, ``wall``, ``data``, ``data_acc``, ``data_reset``,
     ``threshold``, ``due`` and ``next_step`` directly (a method call would cost more than the
-    whole recording); :meth:`event` runs when one of the three limits is crossed.
+    whole recording); :meth:`event` runs when one of the three limits is crossed. Slots, because
+    attribute access is most of what the hot path does.
     """
+
+    __slots__ = (
+        "_all_profiled",
+        "_anomalies",
+        "_block_end",
+        "_capture",
+        "_flush_due",
+        "_header",
+        "_last_capture",
+        "_mem",
+        "_mem_due",
+        "_pid",
+        "_profiled",
+        "_ref_ns",
+        "_run_dir",
+        "_seq",
+        "_stream",
+        "_tail",
+        "_tail_first",
+        "_windows",
+        "_writer",
+        "anomaly_count",
+        "data",
+        "data_acc",
+        "data_reset",
+        "due",
+        "first",
+        "last",
+        "next_step",
+        "settings",
+        "steps",
+        "threshold",
+        "wall",
+    )
 
     def __init__(
         self,
@@ -228,42 +270,45 @@ class SeriesRecorder:
         self.next_step = min(self._block_end, self.first + self.settings.chunk_steps - 1)
 
     def _slow(self, step: int, now: int, wall: int) -> None:
-        captured = False
-        since = (now - self._last_capture) / 1e9
-        if self.settings.anomaly_capture and since >= self.settings.anomaly_interval:
-            captured = bool(self._capture(step, wall, self._ref_ns))
-            if captured:
-                self._last_capture = now
+        """Count every slow step (the engine finds them all again in the series); keep the ones
+        that captured a window, so the timeline can say which capture each slowdown got."""
         self.anomaly_count += 1
-        self._anomalies.append(
-            {
-                "step": step,
-                "step_ms": wall / 1e6,
-                "median_ms": self._ref_ns / 1e6,
-                "captured": captured,
-            }
-        )
+        since = (now - self._last_capture) / 1e9
+        if not self.settings.anomaly_capture or since < self.settings.anomaly_interval:
+            return
+        if self._capture(step, wall, self._ref_ns):
+            self._last_capture = now
+            self._anomalies.append(
+                {"step": step, "step_ms": wall / 1e6, "median_ms": self._ref_ns / 1e6, "captured": True}
+            )
 
     def _new_reference(self, step: int) -> None:
         """The block of ``window`` steps ending at ``step`` becomes the reference of the next block."""
         size = self.settings.anomaly_window
         first = step - size + 1
-        walls = [w for s, w in self._walls(first, step) if not self._was_profiled(s)]
+        walls = self._block(first, step)
+        if self._all_profiled:
+            walls = [
+                w
+                for s, w in zip(range(step - len(walls) + 1, step + 1), walls, strict=True)
+                if not self._was_profiled(s)
+            ]
         if len(walls) * 2 >= size:  # a block mostly under the profiler keeps the old reference
             self._ref_ns = block_median(walls)
-            self.threshold = int(self.settings.anomaly_k * self._ref_ns)
+            self.threshold = anomaly_threshold(
+                self._ref_ns, self.settings.anomaly_k, self.settings.anomaly_min_ms
+            )
         self._block_end = step + size
         # ranges wholly before the next block can go
         self._all_profiled = [r for r in self._all_profiled if r[1] >= step + 1]
 
-    def _walls(self, first: int, last: int) -> list[tuple[int, int]]:
-        out = []
-        for s in range(first, last + 1):
-            if s >= self.first and s - self.first < len(self.wall):
-                out.append((s, self.wall[s - self.first]))
-            elif s >= self._tail_first and s - self._tail_first < len(self._tail):
-                out.append((s, self._tail[s - self._tail_first]))
-        return out
+    def _block(self, first: int, last: int) -> list[int]:
+        """Walls of steps ``first``..``last`` (the last ones, when the earliest are gone)."""
+        end = last - self.first + 1
+        if first >= self.first:
+            return self.wall[first - self.first : end].tolist()
+        older = self._tail[max(0, first - self._tail_first) :].tolist()
+        return older + self.wall[: max(0, end)].tolist()
 
     def _was_profiled(self, step: int) -> bool:
         return any(a <= step <= b for a, b in self._all_profiled)
@@ -303,6 +348,8 @@ class SeriesRecorder:
                 "window": self.settings.anomaly_window,
                 "warmup": self.settings.anomaly_warmup,
                 "capture": self.settings.anomaly_capture,
+                "min_ms": self.settings.anomaly_min_ms,
+                "slow_steps": self.anomaly_count,
                 "median_ms": self._ref_ns / 1e6 if self._ref_ns else None,
             },
             "profiled": self._profiled,
@@ -311,7 +358,7 @@ class SeriesRecorder:
         }
         columns = [("wall_ns", self.wall), ("data_ns", self.data)]
         columns += [(name, self._mem[name]) for name in MEMORY_COLUMNS]
-        self._writer.put(f"series-{self._stream}-{self._seq:07d}{SUFFIX}", encode_chunk(header, columns))
+        self._writer.put(f"series-{self._stream}-{self._seq:07d}{SUFFIX}", header, columns)
         self._seq += 1
         self.steps += count
         kept = (self._tail + self.wall)[-self.settings.anomaly_window :]
@@ -333,6 +380,11 @@ def encode_chunk(header: dict[str, Any], columns: list[tuple[str, array.array[in
         raw += values.tobytes()
     head = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     return MAGIC + struct.pack("<I", len(head)) + head + zlib.compress(bytes(raw), 1)
+
+
+@guarded()
+def _encode_safely(header: dict[str, Any], columns: list[tuple[str, array.array[int]]]) -> bytes | None:
+    return encode_chunk(header, columns)
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -360,14 +412,16 @@ class _ChunkWriter:
 
     def __init__(self, run_dir: Callable[[], Path | None]) -> None:
         self._run_dir = run_dir
-        self._queue: queue.SimpleQueue[tuple[str, bytes] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[str, dict[str, Any], list[tuple[str, array.array[int]]]] | None]
+        self._queue = queue.SimpleQueue()
         self._pending: list[tuple[str, bytes]] = []
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.dropped = 0  # chunks given up after MAX_PENDING unwritable ones
 
-    def put(self, name: str, data: bytes) -> None:
-        self._queue.put((name, data))
+    def put(self, name: str, header: dict[str, Any], columns: list[tuple[str, array.array[int]]]) -> None:
+        """Queue a chunk; encoding (JSON, zlib) and writing happen on the writer thread."""
+        self._queue.put((name, header, columns))
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
@@ -390,9 +444,11 @@ class _ChunkWriter:
             try:
                 item = self._queue.get(timeout=self.RETRY_S if self._pending else None)
             except queue.Empty:
-                item = ("", b"")  # time to try the pending chunks again
+                item = ("", {}, [])  # time to try the pending chunks again
             if item is not None and item[0]:
-                self._pending.append(item)
+                data = _encode_safely(item[1], item[2])
+                if data is not None:
+                    self._pending.append((item[0], data))
                 if len(self._pending) > self.MAX_PENDING:
                     self.dropped += 1
                     self._pending.pop(0)
@@ -463,19 +519,27 @@ def _timed_iter(self: Any) -> Any:
         if cls not in _TIMED_ITERS.values():
             timed = _TIMED_ITERS.get(cls)
             if timed is None:
-                timed = type(cls.__name__, (cls,), {"__next__": _timed_next, "__module__": cls.__module__})
+                timed = type(
+                    cls.__name__,
+                    (cls,),
+                    {"__next__": _timed_next(cls.__next__), "__module__": cls.__module__},
+                )
                 _TIMED_ITERS[cls] = timed
             it.__class__ = timed
         it.__dict__[_ATTR] = recorder
     return it
 
 
-def _timed_next(self: Any) -> Any:
-    start = _perf_ns()
-    try:
-        parent: Any = type(self).__mro__[1]
-        return parent.__next__(self)
-    finally:
-        recorder = self.__dict__.get(_ATTR)
-        if recorder is not None:
-            recorder.add_data_wait(_perf_ns() - start)
+def _timed_next(parent_next: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def __next__(self: Any) -> Any:
+        start = _perf_ns()
+        try:
+            return parent_next(self)
+        finally:
+            recorder = self.__dict__.get(_ATTR)
+            if recorder is not None:
+                took = _perf_ns() - start
+                acc = recorder.data_acc
+                recorder.data_acc = acc + took if acc > 0 else took
+
+    return __next__

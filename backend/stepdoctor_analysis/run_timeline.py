@@ -350,6 +350,7 @@ class _Part:
     k: float
     window: int
     warmup: int
+    min_ms: float
     missing: int
     finished: bool
     t_end: float | None
@@ -398,6 +399,7 @@ def _assemble(chunks: list[Chunk]) -> _Part:
         k=_number(settings.get("k"), 1.5, low=1.0),
         window=int(_number(settings.get("window"), 50, low=2)),
         warmup=int(_number(settings.get("warmup"), 50, low=0)),
+        min_ms=float(_number(settings.get("min_ms"), 0.0, low=0.0)),
         missing=max(0, expected - len(steps)),
         finished=bool(unique[-1].header.get("final")),
         t_end=_number(unique[-1].header.get("t_end"), None, low=0.0),
@@ -456,13 +458,22 @@ def block_references(
 
 
 def detect_anomalies(
-    steps: np.ndarray, wall: np.ndarray, profiled: np.ndarray, *, k: float, window: int, warmup: int
+    steps: np.ndarray,
+    wall: np.ndarray,
+    profiled: np.ndarray,
+    *,
+    k: float,
+    window: int,
+    warmup: int,
+    min_ms: float = 0.0,
 ) -> np.ndarray:
-    """Mask of unprofiled steps slower than ``int(k * reference)`` (:func:`block_references`)."""
+    """Mask of unprofiled steps slower than ``k`` x their reference (:func:`block_references`) and
+    at least ``min_ms`` above it: the agent's ``anomaly_threshold``."""
     refs = block_references(steps, wall, profiled, window=window, warmup=warmup)
     ok = ~np.isnan(refs) & ~profiled
+    ref = refs[ok].astype(np.int64)
     thresholds = np.zeros(len(steps), dtype=np.int64)
-    thresholds[ok] = (k * refs[ok]).astype(np.int64)
+    thresholds[ok] = np.maximum((k * refs[ok]).astype(np.int64), ref + int(min_ms * 1e6))
     return ok & (wall > thresholds)
 
 
@@ -475,7 +486,13 @@ def _anomaly_ranges(part: _Part) -> tuple[list[Anomaly], int]:
     anomalous steps); the agent's own detections count even where the series misses a step."""
     refs = block_references(part.steps, part.wall, part.profiled, window=part.window, warmup=part.warmup)
     hits = detect_anomalies(
-        part.steps, part.wall, part.profiled, k=part.k, window=part.window, warmup=part.warmup
+        part.steps,
+        part.wall,
+        part.profiled,
+        k=part.k,
+        window=part.window,
+        warmup=part.warmup,
+        min_ms=part.min_ms,
     )
     agent = np.isin(
         part.steps, np.fromiter(part.agent_anomalies, dtype=np.int64, count=len(part.agent_anomalies))
