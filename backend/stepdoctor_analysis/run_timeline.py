@@ -466,10 +466,12 @@ def detect_anomalies(
     window: int,
     warmup: int,
     min_ms: float = 0.0,
+    refs: np.ndarray | None = None,
 ) -> np.ndarray:
     """Mask of unprofiled steps slower than ``k`` x their reference (:func:`block_references`) and
     at least ``min_ms`` above it: the agent's ``anomaly_threshold``."""
-    refs = block_references(steps, wall, profiled, window=window, warmup=warmup)
+    if refs is None:
+        refs = block_references(steps, wall, profiled, window=window, warmup=warmup)
     ok = ~np.isnan(refs) & ~profiled
     ref = refs[ok].astype(np.int64)
     thresholds = np.zeros(len(steps), dtype=np.int64)
@@ -493,6 +495,7 @@ def _anomaly_ranges(part: _Part) -> tuple[list[Anomaly], int]:
         window=part.window,
         warmup=part.warmup,
         min_ms=part.min_ms,
+        refs=refs,
     )
     agent = np.isin(
         part.steps, np.fromiter(part.agent_anomalies, dtype=np.int64, count=len(part.agent_anomalies))
@@ -526,13 +529,22 @@ def _ms(values: np.ndarray, q: float) -> float:
     return round(float(np.percentile(values, q)) / 1e6, 3)
 
 
+def _median_p90(values: np.ndarray) -> tuple[float, float] | tuple[None, None]:
+    """(median, p90) in ms with one partition of ``values`` (ns)."""
+    if not len(values):
+        return None, None
+    median, p90 = np.percentile(values, [50, 90])
+    return round(float(median) / 1e6, 3), round(float(p90) / 1e6, 3)
+
+
 def _summarise(parts: list[_Part], rank: int | None, points: int) -> RunTimeline:
     wall = np.concatenate([p.wall for p in parts])
     steady = np.concatenate([p.wall[_steady_mask(p)] for p in parts])
     profiled_walls = np.concatenate([p.wall[p.profiled] for p in parts])
     data = np.concatenate([p.data[_steady_mask(p)] for p in parts])
     known = data[data >= 0]
-    median_steady = _ms(steady, 50) if len(steady) else None
+    median_steady, p90_steady = _median_p90(steady)
+    median_all, p90_all = _median_p90(wall)
     found = [_anomaly_ranges(p) for p in parts]
     data_wait = _ms(known, 50) if len(known) else None
     data_share = (
@@ -544,10 +556,10 @@ def _summarise(parts: list[_Part], rank: int | None, points: int) -> RunTimeline
         steps=len(wall),
         rank=rank,
         step_time_ms=StepTime(
-            median=_ms(wall, 50), p90=_ms(wall, 90), mean=round(float(wall.mean()) / 1e6, 3)
+            median=median_all or 0.0, p90=p90_all or 0.0, mean=round(float(wall.mean()) / 1e6, 3)
         ),
         unprofiled_median_ms=median_steady,
-        unprofiled_p90_ms=_ms(steady, 90) if len(steady) else None,
+        unprofiled_p90_ms=p90_steady,
         unprofiled_steps=len(steady),
         profiled_median_ms=_ms(profiled_walls, 50) if len(profiled_walls) else None,
         warmup_steps=sum(min(p.warmup, len(p.steps) // 2) for p in parts),
