@@ -8,6 +8,7 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -229,3 +230,25 @@ def test_real_traces_have_categories_that_add_up_and_no_false_memory_cards(
     # allocated): no leak, nothing fragmented where memory is plentiful, nothing near capacity.
     for rule_id in ("memory.leak", "memory.fragmentation", "memory.pressure"):
         assert _card(report, rule_id) is None, rule_id
+
+
+# Growth over a whole run (the agent's step series) -------------------------------------------------
+
+
+def test_run_growth_reads_a_steady_rise_under_spikes_and_not_a_level_one() -> None:
+    from stepdoctor_analysis.memory_use import LEAK_MIN_MIB_PER_STEP, run_growth
+
+    step = np.arange(0, 4000, 10)  # a sample every 10 steps
+    rng = np.random.default_rng(0)
+    base = 10 * GIB + rng.integers(0, 64 * MIB, step.size)  # step-end noise below 64 MiB
+    spikes = np.where(step % 500 == 0, 8 * GIB, 0)  # capture windows, evaluation: far above the floor
+    leak = base + spikes + step * (2 * MIB)
+    growth, steady = run_growth(step, leak)
+    assert steady and growth == pytest.approx(2 * MIB, rel=0.05)
+    for seed in range(20):  # noise alone never reads as a leak (steady and >= the leak threshold)
+        noise = np.random.default_rng(seed).integers(0, 64 * MIB, step.size)
+        growth, steady = run_growth(step, 10 * GIB + noise + spikes)
+        assert not (steady and growth >= LEAK_MIN_MIB_PER_STEP * MIB), seed
+    filling = base + np.minimum(step, 600) * (4 * MIB)  # a cache that fills in the first 600 steps
+    assert not run_growth(step, filling)[1]
+    assert run_growth(step[:6], leak[:6]) == (0.0, False)  # too few samples to tell

@@ -99,8 +99,8 @@ def _leak_spec() -> dict[str, Any]:
         "kind": "memory",
         "title": "Memory grows every step",
         "trigger": "allocated memory at the ends of >= 3 consecutive steps rises every step, by >= 1 MiB per "
-        "step on average, no step by less than half the median rise",
-        "threshold": 1.0,
+        "step on average, no step by less than half the mean rise",
+        "threshold": memory_use.LEAK_MIN_MIB_PER_STEP,
         "query": _leak,
         "change": "{change}",
         "why": "Allocated memory on {device} ends each of {steps} steps {growth} higher ({first} to {last}): "

@@ -29,6 +29,7 @@ event columns: no per-event Python loop, so large traces pay a few sorts.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from dataclasses import dataclass, field
 
@@ -119,7 +120,7 @@ class LeakStats:
     device: str
     step_end_bytes: list[int]
     growth_per_step: float  # bytes, (last − first) / (steps − 1)
-    steady: bool  # every step ends higher, none by less than half the median growth
+    steady: bool  # every step ends higher, none by less than half the mean rise (``steady_growth``)
     survivors: list[dict[str, object]] = field(default_factory=list)  # by allocating op, largest first
 
 
@@ -501,13 +502,41 @@ def _leak(trace: RankTrace, sel: I64, blocks: Blocks, steps: list[Step]) -> Leak
     j = ts.searchsorted(ends, side="right") - 1
     known = (j >= 0) & (tot[np.maximum(j, 0)] != NONE)
     at_end = [int(tot[k]) for k, ok in zip(j.tolist(), known.tolist(), strict=True) if ok]
-    if len(at_end) < 3:
-        return LeakStats(blocks.device, at_end, 0.0, False)
-    diffs = np.diff(np.asarray(at_end, np.int64))
-    growth = (at_end[-1] - at_end[0]) / (len(at_end) - 1)
-    steady = bool((diffs > 0).all() and diffs.min() >= 0.5 * float(np.median(diffs)))
+    growth, steady = steady_growth(np.arange(len(at_end)), np.asarray(at_end, np.int64))
     survivors = _survivors(trace, blocks, steps) if steady else []
-    return LeakStats(blocks.device, at_end, float(growth), steady, survivors)
+    return LeakStats(blocks.device, at_end, growth, steady, survivors)
+
+
+def steady_growth(step: np.ndarray, value: np.ndarray) -> tuple[float, bool]:
+    """Growth per step of memory read at step ends (``value`` at ``step``, increasing steps), and
+    whether it is steady: >= 3 readings, each higher than the one before at a rate per step no lower
+    than half the mean rate. Growth that levels off (a cache filling, optimizer state made in the
+    first steps: one large rise, then small ones) is not steady. The per-trace leak reads consecutive step ends; ``run_growth`` the
+    floors of a whole run's samples."""
+    if value.size < 3:
+        return 0.0, False
+    span = np.diff(step).astype(np.float64)
+    if (span <= 0).any():
+        return 0.0, False
+    rate = np.diff(value).astype(np.float64) / span
+    growth = float(value[-1] - value[0]) / float(step[-1] - step[0])
+    return growth, bool((rate > 0).all() and rate.min() >= 0.5 * float(rate.mean()))
+
+
+LEAK_MIN_MIB_PER_STEP = 1.0  # steady growth below this is not called a leak (``memory.leak``'s threshold)
+RUN_PARTS = 4  # a whole run's memory samples are read as this many consecutive stretches
+
+
+def run_growth(step: np.ndarray, value: np.ndarray, parts: int = RUN_PARTS) -> tuple[float, bool]:
+    """``steady_growth`` over a whole run's memory samples (the agent's step series: allocated or RSS
+    at step ends, about once a second): each of ``parts`` consecutive stretches of samples gives its
+    lowest reading, the level memory keeps returning to, so a spike or a capture window in between
+    does not read as growth. Needs two samples per stretch."""
+    if value.size < 2 * parts:
+        return 0.0, False
+    edges = np.linspace(0, value.size, parts + 1).astype(np.int64)
+    lows = [a + int(np.argmin(value[a:b])) for a, b in itertools.pairwise(edges.tolist())]
+    return steady_growth(step[lows], value[lows])
 
 
 def _survivors(trace: RankTrace, blocks: Blocks, steps: list[Step]) -> list[dict[str, object]]:
