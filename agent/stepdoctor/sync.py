@@ -151,9 +151,16 @@ def _review_failed(spool: Spool, route: Router, *, retry_all: bool) -> int:
         if index < FAILED_LINES:
             action = "sending again" if retry else "kept"
             print(f"stepdoctor sync: {FAILED_DIR}/{failed.name}: {failed.reason} ({action}: {why})")
-        if retry:
+        if not retry:
+            continue
+        try:
             spool.requeue(failed)
-            retried += 1
+        except OSError as exc:  # a read-only or full spool: it stays parked, said in one line
+            print(
+                f"stepdoctor sync: cannot move {FAILED_DIR}/{failed.name} back to send it: {exc.strerror or exc}"
+            )
+            continue
+        retried += 1
     if len(parked) > FAILED_LINES:
         print(f"stepdoctor sync: ... and {len(parked) - FAILED_LINES} more in {spool.root / FAILED_DIR}")
     return retried
