@@ -90,10 +90,12 @@ def _no_secrets(text: str, weed: Weed) -> None:
         assert secret not in text, (secret, text)
 
 
-def _wait_for(what: str, check: Callable[[], bool], timeout_s: float = 120.0) -> None:
+def _wait_for(
+    what: str, check: Callable[[], bool], timeout_s: float = 120.0, state: Callable[[], object] = str
+) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {state()}"
         time.sleep(0.2)
 
 
@@ -156,23 +158,35 @@ def test_analysis_waits_out_a_store_outage_and_completes_when_it_is_back(
         return dict(client.get(f"/api/v1/traces/{trace_id}").json())
 
     url = server_settings.database_url.get_secret_value()
+    failure: AssertionError | None = None
     with worker_subprocess(url, server_settings.data_dir, "--workers", "1") as worker:
-        if outcome == "gives_up":
-            _wait_for("the trace to fail", lambda: status()["status"] == "failed")
-            reason = str(status()["status_reason"])
-            assert reason.startswith("the trace store is unreachable (2 tries"), reason
-            _no_secrets(reason, weed)
-        else:
-            # Tried, found the store down, and waiting to try again (shown to users): not failed.
-            _wait_for("a failed try", lambda: "waiting to retry" in str(status()["status_reason"] or ""))
-            _no_secrets(str(status()["status_reason"]), weed)
-            time.sleep(3.0)
-            assert status()["status"] in ("pending", "running"), status()
-            weed.start()
-            _wait_for("the analysis", lambda: status()["status"] == "done")
-            assert status()["status_reason"] is None
-            assert client.get(f"/api/v1/traces/{trace_id}/report").status_code == 200
+        try:
+            _follow_the_outage(outcome, status, weed)
+        except AssertionError as exc:  # reported with the worker's log, which exists once it stopped
+            failure = exc
+    assert failure is None, f"{failure}\nworker log:\n{worker.output[-6000:]}"
     assert "Traceback" not in worker.output, worker.output
+    if outcome == "recovers":
+        assert client.get(f"/api/v1/traces/{trace_id}/report").status_code == 200
+
+
+def _follow_the_outage(outcome: str, status: Callable[[], dict[str, object]], weed: Weed) -> None:
+    if outcome == "gives_up":
+        _wait_for("the trace to fail", lambda: status()["status"] == "failed", state=status)
+        reason = str(status()["status_reason"])
+        assert reason.startswith("the trace store is unreachable (2 tries"), reason
+        _no_secrets(reason, weed)
+        return
+    # Tried, found the store down, and waiting to try again (shown to users): not failed.
+    _wait_for(
+        "a failed try", lambda: "waiting to retry" in str(status()["status_reason"] or ""), state=status
+    )
+    _no_secrets(str(status()["status_reason"]), weed)
+    time.sleep(3.0)
+    assert status()["status"] in ("pending", "running"), status()
+    weed.start()
+    _wait_for("the analysis", lambda: status()["status"] == "done", state=status)
+    assert status()["status_reason"] is None
 
 
 def test_internal_error_reasons_name_no_path_or_endpoint() -> None:
