@@ -35,6 +35,7 @@ import msgspec
 import numpy as np
 
 from .errors import TraceError
+from .memory_use import LEAK_MIN_MIB_PER_STEP, run_growth
 
 MAGIC = b"SDSERIES\x01"
 SUFFIX = ".stepdoctor.series"
@@ -261,6 +262,10 @@ class Memory(msgspec.Struct, frozen=True):
     last_bytes: int
     peak_bytes: int
     reserved_peak_bytes: int | None
+    # Bytes per step over the run, from the lowest sample of each quarter (``memory_use.run_growth``),
+    # and whether that growth is steady and at least the leak threshold (``memory.leak``'s).
+    growth_per_step: float | None = None
+    leak: bool = False
 
 
 class Display(msgspec.Struct, frozen=True):
@@ -345,6 +350,7 @@ class _Part:
     mem_kind: np.ndarray
     mem_a: np.ndarray
     mem_b: np.ndarray
+    mem_step: np.ndarray
     windows: list[Window]
     agent_anomalies: dict[int, bool]
     k: float
@@ -394,6 +400,7 @@ def _assemble(chunks: list[Chunk]) -> _Part:
         mem_kind=np.concatenate([c.mem_kind for c in unique]),
         mem_a=np.concatenate([c.mem_a for c in unique]),
         mem_b=np.concatenate([c.mem_b for c in unique]),
+        mem_step=np.concatenate([c.mem_step for c in unique]),
         windows=windows,
         agent_anomalies=anomalies,
         k=_number(settings.get("k"), 1.5, low=1.0),
@@ -586,12 +593,17 @@ def _memory(parts: list[_Part]) -> Memory | None:
     which = MEM_CUDA if (kind == MEM_CUDA).any() else MEM_RSS
     sel = kind == which
     reserved = b[sel]
+    # Each process numbers its steps from 0: growth is read per process, the fastest steady one kept.
+    grown = [run_growth(p.mem_step[p.mem_kind == which], p.mem_a[p.mem_kind == which]) for p in parts]
+    growth, steady = max(grown, key=lambda g: (g[1], g[0]))
     return Memory(
         kind="cuda" if which == MEM_CUDA else "rss",
         samples=int(sel.sum()),
         last_bytes=int(a[sel][-1]),
         peak_bytes=int(a[sel].max()),
         reserved_peak_bytes=int(reserved.max()) if which == MEM_CUDA and len(reserved) else None,
+        growth_per_step=round(growth, 1),
+        leak=steady and growth >= LEAK_MIN_MIB_PER_STEP * 2**20,
     )
 
 
@@ -746,6 +758,12 @@ def render_text(t: dict[str, Any]) -> str:
         m = t["memory"]
         lines.append(
             f"  memory ({m['kind']}): peak {m['peak_bytes'] / 2**20:.0f} MiB, last {m['last_bytes'] / 2**20:.0f} MiB"
+            + (
+                f"; grows {m['growth_per_step'] / 2**20:.1f} MiB every step over the run (a leak: a tensor kept "
+                "across steps, e.g. losses.append(loss) instead of loss.item())"
+                if m.get("leak")
+                else ""
+            )
         )
     if t["windows"]:
         wins = ", ".join(f"{w['first_step']}-{w['last_step']} ({w['reason']})" for w in t["windows"][:10])

@@ -192,6 +192,23 @@ def activation_heavy_loop(path: Path) -> Path:
     return _record(path, steps())
 
 
+def host_memory_loop(spool: Path, *, keep: bool) -> None:
+    """64 steps under the agent with its step series sampling host memory (RSS) at every step and no
+    capture window; each step makes a 2 MiB tensor and, with ``keep``, keeps it (a leak of 2 MiB per
+    step). Run it in a fresh process: one that freed memory before reuses it before its RSS grows."""
+    import stepdoctor
+    from stepdoctor.series import SeriesSettings
+
+    settings = SeriesSettings(memory_every_s=0.0, anomaly_capture=False)
+    kept: list[torch.Tensor] = []
+    with stepdoctor.profile("mem", "run", spool=spool, skip_first=10_000, series_settings=settings) as prof:
+        for _ in range(64):
+            t = torch.ones(512 * 1024)  # 2 MiB, written so its pages are resident
+            if keep:
+                kept.append(t)
+            prof.step()
+
+
 LOOPS: dict[str, Callable[[Path], Path]] = {
     "input": input_bound,
     "input_workers": lambda p: input_bound(p, num_workers=4),
