@@ -289,3 +289,20 @@ def test_host_memory_growing_every_step_over_a_cpu_run_is_a_leak(tmp_path: Path)
     assert "grows" in timeline_text(msgspec.to_builtins(leaking))
     fixed = _series_run(tmp_path / "b", keep=False)
     assert fixed is not None and fixed.memory is not None and not fixed.memory.leak
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tracelens/mi300_gaunernst_bert-small-uncased__1016001.json.gz",
+        "hta/df_index_resolver/df_index_resolver.json.gz",
+    ],
+)
+def test_every_memory_section_names_a_device_the_same_way(fixtures_dir: Path, name: str) -> None:
+    """The device list, the drawn curves, the category series and the categories at the peak use one
+    name per device (the MI300 trace's device type 6 was 'dev6:0' in one place and 'dev6' in another)."""
+    memory = _report(fixtures_dir / name)["metrics"]["memory"]
+    devices = {d["device"] for d in memory["devices"]}
+    assert {c["device"] for c in memory["series"]["curves"]} == devices
+    assert {c["device"] for c in memory["series"]["categories"]} <= devices
+    assert {c["device"] for c in memory["by_category"]} <= devices
