@@ -17,6 +17,7 @@ import torch
 import stepdoctor
 from stepdoctor import guard
 from stepdoctor.demo_train import make_loader, make_model, train
+from stepdoctor.series import SUFFIX as SERIES_SUFFIX
 from stepdoctor.spool import META_SUFFIX, TRACE_SUFFIX
 from support.fake_server import TOKEN, FakeServer
 
@@ -121,7 +122,8 @@ def test_without_a_server_traces_stay_in_tensorboard_layout(tmp_path: Path) -> N
     assert any("Input Dims" in e.get("args", {}) for e in trace["traceEvents"])  # record_shapes on
     sidecar = json.loads(next(f for f in files if f.name.endswith(META_SUFFIX)).read_text())
     assert sidecar["server"] is None and sidecar["metadata"]["loader"]["num_workers"] == 0
-    assert [f for f in files if f not in traces and not f.name.endswith(META_SUFFIX)] == []
+    # besides the trace and its sidecar, only the step series (stepdoctor.series) is left there
+    assert [f for f in files if f not in traces and not f.name.endswith((META_SUFFIX, SERIES_SUFFIX))] == []
 
 
 def test_analyze_reads_the_local_spool(tmp_path: Path) -> None:

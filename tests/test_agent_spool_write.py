@@ -9,6 +9,7 @@ cannot be created (root ignores permission bits, so a chmod-ed folder would not 
 
 from __future__ import annotations
 
+import errno
 import os
 import resource
 import signal
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from stepdoctor.spool import EXPORT_SUFFIX, Spool
+from stepdoctor.spool import EXPORT_SUFFIX, META_SUFFIX, PARTIAL, TRACE_SUFFIX, Spool
 from support import spooling
 from support.fake_server import TOKEN, FakeServer
 from support.spooling import agent_lines, run_training, spool_traces
@@ -40,6 +41,16 @@ with stepdoctor.profile("out", "r1", spool=sys.argv[1], skip_first=1, warmup=1, 
         prof.step()
 print("trained 8")
 """
+
+
+def window_pieces(run_dir: Path) -> list[str]:
+    """What a window's capture writes: the export (and torch's .tmp of it), the gzip, the sidecar,
+    their partials, and the agent's write probe."""
+    if not run_dir.exists():
+        return []
+    marks = (EXPORT_SUFFIX, TRACE_SUFFIX, META_SUFFIX, PARTIAL, ".tmp", "probe")
+    return sorted(p.name for p in run_dir.iterdir() if any(mark in p.name for mark in marks))
+
 
 FILE_LIMIT = 16 * 1024  # well under one window's export (about 40 KB)
 
@@ -70,7 +81,15 @@ def test_an_unwritable_spool_loses_the_windows_says_so_once_and_training_continu
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "trained 8"
     run_dir = spool / "out" / "r1"
-    warning, summary = agent_lines(out.stderr)
+    warning, *series, summary = agent_lines(out.stderr)
+    # the step series, kept in memory while the folder refuses it, is lost at exit: one more line
+    assert series in (
+        [],
+        [
+            f"stepdoctor: 1 step-series chunk(s) could not be written to {run_dir} within 2 s; "
+            "those steps are missing from the run's timeline"
+        ],
+    )
     assert warning == (
         f"stepdoctor: cannot write {what} to {run_dir} ({reason}); "
         "windows are lost until it can be written, training continues"
@@ -79,8 +98,7 @@ def test_an_unwritable_spool_loses_the_windows_says_so_once_and_training_continu
         f"stepdoctor: 0 traces captured for out/r1, 2 lost (cannot write to {run_dir}: {reason}), "
     )
     assert "Traceback" not in out.stderr and "internal error" not in out.stderr
-    if run_dir.exists():
-        assert list(run_dir.iterdir()) == []  # no half export, no torch .tmp, no probe left behind
+    assert window_pieces(run_dir) == []  # no half export, no torch .tmp, no probe left behind
 
 
 def _limit_file_size(limit: int) -> None:
@@ -120,3 +138,30 @@ def test_sync_on_a_full_disk_keeps_the_export_and_says_why(tmp_path: Path, real_
         )
         assert again.returncode == 0, again.stdout + again.stderr
         assert list(server.uploads) == [key]
+
+
+def test_a_sidecar_refused_by_a_full_disk_loses_its_window_and_leaves_no_piece(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The export went through, the commit did not (ENOSPC on the sidecar): the export goes too."""
+    import torch
+
+    import stepdoctor
+
+    def disk_full(path: Path, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setenv("STEPDOCTOR_RAISE_ERRORS", "1")
+    monkeypatch.delenv("STEPDOCTOR_SERVER", raising=False)
+    monkeypatch.setattr("stepdoctor.spool.write_atomic", disk_full)
+    model = torch.nn.Linear(8, 2)
+    with stepdoctor.profile("out", "r1", spool=tmp_path, skip_first=1, warmup=1, active=2) as prof:
+        for _ in range(5):
+            model(torch.randn(4, 8)).sum().backward()
+            prof.step()
+    assert (prof.captured, prof.lost) == (0, 1)
+    run_dir = tmp_path / "out" / "r1"
+    err = capsys.readouterr().err
+    assert f"stepdoctor: cannot write the trace of steps 2-3 to {run_dir} (No space left on device); " in err
+    assert f"0 traces captured for out/r1, 1 lost (cannot write to {run_dir}: No space left on device)" in err
+    assert window_pieces(run_dir) == []

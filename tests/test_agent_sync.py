@@ -180,7 +180,11 @@ def test_sync_passes_its_connect_timeout_to_every_request(
     out, err = capsys.readouterr()
     waits = sync_lines(err)[1:]
     assert waits and all("server not reachable (TimeoutError: timed out (connecting))" in w for w in waits)
-    assert "last error: TimeoutError: timed out (connecting)" in out
+    (last,) = sync_lines(out)  # the last try may be cut by --timeout instead, while connecting
+    assert f"0 uploaded, 1 left in {tmp_path}" in last
+    assert last.endswith(
+        ("TimeoutError: timed out (connecting)", "DeadlineExceeded: no answer within the time limit")
+    )
 
 
 def test_sync_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
@@ -201,3 +205,17 @@ def test_a_time_limit_that_bounds_nothing_is_refused_in_one_line(
     assert sync.main(["--spool", str(tmp_path), option, value]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err == f"stepdoctor sync: {option} must be a finite number of seconds above 0\n"
+
+
+def test_compression_stops_at_the_deadline_and_keeps_the_export(tmp_path: Path, real_trace: bytes) -> None:
+    """A multi-GB raw export takes a minute to compress: --timeout bounds that too."""
+    spool = Spool(tmp_path)
+    spool_traces(spool, real_trace, 1, None)
+    with spool.claim(spool.sidecars()[0]) as entry:
+        assert entry is not None
+        with pytest.raises(TimeoutError, match="did not finish in time"):
+            Spool.compress(entry, 6, deadline=time.monotonic() - 1)
+        assert entry.export.read_bytes() == real_trace and not entry.trace.exists()
+        assert [p.name for p in tmp_path.rglob("*.partial")] == []
+        Spool.compress(entry, 6)  # the next sync, with time left
+        assert gzip.decompress(entry.trace.read_bytes()) == real_trace

@@ -104,3 +104,18 @@ def test_a_size_limit_error_names_the_option(tmp_path: Path, capsys: pytest.Capt
     assert not dst.exists()
     assert analyze_cli.main([str(src), "--max-bytes", "1KiB"]) == 2
     assert "raise --max-bytes" in _one_line(capsys.readouterr().err)
+
+
+def test_a_database_without_the_schema_says_to_migrate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("STEPDOCTOR_DATA_DIR", str(tmp_path / "fresh"))
+    monkeypatch.delenv("STEPDOCTOR_DATABASE_URL", raising=False)
+    get_settings.cache_clear()
+    try:
+        assert cli.main(["token", "revoke", "999", "--team", "default"]) == 2
+        line = _one_line(capsys.readouterr().err)
+    finally:
+        get_settings.cache_clear()
+    assert line.startswith("stepdoctor token: database error at sqlite:")
+    assert line.endswith("run `stepdoctor db upgrade` first)")

@@ -3,17 +3,20 @@ kind is explained, the packaged copy the same text, and the CLI report and dashb
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import re
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from stepdoctor_analysis import BOTTLENECK_KINDS, guide
 from stepdoctor_analysis.cli import main as analyze_main
 from stepdoctor_analysis.rules_doc import documented_rules
 from support.reports import recommendation
+from support.server import drain, logged_in, upload
 from support.synthetic import sync_bound_trace
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,3 +114,19 @@ def test_dashboard_cards_link_to_the_guide_page(client: TestClient) -> None:
     assert '<a class="guide" href="/guide#stragglers">' in straggler
     odd = card.render(rec=recommendation("x", kind='"><script>'))
     assert "<script>" not in odd and 'href="/guide#&#34;&gt;&lt;script&gt;"' in odd
+
+
+@pytest.mark.only_db("sqlite")
+def test_run_and_trace_pages_link_their_verdict_to_its_section(
+    app: FastAPI, client: TestClient, admin_token: str, tmp_path: Path
+) -> None:
+    body = gzip.compress(sync_bound_trace(tmp_path / "t.json").read_bytes())
+    created = upload(client, body, token=admin_token)
+    assert created.status_code == 201, created.text
+    drain(app)
+    pages = logged_in(app, admin_token)
+    for path in (f"/runs/{created.json()['run_id']}", f"/traces/{created.json()['id']}"):
+        page = pages.get(path)
+        assert page.status_code == 200
+        assert '<a class="guide" href="/guide#sync">What to do</a>' in page.text, path
+        assert '<a class="guide" href="/guide#sync">guide</a>' in page.text, path  # the first card

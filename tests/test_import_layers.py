@@ -35,7 +35,10 @@ ALLOWED = {
 LAYERS = ["core", "jobs", "auth", "traces", "runs", "deep", "web"]
 KNOWN_UPWARD_LAYERS: set[tuple[str, str]] = set()
 KNOWN_CIRCLES = {
-    frozenset({"stepdoctor_analysis.advice", "stepdoctor_analysis.rules"}),
+    # The engine's rule records: advice and memory_rules build on rules, which lists them (engine team's).
+    frozenset(
+        {"stepdoctor_analysis.advice", "stepdoctor_analysis.memory_rules", "stepdoctor_analysis.rules"}
+    ),
     frozenset(
         {
             "stepdoctor",

@@ -222,6 +222,23 @@ def test_the_upload_check_passes_what_the_parser_reads(fixtures_dir: Any) -> Non
         empty.finish()
 
 
+def test_the_upload_check_keeps_no_columns_between_chunks() -> None:
+    """Bounded memory at upload: after each chunk every per-chunk list of the builder is empty,
+    whatever lists the builder gains later (found by type, not by name)."""
+    from stepdoctor_analysis.parsing.checking import TraceCheck
+
+    text = _big_trace(5, b'"ts": 50, "dur": 5')
+    check = TraceCheck()
+    for i in range(0, len(text), 1 << 20):
+        check.feed(text[i : i + (1 << 20)])
+        builder = check._builder
+        lists = {k: v for k, v in vars(builder).items() if isinstance(v, list)}
+        assert lists and all(not v for v in lists.values()), {k: len(v) for k, v in lists.items()}
+        assert all(not v for v in builder.sparse.values())
+        assert builder.n_events > 0 or i == 0
+    check.finish()
+
+
 def test_to_int_gives_none_for_integers_beyond_64_bits() -> None:
     assert schema.to_int(2**63) == NONE and schema.to_int(-(2**63)) == -(2**63)
     assert schema.to_int("9" * 30) == NONE and schema.to_int(1e300) == NONE

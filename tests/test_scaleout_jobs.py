@@ -253,7 +253,7 @@ def test_sweep_requeues_pending_and_orphaned_traces(client: TestClient, app: Fas
             .values(status="running", claimed_by="gone:1:0", claimed_at=long_ago, attempts=1)
         )
     runtime = jobs.Runtime(settings=app.state.settings, db=app.state.db, worker_id="test:1:0")
-    task = jobs._blueprint().tasks["stepdoctor.sweep_pending"]
+    task = jobs._blueprint(app.state.settings).tasks["stepdoctor.sweep_pending"]
     task.func(SimpleNamespace(additional_context={"runtime": runtime}), 0)
     with app.state.db.session() as session:
         locks = session.scalars(text("SELECT lock FROM procrastinate_jobs WHERE status = 'todo'")).all()

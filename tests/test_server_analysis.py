@@ -344,6 +344,11 @@ def test_bad_trace_fails_its_job_only(client: TestClient, app: FastAPI, server_s
     try:
         assert _wait_terminal(app, [bad, good]) == {bad: "failed", good: "done"}
         assert all(p.is_alive() for p in pool._procs) and pool.restarts == 0
+        run_id = client.get(f"/api/v1/traces/{bad}").json()["run_id"]
+        deadline = time.monotonic() + 60  # procrastinate aggregates in a job of its own, after both
+        while (client.get(f"/api/v1/runs/{run_id}").json()["diagnosis"] or {}).get("failed") != 1:
+            assert time.monotonic() < deadline, "the run was never aggregated"
+            time.sleep(0.2)
     finally:
         pool.stop()
     body = client.get(f"/api/v1/traces/{bad}").json()

@@ -80,7 +80,7 @@ def test_lifespan_starts_and_stops_the_worker_pool(
     events: list[str] = []
 
     class Handle:
-        def stop(self) -> None:
+        def stop(self, timeout: float) -> None:
             events.append("stop")
 
     def start_pool(settings: Settings) -> Handle:

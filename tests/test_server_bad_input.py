@@ -82,6 +82,11 @@ UNREADABLE: list[tuple[str, bytes, str]] = [
     ("dur-1e308", _edited(_EVENT_3, b'"ts": 30, "dur": 1e308'), "'dur' 1e+308 \u00b5s, out of range"),
     ("dur-30-digits", _edited(_EVENT_3, b'"ts": 30, "dur": ' + b"9" * 30), "'dur' 1e+30"),
     ("pid-30-digits", _edited(b'"pid": 1', b'"pid": ' + b"9" * 30), "too large for its field"),
+    (
+        "args-nested-100k-deep",
+        _edited(b'"dur": 5}', b'"dur": 5, "args": {"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"),
+        "nested too deeply",
+    ),
 ]
 
 # (id, request kwargs for support.server.upload, expected status, expected error code)
@@ -226,9 +231,13 @@ CASES: list[tuple[str, dict[str, Any], int, str]] = [
 ]
 
 
-@pytest.mark.parametrize(("kwargs", "status", "code"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+# Cases after which the next good upload is also analysed (a worker's drain), not only accepted.
+_ANALYSED_AFTER = {name for name, _, _ in UNREADABLE} | {"content-length-and-chunked"}
+
+
+@pytest.mark.parametrize(("case", "kwargs", "status", "code"), CASES, ids=[c[0] for c in CASES])
 def test_bad_upload_is_refused_cleanly(
-    tight_app: FastAPI, tight_client: TestClient, kwargs: dict[str, Any], status: int, code: str
+    tight_app: FastAPI, tight_client: TestClient, case: str, kwargs: dict[str, Any], status: int, code: str
 ) -> None:
     # One good upload first, so "unchanged" is checked against a non-empty state.
     assert upload(tight_client, VALID, run="baseline").status_code == 201
@@ -245,7 +254,13 @@ def test_bad_upload_is_refused_cleanly(
     assert row_counts(tight_app) == rows_before
     assert store_files(tight_app) == files_before
     assert tight_client.get("/readyz").status_code == 200
-    assert upload(tight_client, VALID, run="after").status_code == 201
+    after = upload(tight_client, VALID, run="after")
+    assert after.status_code == 201
+    if case in _ANALYSED_AFTER:
+        from support.server import drain
+
+        drain(tight_app)
+        assert tight_client.get(f"/api/v1/traces/{after.json()['id']}").json()["status"] == "done"
 
 
 @pytest.mark.parametrize(("body", "says"), [c[1:] for c in UNREADABLE], ids=[c[0] for c in UNREADABLE])

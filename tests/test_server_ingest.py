@@ -10,7 +10,9 @@ import pytest
 from stepdoctor_server.core.errors import ApiError
 from stepdoctor_server.traces.ingest import BodyInspector, normalize_tags, parse_metadata
 
-TRACE = json.dumps({"schemaVersion": 1, "traceEvents": [{"ph": "X", "name": "a"}] * 50}).encode()
+TRACE = json.dumps(
+    {"schemaVersion": 1, "traceEvents": [{"ph": "X", "name": "a", "ts": 1, "dur": 1}] * 50}
+).encode()
 
 
 def _inspect(body: bytes, chunk: int, *, gzipped: bool | None = None, cap: int = 1 << 30) -> BodyInspector:

@@ -29,6 +29,11 @@ COMMANDS: dict[str, Command] = {
         "analyze",
         "cut steps out of a big trace (trim IN OUT --steps 5-6)",
     ),
+    "check": Command(
+        "stepdoctor_analysis.check_cli:main",
+        "analyze",
+        "CI gate: exit 1 when a run's step time regressed (check RUN --baseline RUN)",
+    ),
     "sync": Command("stepdoctor.sync:main", None, "upload traces left in the local spool"),
     "serve": Command("stepdoctor_server.cli:serve_main", "server", "run the API server and dashboard"),
     "worker": Command("stepdoctor_server.job_handlers:main", "server", "run analysis workers only"),

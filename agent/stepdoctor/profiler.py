@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import threading
+import time
 import uuid
 import warnings
 import weakref
@@ -26,13 +27,16 @@ from pathlib import Path
 from typing import Any
 
 from stepdoctor import config as _config
+from stepdoctor import memory_snapshot as _memory_snapshot
 from stepdoctor import metadata as _metadata
+from stepdoctor import series as _series
 from stepdoctor.guard import guarded, log_once, raise_errors, say
 from stepdoctor.spool import FAILED_DIR, UPLOADED_DIR, Spool
 from stepdoctor.worker import DeliveryWorker, Stats
 
 _live: weakref.WeakSet[Profile] = weakref.WeakSet()
 _PID = os.getpid()  # kept current by the fork hook: os.getpid() is a syscall, step() is hot
+_perf_ns = time.perf_counter_ns
 
 
 def _after_fork_in_child() -> None:
@@ -95,8 +99,13 @@ class Profile:
         with_stack: bool = False,
         schedule: Callable[[int], Any] | None = None,
         profiler_kwargs: dict[str, Any] | None = None,
+        series: _series.SeriesSettings | None = None,
+        memory_snapshot: bool = False,
     ) -> None:
         self.config = cfg
+        self._memory_snapshot = (
+            memory_snapshot  # the CUDA allocator's history per window (memory_snapshot.py)
+        )
         self.profiler: Any = None
         self.run_dir: Path | None = None
         self.captured = 0
@@ -132,6 +141,13 @@ class Profile:
         self._next_window = 0  # steps before this one need no schedule lookup
         self._static_meta: dict[str, Any] = {}
         self._worker: DeliveryWorker | None = None
+        # the step series and anomaly capture (stepdoctor.series)
+        self._series_settings = series if series is not None else _series.SeriesSettings()
+        self._series: _series.SeriesRecorder | None = None
+        self._base_schedule: Callable[[int], Any] = lambda step: None
+        self._forced: tuple[int, int] | None = None  # [first, end) of a window asked for off-schedule
+        self._forced_capture: dict[str, Any] = {}
+        self._window_capture: dict[str, Any] = {"reason": "schedule"}
 
     @property
     def stats(self) -> Stats:
@@ -173,17 +189,32 @@ class Profile:
         self._kwargs = self._torch_kwargs(tp)
         # Each window is exported before the next starts, so torch's "clears events" notice is noise.
         warnings.filterwarnings("ignore", message="Warning: Profiler clears events", category=UserWarning)
-        self._schedule_fn = self._kwargs["schedule"]
+        self._base_schedule = self._kwargs["schedule"]
+        self._kwargs["schedule"] = self._schedule_fn = self._schedule_with_forced
+        self._start_series()
         self._state = "running"
         _live.add(self)
         if self._schedule_fn(0) != self._none:
             self._open_window(0)
+        if self._series is not None:
+            self._series.restart_clock()
         return self
 
     def step(self) -> None:
-        """Mark the end of a training step. Outside capture windows this is a counter compare
-        (torch.profiler itself is not running); it never touches the network."""
+        """Mark the end of a training step. Outside capture windows this appends the step's wall
+        time and data wait to two arrays and compares a few numbers (torch.profiler itself is not
+        running; bench/step_series_cost.py measures it); it never touches the disk or the network."""
         if self._active is None:
+            series = self._series
+            if series is not None:
+                now = _perf_ns()
+                wall = now - series.last
+                series.last = now
+                series.wall.append(wall)
+                series.data.append(series.data_acc)
+                series.data_acc = series.data_reset
+                if wall > series.threshold or now >= series.due or self._step_num >= series.next_step:
+                    series.event(self._step_num, now, wall)
             self._step_num += 1
             if self._step_num < self._next_window or self._state != "running" or self._pid != _PID:
                 return
@@ -191,15 +222,76 @@ class Profile:
                 self._next_window = self._find_next_window(self._step_num + 1)
                 return
             self._open_window(self._step_num)
+            if series is not None:
+                series.restart_clock()
         elif self._state == "running" and self._pid == _PID:
+            series = self._series
+            if series is not None:
+                series.profiled_step(self._step_num)
             self._step_in_window()
+            if series is not None:
+                series.restart_clock()
 
     def _find_next_window(self, step: int) -> int:
         """First step >= ``step`` the schedule does not skip, from our own schedule parameters (a user's
         schedule callable is opaque, so then it is asked every step)."""
         if self._schedule is not None:
             return step
-        return next_window_start(step, *self.config.schedule.resolved())
+        found = next_window_start(step, *self.config.schedule.resolved())
+        if self._forced is not None and self._forced[1] > step:
+            found = min(found, max(step, self._forced[0]))
+        return found
+
+    def _schedule_with_forced(self, step: int) -> Any:
+        """The schedule, with a window asked for off-schedule (a slow step) taking precedence:
+        the configured warm-up and active steps, so it is captured like any other window."""
+        forced = self._forced
+        if forced is not None and forced[0] <= step < forced[1]:
+            warmup = self.config.schedule.resolved()[2]
+            tp = self._tp
+            if step < forced[0] + warmup:
+                return tp.ProfilerAction.WARMUP
+            if step < forced[1] - 1:
+                return tp.ProfilerAction.RECORD
+            return tp.ProfilerAction.RECORD_AND_SAVE
+        return self._base_schedule(step)
+
+    @guarded()
+    def _start_series(self) -> None:
+        """Time every step from here on (``stepdoctor.series``), unless the series is turned off."""
+        if not self._series_settings.enabled:
+            return
+        cfg = self.config
+        header = {
+            "project": cfg.project,
+            "run": cfg.run,
+            "rank": _metadata.rank_info()["rank"],
+            "host": self._static_meta.get("host"),
+        }
+        self._series = _series.SeriesRecorder(
+            self._series_settings, lambda: self.run_dir, header, self._capture_on_anomaly
+        )
+        if self._loader is not None:
+            _series.time_loader(self._loader, self._series)
+
+    def _capture_on_anomaly(self, step: int, wall_ns: int, median_ns: int) -> bool:
+        """A step took over k x the rolling median: capture the next window, with why in its
+        metadata. Not while a window is open or one asked for is still to come."""
+        if self._state != "running" or self._pid != _PID or self._active is not None:
+            return False
+        if self._forced is not None and self._forced[1] > step:
+            return False
+        _, _, warmup, active, _ = self.config.schedule.resolved()
+        self._forced = (step + 1, step + 1 + warmup + active)
+        self._forced_capture = {
+            "reason": "anomaly",
+            "trigger_step": step,
+            "step_ms": round(wall_ns / 1e6, 3),
+            "median_ms": round(median_ns / 1e6, 3),
+            "k": self._series_settings.anomaly_k,
+        }
+        self._next_window = min(self._next_window, step + 1)
+        return True
 
     @guarded()
     def _open_window(self, step: int) -> None:
@@ -209,9 +301,14 @@ class Profile:
         prof.current_action = self._schedule_fn(step)
         if hasattr(prof, "_prev_schedule_action"):
             prof._prev_schedule_action = prof.current_action
+        forced = self._forced
+        in_forced = forced is not None and forced[0] <= step < forced[1]
+        self._window_capture = dict(self._forced_capture) if in_forced else {"reason": "schedule"}
         preset = getattr(prof, "preset_metadata_json", None)
         if preset is not None:
-            preset("stepdoctor", json.dumps(self._static_meta, default=str))
+            preset(
+                "stepdoctor", json.dumps({**self._static_meta, "capture": self._window_capture}, default=str)
+            )
             if self._needs_distributed_info():
                 info = {"rank": self._static_meta["rank"], "world_size": self._static_meta["world_size"]}
                 preset("distributedInfo", json.dumps(info))
@@ -222,6 +319,8 @@ class Profile:
             self._active = None
             self._state = "broken"
             raise
+        if self._memory_snapshot:
+            _memory_snapshot.start()
 
     @guarded()
     def _step_in_window(self) -> None:
@@ -245,6 +344,8 @@ class Profile:
         self._loader = loader
         if self._static_meta:
             self._static_meta["loader"] = _metadata.loader_settings(loader)
+        if self._series is not None:
+            _series.time_loader(loader, self._series)
         return loader
 
     @guarded(default=False)
@@ -270,6 +371,11 @@ class Profile:
                     self._note_step(prof.step_num)
                 prof.stop()  # a window cut short is still saved
         finally:
+            if self._memory_snapshot:
+                _memory_snapshot.stop()
+            series, self._series = self._series, None
+            if series is not None:  # local disk: a few ms, bounded in case it hangs
+                series.close(max(2.0, self.config.delivery.flush_timeout))
             if self._worker is not None:
                 self._worker.close(self.config.delivery.flush_timeout)
                 self._report()
@@ -332,9 +438,16 @@ class Profile:
         """Runs on the training thread inside prof.step(): export, rename, sidecar, wake the worker."""
         assert self.run_dir is not None and self._worker is not None
         stem = Spool.new_stem()
-        window = {"index": self._window_index, "first_step": self._first_step, "last_step": self._last_step}
+        window = {
+            "index": self._window_index,
+            "first_step": self._first_step,
+            "last_step": self._last_step,
+            "reason": self._window_capture.get("reason", "schedule"),
+        }
         self._window_index += 1
         self._first_step = self._last_step = None
+        if self._memory_snapshot:  # the window's allocator history, beside its trace; recording stops
+            _memory_snapshot.dump(_memory_snapshot.snapshot_path(self.run_dir, stem))
         try:
             self._export(prof, stem)
             self._commit(stem, window)
@@ -344,6 +457,8 @@ class Profile:
             self._cannot_write(exc, f"the trace of steps {window['first_step']}-{window['last_step']}")
             return
         self.captured += 1
+        if self._series is not None:
+            self._series.window_saved(window)
         self._worker.notify()
 
     def _export(self, prof: Any, stem: str) -> None:
@@ -361,7 +476,7 @@ class Profile:
         assert self.run_dir is not None
         cfg = self.config
         ranks = _metadata.rank_info()
-        meta = {**self._static_meta, **ranks, "window": window}
+        meta = {**self._static_meta, **ranks, "window": window, "capture": self._window_capture}
         sidecar = {
             "format": 1,
             "idempotency_key": uuid.uuid4().hex,
@@ -513,6 +628,12 @@ def profile(
     backoff_max: float = 60.0,
     compresslevel: int = 1,
     spool_max_bytes: int | None = None,
+    series: bool | None = None,
+    anomaly_capture: bool | None = None,
+    anomaly_k: float | None = None,
+    anomaly_interval: float | None = None,
+    series_settings: _series.SeriesSettings | None = None,
+    memory_snapshot: bool = False,
 ) -> Profile | NoopProfile:
     """Profile a training loop; call ``prof.step()`` once per step.
 
@@ -524,6 +645,18 @@ def profile(
     fields to every trace's metadata (integrations record their trainer's settings there).
     ``spool_max_bytes`` (default ``$STEPDOCTOR_SPOOL_MAX_BYTES`` or 1 GiB) caps the spool; only
     local copies of uploaded traces are ever deleted for it.
+
+    Every step is timed (wall, DataLoader wait, memory) into a step series beside the traces
+    (``series=False`` or ``STEPDOCTOR_SERIES=0`` turns it off). A step slower than ``anomaly_k``
+    (1.5) times the rolling median of the last 50 steps captures the next window, at most once per
+    ``anomaly_interval`` seconds (600); ``anomaly_capture=False`` or ``STEPDOCTOR_ANOMALY_CAPTURE=0``
+    turns that off. ``series_settings`` sets every knob at once (tests, benchmarks).
+
+    ``memory_snapshot=True`` records the CUDA allocator's history (every allocation and free with
+    its stack) during each window and writes it beside the trace, in
+    ``SPOOL/<project>/<run>/memory_snapshots/``, for https://pytorch.org/memory_viz. Off by default:
+    recording costs a stack capture per allocation inside the window and tens of MB per window
+    (``stepdoctor.memory_snapshot``); a no-op without CUDA.
     """
     try:
         if flush_timeout is None:
@@ -548,6 +681,13 @@ def profile(
                 spool_max_bytes=spool_max_bytes,
             ),
         )
+        if series_settings is None:
+            series_settings = _series.settings_from_env(
+                enabled=series,
+                anomaly_capture=anomaly_capture,
+                anomaly_k=anomaly_k,
+                anomaly_interval=anomaly_interval,
+            )
         if cfg.disabled:
             return NoopProfile()
         import torch.profiler  # noqa: F401 - a missing torch means a no-op agent, not a crash
@@ -571,6 +711,8 @@ def profile(
         with_stack=with_stack,
         schedule=schedule,
         profiler_kwargs=profiler_kwargs,
+        series=series_settings,
+        memory_snapshot=memory_snapshot,
     )
 
 

@@ -33,7 +33,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import socket
 import threading
 import time
@@ -195,8 +194,11 @@ class Spool:
                 _claimed.discard(key)
 
     @staticmethod
-    def compress(entry: Entry, level: int) -> None:
-        """Raw export -> gzip, atomically; the raw file goes only once the gzip is durable."""
+    def compress(entry: Entry, level: int, deadline: float | None = None) -> None:
+        """Raw export -> gzip, atomically; the raw file goes only once the gzip is durable.
+
+        Past ``deadline`` (``time.monotonic()``) it stops with ``TimeoutError``: a multi-GB export
+        takes a minute, and ``sync --timeout`` bounds the whole command. The export stays."""
         if entry.trace.exists():
             entry.export.unlink(missing_ok=True)  # crashed after the rename last time
             return
@@ -204,11 +206,14 @@ class Spool:
         try:
             with open(entry.export, "rb") as src, open(tmp, "wb") as raw:
                 with gzip.GzipFile(filename="", mode="wb", fileobj=raw, compresslevel=level, mtime=0) as gz:
-                    shutil.copyfileobj(src, gz, 1 << 20)
+                    while chunk := src.read(1 << 20):
+                        if deadline is not None and time.monotonic() > deadline:
+                            raise TimeoutError(f"compressing {entry.export.name} did not finish in time")
+                        gz.write(chunk)
                 raw.flush()
                 os.fsync(raw.fileno())
         except OSError:
-            tmp.unlink(missing_ok=True)  # a full disk: give the half gzip's space back, keep the export
+            tmp.unlink(missing_ok=True)  # a full disk or the deadline: give the half gzip's space back
             raise
         os.replace(tmp, entry.trace)
         entry.export.unlink(missing_ok=True)

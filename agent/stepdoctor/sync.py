@@ -117,11 +117,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker = DeliveryWorker(spool, route, delivery)
     spool.cleanup_orphans()
     retried = _review_failed(spool, route, retry_all=args.retry_failed)
-    waiting, size = spool.pending()
-    if waiting:  # a slow or hung server may hold the first request until --timeout: say what runs
+    remaining = _send_until(worker, deadline, args.timeout)
+    return _report(spool, worker, remaining, retried, override)
+
+
+def _send_until(worker: DeliveryWorker, deadline: float, timeout: float) -> int:
+    """Passes over the spool, backing off between them, until all went or ``deadline``; returns
+    how many are left. A line says what is sent first (a hung server may hold that first request
+    until the deadline) and what the trouble is before every wait."""
+    waiting, size = worker.spool.pending()
+    if waiting:
         print(
             f"stepdoctor sync: {waiting} trace{'' if waiting == 1 else 's'} ({size / 1e6:.1f} MB) waiting in "
-            f"{spool.root}; sending (giving up after {args.timeout:g} s, --timeout)",
+            f"{worker.spool.root}; sending (giving up after {timeout:g} s, --timeout)",
             file=sys.stderr,
             flush=True,
         )
@@ -131,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say_waiting(worker, remaining, wait, deadline)
         time.sleep(wait)
         remaining = worker.run_pass(deadline)
-    return _report(spool, worker, remaining, retried, override)
+    return remaining
 
 
 def _review_failed(spool: Spool, route: Router, *, retry_all: bool) -> int:
@@ -143,9 +151,16 @@ def _review_failed(spool: Spool, route: Router, *, retry_all: bool) -> int:
         if index < FAILED_LINES:
             action = "sending again" if retry else "kept"
             print(f"stepdoctor sync: {FAILED_DIR}/{failed.name}: {failed.reason} ({action}: {why})")
-        if retry:
+        if not retry:
+            continue
+        try:
             spool.requeue(failed)
-            retried += 1
+        except OSError as exc:  # a read-only or full spool: it stays parked, said in one line
+            print(
+                f"stepdoctor sync: cannot move {FAILED_DIR}/{failed.name} back to send it: {exc.strerror or exc}"
+            )
+            continue
+        retried += 1
     if len(parked) > FAILED_LINES:
         print(f"stepdoctor sync: ... and {len(parked) - FAILED_LINES} more in {spool.root / FAILED_DIR}")
     return retried

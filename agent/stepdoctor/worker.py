@@ -256,7 +256,10 @@ class DeliveryWorker:
                 Spool.remove(entry)  # delivered earlier, crash before the sidecar went
                 return True
             try:
-                Spool.compress(entry, self.delivery.compresslevel)
+                Spool.compress(entry, self.delivery.compresslevel, self._deadline())
+            except TimeoutError as exc:  # out of time (sync --timeout, the exit budget): next time
+                self.stats.last_error = str(exc)
+                return False
             except OSError as exc:  # a full or read-only disk: the export is kept, tried again later
                 self._backoff.failed(None, time.monotonic())
                 self.stats.last_error = f"cannot compress in {entry.directory}: {exc.strerror or exc}"
@@ -274,9 +277,14 @@ class DeliveryWorker:
             return False
         return self._send(entry, *route)
 
-    def _send(self, entry: Entry, server: str, token: str | None) -> bool:
+    def _deadline(self) -> float | None:
+        """The nearer of the flush budget's end and the pass's deadline, if any."""
         deadlines = [d for d in (self._flush_deadline, self._pass_deadline) if d is not None]
-        if deadlines and time.monotonic() >= min(deadlines):
+        return min(deadlines) if deadlines else None
+
+    def _send(self, entry: Entry, server: str, token: str | None) -> bool:
+        deadline = self._deadline()
+        if deadline is not None and time.monotonic() >= deadline:
             return False  # out of time: not a failure of the server's, so no backoff and no verdict
         self.stats.sending = True
         try:
@@ -287,7 +295,7 @@ class DeliveryWorker:
                 entry.meta,
                 self.delivery.http_timeout,
                 connect_timeout=self.delivery.connect_timeout,
-                deadline=min(deadlines) if deadlines else None,
+                deadline=deadline,
             )
         finally:
             self.stats.sending = False

@@ -4,7 +4,8 @@ Pure functions over ``model.RankTrace``; no network, database or plotting here.
 Entry point for other layers: ``stepdoctor_analysis.pipeline.analyze_path``.
 """
 
-ENGINE_VERSION = "0.4.0"  # 0.4: findings never contradict each other or promise nothing (consistency);
+ENGINE_VERSION = "0.5.0"  # 0.5: memory diagnosis (what holds it, leaks, fragmentation, OOM forensics);
+# 0.4: findings never contradict each other or promise nothing (consistency);
 # 0.3: gains bounded by what still runs, grad mode read, sure-share verdict;
 # 0.2: the verdict is the limiter (#9). Older stored analyses are redone
 # Bump when the JSON report changes incompatibly; stored analyses with an older engine are redone.

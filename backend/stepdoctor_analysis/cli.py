@@ -220,6 +220,27 @@ def _list_runs(args: argparse.Namespace, found: list[tuple[str, Path]]) -> int:
     return 0
 
 
+def _run_timeline(path: Path) -> dict[str, Any] | None:
+    """The agent's step series beside the traces (``run_timeline``), when the run has one."""
+    from .run_timeline import read_run_timeline
+
+    timeline = read_run_timeline(path) if path.is_dir() else None
+    return None if timeline is None else timeline.to_dict()
+
+
+def _timeline_only(args: argparse.Namespace, timeline: dict[str, Any]) -> int:
+    """A run folder with a step series and no trace yet (no window captured): the timeline alone."""
+    if args.format == "json":
+        print(json.dumps({"run_timeline": timeline}, indent=2))
+    else:
+        from . import run_timeline
+
+        sys.stdout.write(
+            f"{args.path}: no trace captured yet; the step series:\n" + run_timeline.render_text(timeline)
+        )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -238,6 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _list_runs(args, found)
         args.path = str(found[0][1])  # one run below the log dir: analyze it as the job
     try:
+        timeline = _run_timeline(Path(args.path))
+        if timeline is not None and not logdir.has_traces(Path(args.path)):
+            return _timeline_only(args, timeline)
         if args.deep or args.diff is not None:
             from .deep import require_hta
 
@@ -266,10 +290,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    extra = {"run_timeline": timeline} if timeline is not None else {}
     if args.format == "json":
-        print(json.dumps(report.to_dict() | ({"deep": deep_result} if deep_result else {}), indent=2))
+        print(json.dumps(report.to_dict() | extra | ({"deep": deep_result} if deep_result else {}), indent=2))
     else:
         sys.stdout.write(report.render_text())
+        if timeline is not None:
+            from . import run_timeline
+
+            sys.stdout.write("\n" + run_timeline.render_text(timeline))
         if deep_result:
             from .deep import render_text
 

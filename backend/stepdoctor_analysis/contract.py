@@ -199,17 +199,90 @@ class InputSection(_Doc):
     max_wait_ns: int
 
 
+class MemoryCategories(_Doc):
+    """Allocated memory on one device at one instant (its peak, or an out-of-memory event), by what
+    holds it (``memory_use.CATEGORIES``; bytes that sum to ``allocated``, shares that sum to 1)."""
+
+    device: str
+    at_us: float  # from the first step's start, like ``series``
+    allocated: int
+    reserved: int
+    bytes: dict[str, int]
+    shares: dict[str, float]
+    dominant: str | None
+    basis: str  # how the categories were inferred
+    largest: list[dict[str, Any]]  # the largest live blocks: bytes, category, allocating op
+
+
+class MemoryLeak(_Doc):
+    """Allocated memory at the end of each step on one device (``memory_use.LeakStats``)."""
+
+    device: str
+    step_end_bytes: list[int]
+    growth_per_step: float  # bytes
+    steady: bool
+    survivors: list[dict[str, Any]]  # allocations that outlive their step: op, module, phase, bytes_per_step
+
+
+class MemoryFragmentation(_Doc):
+    """Reserved against allocated on one CUDA device (``memory_use.FragmentationStats``)."""
+
+    device: str
+    peak_allocated: int
+    peak_reserved: int
+    reserved_at_peak: int
+    gap_share: float
+    gap_time_share: float
+    capacity: int
+
+
+class OutOfMemoryEvent(_Doc):
+    """An ``[OutOfMemory]`` event: the request that failed and what was allocated, by category, then."""
+
+    device: str
+    at_us: float
+    requested: int
+    allocated: int
+    reserved: int
+    by_category: MemoryCategories | None
+    rule: str  # the near-capacity card, whose change follows what dominated then
+    change: str
+
+
+class MemorySection(_Doc):
+    """``metrics.memory``: the allocator (``memory.MemoryStats``), what holds the memory at each device's
+    peak, step-end growth, fragmentation and out-of-memory forensics (``memory_use``). ``devices``,
+    ``allocator_evidence`` and ``series`` are free-form inside; ``get`` reads a field by name, as the
+    readers written against the free-form section do."""
+
+    devices: list[dict[str, Any]] = []
+    steady_alloc_calls_per_step: float = 0.0
+    alloc_calls_per_step: float = 0.0
+    alloc_call_us_per_step: float = 0.0
+    allocator: str | None = None
+    allocator_evidence: dict[str, Any] = {}
+    out_of_memory: int = 0
+    series: dict[str, Any] = {}
+    by_category: list[MemoryCategories] = []
+    leak: list[MemoryLeak] = []
+    fragmentation: list[MemoryFragmentation] = []
+    out_of_memory_at: list[OutOfMemoryEvent] = []
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default)
+
+
 class Metrics(_Doc, omit_defaults=True):
     """Measurements by section. ``transfers``, ``communication`` and ``ops`` are their analyzers'
-    own dataclasses (``transfers.TransferStats``, ``comm.CommStats``, ``ops.OpStats``); ``memory``
-    and ``hta`` (per-device curves, HTA's tables) are objects with free-form values for now."""
+    own dataclasses (``transfers.TransferStats``, ``comm.CommStats``, ``ops.OpStats``); ``memory`` is
+    ``MemorySection``; ``hta`` (HTA's tables) is an object with free-form values for now."""
 
     step_time_us: StepTimes
     kinds_us: dict[str, float]  # kind -> µs per step
     shares: dict[str, float]  # kind (and "other") -> fraction of the step
     transfers: TransferStats
     sync: SyncSection
-    memory: dict[str, Any]
+    memory: MemorySection
     communication: CommStats
     input: InputSection
     ops: OpStats

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import timeline as tl
+from .memory_use import MemoryUse, analyze_memory_use, device_name
 from .model import NONE, HostKind, MemoryEvents, RankTrace, Step
 
 _FREE_API_RE = re.compile(r"^(cuda|hip)Free(Async)?$|^cuMemFree(_v2)?$")
@@ -73,6 +74,8 @@ class MemoryStats:
     allocator_evidence: dict[str, object] = field(default_factory=dict)
     steady_frees_per_step: float = 0.0  # cudaFree & co. after the first step
     steady_frees_outside_ops_per_step: float = 0.0  # ... with no op around them (``empty_cache()``)
+    # What holds the memory, leaks, fragmentation, OOM forensics (``memory_use``).
+    use: MemoryUse = field(default_factory=MemoryUse)
 
     def worst(self) -> DeviceMemory | None:
         return max(self.devices, key=lambda d: d.peak_fraction, default=None)
@@ -94,9 +97,7 @@ def analyze_memory(trace: RankTrace, steps: list[Step], *, host_memory: int = 0)
             alloc_bytes = float(m.bytes[alloc].sum()) / n
             devices.append(
                 DeviceMemory(
-                    device=f"cuda:{int(did)}"
-                    if is_cuda
-                    else ("cpu" if int(dtype) == 0 else f"dev{int(dtype)}:{int(did)}"),
+                    device=device_name(int(dtype), int(did)),
                     peak_allocated=peak_alloc,
                     peak_reserved=_peak(m.total_reserved[sel]),
                     capacity=caps.get(int(did), 0) if is_cuda else host_memory,
@@ -138,6 +139,12 @@ def analyze_memory(trace: RankTrace, steps: list[Step], *, host_memory: int = 0)
         allocator_evidence=evidence,
         steady_frees_per_step=int(np.count_nonzero(frees)) / steady_steps,
         steady_frees_outside_ops_per_step=outside / steady_steps,
+        use=analyze_memory_use(
+            trace,
+            steps,
+            devices=_device_keys(trace) if len(m) else [],
+            capacities={d.device: d.capacity for d in devices},
+        ),
     )
 
 
@@ -232,12 +239,9 @@ def memory_curves(trace: RankTrace, *, origin_ns: int, max_points: int = 400) ->
             ts = ts[first]
             alloc = np.maximum.reduceat(alloc, first)
             reserved = np.maximum.reduceat(reserved, first)
-        is_cuda = int(dtype) == 1
         curves.append(
             {
-                "device": f"cuda:{int(did)}"
-                if is_cuda
-                else ("cpu" if int(dtype) == 0 else f"dev{int(dtype)}"),
+                "device": device_name(int(dtype), int(did)),  # as in ``devices``: one name per device
                 "t_us": ((ts - origin_ns) / 1000.0).round(1).tolist(),
                 "allocated": alloc.tolist(),
                 "reserved": np.maximum(reserved, 0).tolist() if (reserved != NONE).any() else [],

@@ -177,6 +177,8 @@ class RankTrace:
     rank: int | None = None
     world_size: int | None = None
     out_of_memory: int = 0  # count of [OutOfMemory] events
+    # The [OutOfMemory] events themselves (``bytes``: the request that failed; totals then), in time order.
+    oom_events: MemoryEvents | None = None
     format: str = "kineto"  # which generation the parser recognised, e.g. "kineto", "legacy-2021"
     metadata: dict[str, Any] = field(default_factory=dict)  # small top-level keys (schemaVersion, ...)
     distributed: dict[str, Any] = field(default_factory=dict)  # distributedInfo

@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 
 from . import breakdown as bd
-from . import diagnose, gpu_metrics, parse, step_timeline, steps, tables
+from . import diagnose, gpu_metrics, memory_rules, parse, step_timeline, steps, tables
 from . import hta_metrics as hta
 from . import timeline as tl
 from .comm import analyze_comm
@@ -205,7 +205,9 @@ def _metrics(trace: RankTrace, ctx: Context, step_list: list[Any]) -> dict[str, 
             "series": {
                 "origin_us": round(step_list[0].start / 1e3, 3),
                 "curves": memory_curves(trace, origin_ns=step_list[0].start),
+                "categories": ctx.memory.use.series,  # bytes by category over time (``memory_use``)
             },
+            **memory_rules.report_section(ctx.memory.use, step_list[0].start, ctx.workload),
         },
         "communication": ctx.comm,
         "input": {k: v for k, v in field_dict(ctx.inputs).items() if k != "intervals"},

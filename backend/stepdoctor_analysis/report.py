@@ -285,6 +285,8 @@ def render_text(r: Report) -> str:
             # A fact, or a change that averts a failure, promises no speedup: no gain is shown.
             gain = f" ({_gain_text(f)})" if f.change and shown_gain(f) > MIN_ADVICE_SPEEDUP else ""
             lines.append(f"  - [{f.kind}] {f.title}: {f.why}{gain}")
+            if f.change and not gain:  # a change that averts a failure (OOM, a leak): the fix is the point
+                lines.append(f"      Change: {f.change}")
     if r.ranks:
         rk = r.ranks
         lines += [

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import BOTTLENECK_KINDS, advice
+from . import BOTTLENECK_KINDS, advice, memory_rules
 from . import intervals as iv
 from .comm import CommStats
 from .consistency import Declared
@@ -411,22 +411,6 @@ def _allocator(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
         caveat = "Varying input shapes cause this too: pad or bucket them."
     params = {"change": change, "cause": cause, "caveat": caveat}
     return Hit(m.steady_alloc_calls_per_step, max(ctx.ns("memory"), 0.0), evidence, params)
-
-
-def _pressure(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
-    worst = ctx.memory.worst()
-    if worst is None and ctx.memory.out_of_memory == 0:
-        return None
-    frac = worst.peak_fraction if worst else 0.0
-    evidence = {
-        "device": worst.device if worst else None,
-        "peak_allocated_gb": round(worst.peak_allocated / 2**30, 2) if worst else None,
-        "peak_reserved_gb": round(worst.peak_reserved / 2**30, 2) if worst else None,
-        "capacity_gb": round(worst.capacity / 2**30, 2) if worst else None,
-        "out_of_memory_events": ctx.memory.out_of_memory,
-    }
-    metric = 1.0 if ctx.memory.out_of_memory else frac
-    return Hit(metric, 0.0, evidence, {"pct": 100 * frac}, 0.9)
 
 
 def _comm(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
@@ -823,19 +807,7 @@ RULES: list[Rule] = [
         why="The caching allocator keeps calling cudaMalloc/cudaFree after warm-up: {cause}.",
         caveats=("{caveat}",),
     ),
-    Rule(
-        id="memory.pressure",
-        kind="memory",
-        title="Memory is nearly full",
-        trigger="peak > 90% of device memory, or any out-of-memory event",
-        threshold=0.90,
-        query=_pressure,
-        change="Wrap large blocks in torch.utils.checkpoint.checkpoint(...) (activation checkpointing) or halve the "
-        "micro-batch and accumulate gradients",
-        why="Peak memory reaches {pct:.0f}% of capacity: one larger batch or fragmentation away from OOM.",
-        caveats=("Activation checkpointing trades about a third more compute for memory.",),
-        claims_speedup=False,
-    ),
+    *(Rule(**spec) for spec in memory_rules.RULE_SPECS),  # near capacity, leaks, fragmentation
     Rule(
         id="communication.overlap",
         kind="communication",

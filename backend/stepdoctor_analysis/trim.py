@@ -10,6 +10,10 @@ Two streaming passes, memory bounded by the parser's columns plus one chunk of t
 2. The text is cut again into chunks of whole events (the parser's own splitter); each event is
    kept verbatim (its raw JSON bytes) when it overlaps the window, has no time (metadata:
    process/thread names and sort order), or is a ``ph: M`` event; everything else is dropped.
+   The window is half-open, [start, end): the next step's marker begins exactly where the last
+   chosen step ends, and an event that only touches a boundary belongs to the neighbour. Step
+   markers are kept by number, not by time: the GPU runs behind the host, so a chosen step's
+   window overlaps the next steps' markers (dropped) and may start after its own marker (kept).
    The top-level fields (``deviceProperties``, ``distributedInfo``, ``baseTimeNanoseconds``, ...)
    are kept, so the result still reads as the same rank, device and clock.
 The output is gzip (or plain JSON for a ``.json`` name) with ``traceEvents`` last.
@@ -29,7 +33,7 @@ from . import parse
 from .errors import TraceError
 from .parsing.reading import decompressed_blocks
 from .parsing.splitting import StreamParser
-from .steps import find_steps, step_marker_mask
+from .steps import STEP_PREFIX, find_steps, marker_ranges, step_marker_mask
 
 _STEPS_RE = re.compile(r"^\s*(\d{1,9})\s*(?:[-–:]\s*(\d{1,9})\s*)?$")
 _RAW_EVENTS = msgspec.json.Decoder(list[msgspec.Raw])
@@ -41,6 +45,7 @@ class _When(msgspec.Struct, gc=False):
     ph: Any = None
     ts: Any = None
     dur: Any = None
+    name: Any = None
 
 
 _WHEN = msgspec.json.Decoder(_When)
@@ -72,7 +77,9 @@ def parse_steps(text: str) -> tuple[int, int]:
 def step_window(
     path: str | Path, first: int, last: int, *, max_bytes: int | None = None, label: str | None = None
 ) -> tuple[int, int]:
-    """The [start, end) window in ns of steps ``first``..``last`` (ProfilerStep numbers).
+    """The [start, end) window in ns of steps ``first``..``last`` (ProfilerStep numbers): their
+    windows as the report defines them, widened to their markers' host ranges (the host may run
+    ahead of a busy GPU, so a step's host work can precede its window).
 
     ``label`` names the trace in messages (default: the file name).
     """
@@ -85,7 +92,18 @@ def step_window(
     if not chosen:
         have = f"{steps[0].number}-{steps[-1].number}" if steps else "none"
         raise TraceError(f"{label}: no step in {first}-{last}; the trace has steps {have}")
-    return min(s.start for s in chosen), max(s.end for s in chosen)
+    numbers, starts, ends = marker_ranges(trace)
+    marks = [i for i, n in enumerate(numbers) if first <= n <= last]
+    start = min([s.start for s in chosen] + [int(starts[i]) for i in marks])
+    end = max([s.end for s in chosen] + [int(ends[i]) for i in marks])
+    return start, end
+
+
+def _step_number(name: Any) -> int | None:
+    """N of a ``ProfilerStep#N`` event name, else None."""
+    if isinstance(name, str) and name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX) :].isdigit():
+        return int(name[len(STEP_PREFIX) :])
+    return None
 
 
 def trim_trace(
@@ -106,7 +124,7 @@ def trim_trace(
     """
     label = label or Path(src).name
     start_ns, end_ns = step_window(src, first, last, max_bytes=max_bytes, label=label)
-    keep = _Keep(start_ns / 1e3, end_ns / 1e3)
+    keep = _Keep(start_ns / 1e3, end_ns / 1e3, first, last)
     out = Path(dst)
     with out.open("wb") as raw:
         # Level 6 (zlib's default) compresses about as well as gzip.open's 9, several times faster.
@@ -132,8 +150,9 @@ class _Keep:
 
     flows_skipped = False  # the splitter asks; raw events need no second decode
 
-    def __init__(self, lo_us: float, hi_us: float) -> None:
+    def __init__(self, lo_us: float, hi_us: float, first: int, last: int) -> None:
         self.lo, self.hi = lo_us, hi_us
+        self.first, self.last = first, last
         self.out: IO[bytes] | None = None
         self.kept = self.dropped = 0
         self.started = False
@@ -149,14 +168,21 @@ class _Keep:
         kept: list[bytes] = []
         for raw, ev in zip(raws, whens, strict=True):
             if ev is not None and ev.ph != "M" and ev.ts is not None:
-                try:
-                    ts = float(ev.ts)
-                    end = ts + (float(ev.dur) if ev.dur is not None else 0.0)
-                except (TypeError, ValueError):
-                    end = ts = lo  # unreadable times: keep the event rather than lose it
-                if ts > hi or end < lo:
-                    self.dropped += 1
-                    continue
+                number = _step_number(ev.name)
+                if number is not None:
+                    if not self.first <= number <= self.last:
+                        self.dropped += 1
+                        continue
+                else:
+                    try:
+                        ts = float(ev.ts)
+                        end = ts + (float(ev.dur) if ev.dur is not None else 0.0)
+                    except (TypeError, ValueError):
+                        end = ts = lo  # unreadable times: keep the event rather than lose it
+                    # [lo, hi): an event that ends where the window starts belongs to the step before
+                    if ts >= hi or end < lo or (end == lo and ts < lo):
+                        self.dropped += 1
+                        continue
             kept.append(bytes(raw))
         if kept:  # one write per chunk: a gzip write per event cost more than the filtering
             fh.write(b",\n" if self.started else b'{"traceEvents": [\n')

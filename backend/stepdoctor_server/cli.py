@@ -141,11 +141,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         detail = str(orig if orig is not None else exc).strip().splitlines()
         first = detail[0] if detail else type(exc).__name__
         print(
-            f"stepdoctor {args.command}: database error at {settings.database_url_shown}: {first}",
+            f"stepdoctor {args.command}: database error at {settings.database_url_shown}: {first}"
+            + _migration_hint(settings, args.command),
             file=sys.stderr,
         )
         return 2
     return 2
+
+
+def _migration_hint(settings: Settings, command: str) -> str:
+    """What to do when a command met a database without the schema (a fresh data dir, say)."""
+    if command == "db":
+        return ""
+    try:
+        current = migrate.is_current(settings)
+    except SQLAlchemyError:  # unreachable: the error already says so
+        return ""
+    return "" if current else " (the database has no current schema: run `stepdoctor db upgrade` first)"
 
 
 def serve_main(argv: Sequence[str]) -> int:

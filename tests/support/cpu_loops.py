@@ -176,6 +176,66 @@ def memory_bound(path: Path) -> Path:
     return _record(path, steps())
 
 
+def kept_graph_loop(path: Path, *, keep_graph: bool = True) -> Path:
+    """Training steps that also evaluate a held-out batch with autograd on and log that loss.
+
+    ``keep_graph``: the log keeps the loss tensor itself (``history.append(val_loss)``), so each
+    step's evaluation graph, with the activations it saved, survives the step: a leak of about
+    3 MB per step. Otherwise it keeps ``val_loss.item()`` (the fix) and memory returns to the
+    same level at every step's end.
+    """
+    model, opt = _mlp()
+    x, y = torch.randn(64, 256), torch.randn(64, 256)
+    x_val, y_val = torch.randn(1024, 256), torch.randn(1024, 256)
+    history: list[object] = []
+
+    def steps() -> Iterator[None]:
+        while True:
+            _train_step(model, opt, x, y)
+            val_loss = torch.nn.functional.mse_loss(model(x_val), y_val)
+            history.append(val_loss if keep_graph else val_loss.item())
+            yield
+
+    return _record(path, steps())
+
+
+def activation_heavy_loop(path: Path) -> Path:
+    """A deep, narrow MLP on a large batch: its saved activations (each of 16 tanh outputs, 4096 x 256
+    floats: 64 MiB) dwarf its parameters (16 x 256 x 256 floats: 4 MiB), so activations dominate the
+    memory at the peak."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(16):
+        layers += [torch.nn.Linear(256, 256), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x, y = torch.randn(4096, 256), torch.randn(4096, 256)
+
+    def steps() -> Iterator[None]:
+        while True:
+            _train_step(model, opt, x, y)
+            yield
+
+    return _record(path, steps())
+
+
+def host_memory_loop(spool: Path, *, keep: bool) -> None:
+    """64 steps under the agent with its step series sampling host memory (RSS) at every step and no
+    capture window; each step makes a 2 MiB tensor and, with ``keep``, keeps it (a leak of 2 MiB per
+    step). Run it in a fresh process: one that freed memory before reuses it before its RSS grows."""
+    import stepdoctor
+    from stepdoctor.series import SeriesSettings
+
+    settings = SeriesSettings(memory_every_s=0.0, anomaly_capture=False)
+    kept: list[torch.Tensor] = []
+    with stepdoctor.profile("mem", "run", spool=spool, skip_first=10_000, series_settings=settings) as prof:
+        for _ in range(64):
+            t = torch.ones(512 * 1024)  # 2 MiB, written so its pages are resident
+            if keep:
+                kept.append(t)
+            prof.step()
+
+
 LOOPS: dict[str, Callable[[Path], Path]] = {
     "input": input_bound,
     "input_workers": lambda p: input_bound(p, num_workers=4),

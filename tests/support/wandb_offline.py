@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +42,27 @@ def records(path: Path) -> list[Any]:
     return out
 
 
+def finished(run_dir: Path, timeout_s: float = 120.0) -> list[Any]:
+    """The run's records once its ``exit`` record is on disk: ``run.finish()`` can return before
+    wandb's service process has written the file out."""
+    from google.protobuf.message import DecodeError  # wandb's own dependency
+
+    (path,) = run_dir.glob("run-*.wandb")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            found = records(path)
+        except DecodeError:  # a chunk still being written
+            found = []
+        if any(r.WhichOneof("record_type") == "exit" for r in found) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
 def summary(run_dir: Path) -> dict[str, Any]:
     """The run's summary as its last updates left it (``key -> value``)."""
-    (path,) = run_dir.glob("run-*.wandb")
     values: dict[str, Any] = {}
-    for record in records(path):
+    for record in finished(run_dir):
         if record.WhichOneof("record_type") == "summary":
             for item in record.summary.update:
                 values[item.key] = json.loads(item.value_json)
@@ -54,10 +71,9 @@ def summary(run_dir: Path) -> dict[str, Any]:
 
 def summary_updates(run_dir: Path, key: str) -> list[Any]:
     """Every value ``key`` was given, in order (one per logged window, for stepdoctor's keys)."""
-    (path,) = run_dir.glob("run-*.wandb")
     return [
         json.loads(item.value_json)
-        for record in records(path)
+        for record in finished(run_dir)
         if record.WhichOneof("record_type") == "summary"
         for item in record.summary.update
         if item.key == key

@@ -108,6 +108,7 @@ class Reporter:
     logged: set[int] = field(default_factory=set)
     durations_us: list[float] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # one pass at a time: each window once
     _thread: threading.Thread | None = None
     _dead: bool = False  # the server refused us for good (a token that may not read)
 
@@ -138,6 +139,10 @@ class Reporter:
     @guarded()
     def poll(self) -> None:
         """One pass: log every window analysed since the last pass."""
+        with self._lock:
+            self._poll()
+
+    def _poll(self) -> None:
         if self._dead:
             return
         if self.run_id is None:
@@ -145,10 +150,13 @@ class Reporter:
             if self.run_id is None:
                 return
         traces = self._get(f"/runs/{self.run_id}/traces", limit=200).get("items", [])
-        new = [t for t in traces if t.get("status") == "done" and t["id"] not in self.logged]
+        done = [t for t in traces if t.get("status") == "done"]
+        new = [t for t in done if t["id"] not in self.logged]
         if not new:
             return
         diagnosis = self._get(f"/runs/{self.run_id}/diagnosis").get("diagnosis") or {}
+        if (diagnosis.get("traces") or 0) < len(done):
+            return  # the run's verdict does not include the new windows yet: the next pass logs them
         verdict = verdict_record(self.server, self.run_id, diagnosis)
         for trace in sorted(new, key=lambda t: t["id"]):
             report = self._get(f"/traces/{trace['id']}/report").get("report") or {}
@@ -170,6 +178,8 @@ class Reporter:
                 answer: dict[str, Any] = json.loads(response.read().decode("utf-8"))
                 return answer
         except urllib.error.HTTPError as exc:
+            if exc.code in (404, 409):
+                return {}  # the run or its verdict is not there yet: the next pass asks again
             if exc.code not in (401, 403):
                 raise
             self._dead = True  # the token may not read: asking again would not change that

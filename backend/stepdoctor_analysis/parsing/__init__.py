@@ -60,8 +60,6 @@ def load_trace(
     blocks = decompressed_blocks(source, cap, label)
     try:
         StreamParser(builder, label).run(blocks)
-    except RecursionError:  # msgspec recurses per nesting level
-        raise TraceError(f"{label}: JSON nested too deeply to be a trace") from None
     finally:
         blocks.close()  # closes the file at once, also when parsing failed
     return assemble(builder)

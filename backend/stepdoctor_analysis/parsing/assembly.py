@@ -50,6 +50,7 @@ def assemble(b: Builder) -> RankTrace:
     host = concat(b.host, _DENSE["host"])
     gpu = concat(b.gpu, _DENSE["gpu"])
     mem = concat(b.mem, MEMORY.dtypes)
+    oom = concat(b.oom_mem, MEMORY.dtypes)
     origin = _origin(host["ts"], gpu["ts"], mem["ts"])
     host_ts, gpu_ts, mem_ts = (to_ns(a, origin) for a in (host["ts"], gpu["ts"], mem["ts"]))
     if b.flows:
@@ -69,6 +70,7 @@ def assemble(b: Builder) -> RankTrace:
         rank=_int_or_none(dist.get("rank")),
         world_size=_int_or_none(dist.get("world_size")),
         out_of_memory=b.oom,
+        oom_events=_memory_events(oom, to_ns(oom["ts"], origin)) if len(oom["ts"]) else None,
         format="legacy-2021" if any(c in b.codes for c in LEGACY_CATEGORIES) else "kineto",
         metadata={
             k: v for k, v in top.items() if k not in ("deviceProperties", "distributedInfo") and _small(v)

@@ -35,8 +35,10 @@ class _CheckingBuilder(Builder):
 
     def _drop(self) -> None:
         self.had_rows = self.had_rows or bool(self.host or self.gpu or self.mem)
-        for table in (self.host, self.gpu, self.mem, self.flows, *self.sparse.values()):
+        for table in (self.host, self.gpu, self.mem, self.oom_mem, self.flows):
             table.clear()
+        for pieces in self.sparse.values():
+            pieces.clear()
 
 
 class TraceCheck:

@@ -183,6 +183,9 @@ class _Codes(dict[str | int, int]):
         return v
 
 
+MAX_OOM_ROWS = 64  # [OutOfMemory] events kept as rows per trace (the rest only counted)
+
+
 def pick(events: Sequence[Event], idx: np.ndarray) -> Sequence[Event]:
     """The events at ``idx``, gathered in C."""
     if idx.size == 1:
@@ -242,6 +245,7 @@ class Builder:
         # Per table: the op-arg values read so far, as (column, rows in the table, values).
         self.sparse: dict[str, list[tuple[str, np.ndarray, np.ndarray]]] = {"host": [], "gpu": []}
         self.oom = 0
+        self.oom_mem: list[dict[str, np.ndarray]] = []  # the [OutOfMemory] instants' args (few)
         self.n_events = 0
         self.top: dict[str, Any] = {}
         self.labels: dict[Any, int] = {}  # string pid/tid -> negative id
@@ -331,9 +335,17 @@ class Builder:
         return False
 
     def _instants(self, evs: Sequence[Event], positions: np.ndarray) -> None:
-        """``[memory]`` instants become rows; ``[OutOfMemory]`` ones are counted; others ignored."""
+        """``[memory]`` instants become rows; ``[OutOfMemory]`` ones are counted, and the first
+        ``MAX_OOM_ROWS`` kept as rows (request size, totals, time: the OOM forensics); others ignored."""
         names = list(map(_NAME, evs))
-        self.oom += names.count("[OutOfMemory]")
+        ooms = names.count("[OutOfMemory]")
+        kept = sum(len(c["ts"]) for c in self.oom_mem)
+        if ooms and kept < MAX_OOM_ROWS:  # rare; bounded whatever a trace holds
+            at = [i for i, n in enumerate(names) if n == "[OutOfMemory]"][: MAX_OOM_ROWS - kept]
+            cols = self._mem_columns(pick(evs, np.asarray(at)))
+            keep = ~_outside(cols["ts"], MAX_TS_US)
+            self.oom_mem.append({k: v[keep] for k, v in cols.items()})
+        self.oom += ooms
         is_mem = np.fromiter(map("[memory]".__eq__, names), np.bool_, len(names))
         if is_mem.any():
             rows = np.flatnonzero(is_mem)

@@ -61,6 +61,8 @@ class StreamParser:
             self._feed(block)
         except UnicodeDecodeError as exc:
             raise self._not_utf8(exc) from None
+        except RecursionError:  # msgspec recurses per nesting level
+            raise self._too_deep() from None
 
     def _feed(self, block: bytes) -> None:
         if len(self.buf) > _COLLAPSE_AFTER:
@@ -86,6 +88,11 @@ class StreamParser:
             self._finish()
         except UnicodeDecodeError as exc:
             raise self._not_utf8(exc) from None
+        except RecursionError:
+            raise self._too_deep() from None
+
+    def _too_deep(self) -> TraceError:
+        return TraceError(f"{self.name}: JSON nested too deeply to be a trace")
 
     def _not_utf8(self, exc: UnicodeDecodeError) -> TraceError:
         """msgspec raises UnicodeDecodeError (not a DecodeError) for a string that is not UTF-8:

@@ -16,6 +16,12 @@ class ApiError(Exception):
         self.headers = headers
 
 
+class TransientError(Exception):
+    """Trouble that passes (a store or database that cannot be reached): an upload gets a 503 with
+    ``Retry-After``, an analysis is retried with backoff. ``str(err)`` is shown to users, so it
+    never names endpoints, buckets, keys or paths: the raiser logs those."""
+
+
 def not_found(what: str, ident: object) -> ApiError:
     """Missing and not-yours look the same, so ids of other teams leak nothing."""
     return ApiError(404, "not_found", f"{what} {ident} not found")

@@ -51,6 +51,10 @@ class Settings(BaseSettings):
     storage_presign_downloads: bool = False
     # Job engine: ``auto`` = procrastinate on PostgreSQL, the in-process pool on SQLite.
     job_engine: Literal["auto", "embedded", "procrastinate"] = "auto"
+    # An analysis whose trace store (or database) was unreachable is tried this many times in all,
+    # waiting analysis_retry_wait_s, then twice as long each time (at most 5 min), before it fails.
+    analysis_tries: int = Field(default=6, ge=1)
+    analysis_retry_wait_s: float = Field(default=5.0, ge=0)
     # Per-job limits: an analysis past them is killed and fails with the limit as its reason.
     job_timeout_s: float = Field(default=1800.0, gt=0)
     job_memory_limit_bytes: int = Field(default=16 * GiB, ge=0)  # 0 = no limit

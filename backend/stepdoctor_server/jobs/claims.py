@@ -239,6 +239,33 @@ class SqlJobQueue:
             schedule_aggregation(session, trace_id)
             return True
 
+    def note(self, trace_id: int, reason: str, worker_id: str | None = None) -> bool:
+        """Show ``reason`` on a trace this worker still runs (it waits to try again)."""
+        with self.db.session() as session:
+            result = session.execute(
+                update(Trace)
+                .where(Trace.id == trace_id, Trace.status == "running", Trace.claimed_by == worker_id)
+                .values(status_reason=_one_line(reason), updated_at=_now())
+                .execution_options(synchronize_session=False)
+            )
+            return int(result.rowcount) == 1  # type: ignore[attr-defined]
+
+    def release(self, trace_id: int, reason: str, worker_id: str | None = None) -> bool:
+        """Back to pending with ``reason`` shown, the claim undone (this try did not count as a
+        worker's death): the job engine delivers it again later (an unreachable store)."""
+        with self.db.session() as session:
+            return _finish_running(
+                session,
+                Trace,
+                trace_id,
+                worker_id=worker_id,
+                status="pending",
+                status_reason=_one_line(reason),
+                claimed_by=None,
+                claimed_at=None,
+                attempts=Trace.attempts - 1,
+            )
+
     def fail(self, trace_id: int, reason: str, worker_id: str | None = None) -> bool:
         with self.db.session() as session:
             ended = _finish_running(

@@ -100,6 +100,11 @@ class TransientJobError(Exception):
     """The database stayed unreachable mid-job: the job is retried later, never failed for it."""
 
 
+def retry_wait_s(settings: Any, tries: int) -> float:
+    """How long to wait after the ``tries``-th try (1-based) failed on an unreachable store."""
+    return float(min(300.0, settings.analysis_retry_wait_s * 2 ** (tries - 1)))
+
+
 # Task name -> what runs it, with the worker's runtime first (registered by the domains' job modules).
 HANDLERS: dict[str, Callable[..., None]] = {}
 

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from stepdoctor_server.core.errors import TransientError
+
 log = logging.getLogger("stepdoctor.limits")
 
 # Imported once in the forkserver, so each job's child starts with the engine loaded (and the module
@@ -32,12 +34,16 @@ _context: Any = None
 
 
 class JobFailed(Exception):
-    """The job failed for good; ``str(exc)`` is the one-line reason to store."""
+    """The job failed; ``str(exc)`` is the one-line reason to store. ``transient``: it failed
+    because something it needs (the trace store) was unreachable, so it is worth trying again."""
 
-    def __init__(self, reason: str, *, internal: bool = False, details: str = "") -> None:
+    def __init__(
+        self, reason: str, *, internal: bool = False, details: str = "", transient: bool = False
+    ) -> None:
         super().__init__(reason)
         self.internal = internal
         self.details = details
+        self.transient = transient
 
 
 def _ctx(fn: Callable[..., Any] | None = None) -> Any:
@@ -86,7 +92,7 @@ def run_limited(
     kind, payload, details = outcome
     if kind == "ok":
         return payload
-    raise JobFailed(payload, internal=kind == "internal", details=details)
+    raise JobFailed(payload, internal=kind == "internal", details=details, transient=kind == "transient")
 
 
 def process_alive(pid: int) -> bool:
@@ -135,7 +141,8 @@ def _child_main(
         outcome = ("failed", memory_reason(memory_bytes), "")
     except BaseException as exc:
         reason, internal = describe_error(exc)
-        outcome = ("internal" if internal else "failed", reason, traceback.format_exc() if internal else "")
+        kind = "transient" if isinstance(exc, TransientError) else "internal" if internal else "failed"
+        outcome = (kind, reason, traceback.format_exc() if internal else "")
     try:
         sender.send(outcome)
     except MemoryError:  # the result itself did not fit: say so in a few bytes

@@ -11,7 +11,9 @@ it in a child process under the time and memory limits, store the outcome):
   time with heartbeats, and a dead or hung worker's jobs run elsewhere.
 
 The database going away mid-job is retried with backoff (``retry_db``), one log line per outage,
-and never stored as the trace's failure.
+and never stored as the trace's failure. An analysis that failed because the trace store was
+unreachable is tried again after ``retry_wait_s`` (the embedded pool waits in the job; procrastinate
+schedules the job again), ``settings.analysis_tries`` times in all, before the trace fails.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from stepdoctor.cli import configure_logging
 from stepdoctor_server.core.database import Database
+from stepdoctor_server.core.errors import TransientError
 from stepdoctor_server.core.models import Trace
 from stepdoctor_server.core.settings import Settings
 from stepdoctor_server.jobs import procrastinate_app as jobs
@@ -62,13 +65,14 @@ def describe_error(exc: BaseException) -> tuple[str, bool]:
     """(reason users see, whether it is our own bug) for an exception raised by a job."""
     from stepdoctor_analysis.errors import TraceError
 
-    if isinstance(exc, TraceError):
+    if isinstance(exc, TraceError | TransientError):  # one line written for users
         return str(exc) or type(exc).__name__, False
     if isinstance(exc, FileNotFoundError):
         return "internal error: the trace file is missing from the store", True
     if isinstance(exc, MemoryError):
         return "internal error: out of memory while analysing this trace", True
-    return f"internal error: {type(exc).__name__}: {exc}", True
+    # An exception's text may hold paths, keys or endpoints: it goes to the log with the traceback.
+    return f"internal error: {type(exc).__name__} (details in the server log)", True
 
 
 def failure_reason(exc: BaseException) -> str:

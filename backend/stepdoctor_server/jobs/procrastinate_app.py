@@ -31,6 +31,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import text
@@ -51,6 +52,7 @@ from stepdoctor_server.jobs.defer import (
     QUEUE_DEEP,
     TransientJobError,
     defer_analyses,
+    retry_wait_s,
     run_sweeps,
 )
 
@@ -90,22 +92,40 @@ def make_app(settings: Settings) -> Any:
     app = procrastinate.App(
         connector=procrastinate.PsycopgConnector(conninfo=libpq_url(settings.database_url.get_secret_value()))
     )
-    app.add_tasks_from(_blueprint(), namespace="")
+    app.add_tasks_from(_blueprint(settings), namespace="")
     return app
 
 
-def _blueprint() -> Any:
+def _transient_retry(settings: Settings) -> Any:
+    """Retry only transient trouble (TransientJobError: the database or the trace store away),
+    waiting ``worker.retry_wait_s`` (the embedded pool's backoff) between deliveries. A bad trace
+    fails once, with its reason stored in ``traces``; ``handle_trace`` fails the trace itself
+    after ``settings.analysis_tries`` tries on an unreachable store, within these attempts."""
+    from procrastinate import BaseRetryStrategy, RetryDecision
+
+    max_attempts = max(10, settings.analysis_tries)
+
+    class Backoff(BaseRetryStrategy):
+        def get_retry_decision(self, *, exception: BaseException, job: Any) -> Any:
+            if not isinstance(exception, TransientJobError) or job.attempts >= max_attempts:
+                return None
+            wait = timedelta(seconds=retry_wait_s(settings, job.attempts + 1))
+            return RetryDecision(retry_at=datetime.now(timezone.utc) + wait)
+
+    return Backoff()
+
+
+def _blueprint(settings: Settings) -> Any:
     import procrastinate
-    from procrastinate import RetryStrategy
 
     bp = procrastinate.Blueprint()
-    # Only transient trouble (database away mid-job) is retried, with exponential backoff:
-    # 2, 4, 8, ... s. A bad trace fails once, with its reason stored in ``traces``.
-    transient = RetryStrategy(max_attempts=10, exponential_wait=2, retry_exceptions={TransientJobError})
+    transient = _transient_retry(settings)
 
     @bp.task(name=ANALYZE, queue=QUEUE_ANALYSIS, pass_context=True, retry=transient)
     def analyze_trace(context: Any, trace_id: int) -> None:
-        HANDLERS[ANALYZE](context.additional_context["runtime"], trace_id)
+        HANDLERS[ANALYZE](
+            context.additional_context["runtime"], trace_id, delivery=int(context.job.attempts or 0)
+        )
 
     @bp.task(name=AGGREGATE, queue=QUEUE_AGGREGATION, pass_context=True, retry=transient)
     def aggregate_run(context: Any, run_id: int) -> None:
@@ -156,6 +176,16 @@ def _blueprint() -> Any:
 # -- the worker process --------------------------------------------------------------------------
 
 
+class _NoTransientTraceback(logging.Filter):
+    """Drop the traceback from procrastinate's job-outcome line when the job failed for an outage
+    (TransientJobError): the worker already logged the cause in one line, and the job is retried."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], TransientJobError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 class _StateLog:
     """One log line per change of the database's reachability, never one per retry."""
 
@@ -196,6 +226,10 @@ def run_worker(
     """
     # psycopg's pool warns on every reconnect attempt; the outage is reported once, below.
     logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
+    # A job retried for an outage gets procrastinate's one line, without a traceback.
+    outcome_log = logging.getLogger("procrastinate.worker")
+    if not any(isinstance(f, _NoTransientTraceback) for f in outcome_log.filters):
+        outcome_log.addFilter(_NoTransientTraceback())
     db = Database(settings)
     app = make_app(settings)
     runtime = Runtime(settings=settings, db=db, worker_id=name, metrics=metrics)

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from sqlalchemy import select
@@ -20,7 +21,15 @@ from stepdoctor_server.core.database import Database
 from stepdoctor_server.core.models import Trace
 from stepdoctor_server.core.settings import Settings
 from stepdoctor_server.jobs.claims import AnalysisResult, SqlJobQueue
-from stepdoctor_server.jobs.defer import ANALYZE, CLAIMERS, TRACE_DONE, JobContext, handles
+from stepdoctor_server.jobs.defer import (
+    ANALYZE,
+    CLAIMERS,
+    TRACE_DONE,
+    JobContext,
+    TransientJobError,
+    handles,
+    retry_wait_s,
+)
 from stepdoctor_server.jobs.limits import JobFailed, run_limited
 from stepdoctor_server.jobs.pool import _observe, describe_error, retry_db
 from stepdoctor_server.traces.storage import make_store
@@ -100,22 +109,64 @@ def _load_job(db: Database, trace_id: int) -> _TraceJob | None:
     return None if row is None else _TraceJob(row[0], row[1], row[2], dict(row[3] or {}))
 
 
+def _gave_up(tries: int, reason: str) -> str:
+    return f"{reason} ({tries} tries with backoff); reanalyse the trace once it is back"
+
+
 def handle_trace(
-    db: Database, queue: SqlJobQueue, settings: Settings, trace_id: int, worker_id: str, metrics: Any = None
+    db: Database,
+    queue: SqlJobQueue,
+    settings: Settings,
+    trace_id: int,
+    worker_id: str,
+    metrics: Any = None,
+    *,
+    delivery: int | None = None,
 ) -> int | None:
     """Analyse a claimed trace and store the outcome; returns its run id (None if the row is gone).
 
     A bad trace, a time or memory limit fails the job with its reason; an unreachable database is
-    retried (TransientJobError past the patience), never recorded as the trace's failure.
+    retried (TransientJobError past the patience), never recorded as the trace's failure. An
+    unreachable trace store is tried again ``settings.analysis_tries`` times in all, with backoff:
+    in this process (``delivery`` None, the embedded pool), or, for the ``delivery``-th (0-based)
+    delivery of a procrastinate job, by putting the trace back to pending and raising
+    TransientJobError so procrastinate schedules the job again (``jobs``).
     """
     job = retry_db(lambda: _load_job(db, trace_id), what=f"trace {trace_id}")
     if job is None:
         return None
     started = time.perf_counter()
+    tries = 0 if delivery is None else delivery
     try:
-        result = analyze_limited(settings, job.storage_key, job.filename, job.meta)
+        while True:
+            tries += 1
+            try:
+                result = analyze_limited(settings, job.storage_key, job.filename, job.meta)
+                break
+            except JobFailed as exc:
+                if not exc.transient or tries >= settings.analysis_tries:
+                    raise
+                wait = retry_wait_s(settings, tries)
+                log.warning(
+                    "trace %s: %s (try %d of %d); again in %.0f s",
+                    trace_id,
+                    exc,
+                    tries,
+                    settings.analysis_tries,
+                    wait,
+                )
+                note = f"waiting to retry: {exc} (try {tries} of {settings.analysis_tries})"
+                if delivery is not None:
+                    retry_db(partial(queue.release, trace_id, note, worker_id), what=f"trace {trace_id}")
+                    raise TransientJobError(f"trace {trace_id}: {exc}") from None
+                retry_db(partial(queue.note, trace_id, note, worker_id), what=f"trace {trace_id}")
+                time.sleep(wait)
+    except TransientJobError:
+        raise
     except Exception as exc:  # JobFailed, or the child could not even start (fork failed, ...)
         reason = str(exc) if isinstance(exc, JobFailed) else describe_error(exc)[0]
+        if isinstance(exc, JobFailed) and exc.transient:
+            reason = _gave_up(tries, reason)
         if not isinstance(exc, JobFailed):
             log.exception("trace %s: %s", trace_id, reason)
         elif exc.internal:
@@ -151,13 +202,16 @@ CLAIMERS.insert(0, claim_and_analyze)  # traces before any other domain's jobs
 
 
 @handles(ANALYZE)
-def run_delivered_trace(runtime: Any, trace_id: int) -> None:
+def run_delivered_trace(runtime: Any, trace_id: int, delivery: int = 0) -> None:
     """Body of procrastinate's ``analyze_trace`` job: claim that trace, analyse, store.
 
-    A delivery finding the trace done or failed (a duplicate) does nothing.
+    A delivery finding the trace done or failed (a duplicate) does nothing. ``delivery``: how many
+    times procrastinate ran this job before (its retries after an unreachable store).
     """
     queue = SqlJobQueue(runtime.db)
     if not retry_db(lambda: queue.claim_trace(trace_id, runtime.worker_id), what=f"trace {trace_id}"):
         log.info("trace %s: already analysed or gone; nothing to do", trace_id)
         return
-    handle_trace(runtime.db, queue, runtime.settings, trace_id, runtime.worker_id, runtime.metrics)
+    handle_trace(
+        runtime.db, queue, runtime.settings, trace_id, runtime.worker_id, runtime.metrics, delivery=delivery
+    )

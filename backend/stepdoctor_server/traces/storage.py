@@ -42,7 +42,7 @@ from typing import IO, Any, BinaryIO
 import anyio.to_thread
 from starlette.responses import FileResponse, RedirectResponse, Response, StreamingResponse
 
-from stepdoctor_server.core.errors import ApiError
+from stepdoctor_server.core.errors import ApiError, TransientError
 from stepdoctor_server.jobs.limits import process_alive
 
 log = logging.getLogger("stepdoctor.storage")
@@ -54,6 +54,52 @@ _KEY_RE = re.compile(r"^[A-Za-z0-9_-]+(/[A-Za-z0-9_-]+)*\.[a-z.]+$")
 _PART_RE = re.compile(r"^(?:(\d+)-)?[0-9a-f]{32}\.part$")
 # A stage file nobody wrote to for this long belongs to a dead upload (a live one writes every MiB).
 PARTIAL_MAX_IDLE_S = 15 * 60
+# obstore retries a failed request 10 times for up to 3 min by default: an upload would hang that
+# long on a store that is down. A few quick retries ride out a blip; an outage is reported (503,
+# or the analysis retried later with backoff) within seconds.
+S3_RETRY = {"max_retries": 3, "retry_timeout": timedelta(seconds=10)}
+S3_CLIENT_TIMEOUTS = {"connect_timeout": "3s", "timeout": "120s"}
+_PROBE_KEY = "stepdoctor-readiness-probe"  # never written: a 404 for it means the store answers
+# Errors that mean the directory store itself is unreachable (a network mount gone), not a bad key.
+_UNREACHABLE_ERRNOS = frozenset(
+    {errno.EIO, errno.ENOTCONN, errno.ESTALE, errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ETIMEDOUT}
+)
+
+
+class StoreUnavailable(TransientError):
+    """The trace store cannot be reached now (S3 down, a network mount gone)."""
+
+    def __init__(self) -> None:
+        super().__init__("the trace store is unreachable")
+
+
+@contextmanager
+def _reachable(what: str, where: str, unreachable: Callable[[BaseException], bool]) -> Iterator[None]:
+    """Turn an error that means the store cannot be reached into StoreUnavailable (a missing key
+    stays FileNotFoundError), logging the details (endpoint, bucket, key: for operators only)."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except Exception as exc:
+        if not unreachable(exc):
+            raise
+        log.warning(
+            "trace store unreachable: %s %s: %s", what, where, (str(exc).splitlines() or [""])[0][:500]
+        )
+        raise StoreUnavailable() from exc
+
+
+def _unreachable_directory(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in _UNREACHABLE_ERRNOS
+
+
+def _unreachable_s3(exc: BaseException) -> bool:
+    """Any obstore error but a missing key: connection refused or timed out, 5xx after retries,
+    refused credentials. Each is the store's (or its configuration's) trouble, never the trace's."""
+    from obstore.exceptions import BaseError, NotFoundError
+
+    return isinstance(exc, BaseError) and not isinstance(exc, NotFoundError)
 
 
 @dataclass
@@ -118,6 +164,10 @@ class TraceStore(ABC):
 
     @abstractmethod
     def exists(self, storage_key: str) -> bool: ...
+
+    @abstractmethod
+    def ping(self) -> None:
+        """Raise StoreUnavailable unless the store answers now (``/readyz``)."""
 
     @abstractmethod
     def download(
@@ -227,17 +277,27 @@ class LocalStore(TraceStore):
     def commit(self, staged: StagedFile, storage_key: str) -> None:
         """Atomically move a staged upload to its final key (same filesystem, so rename is atomic)."""
         final = self.path(storage_key)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staged.temp_path, final)
+        with _reachable("commit", str(final), _unreachable_directory):
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staged.temp_path, final)
 
     def open(self, storage_key: str) -> BinaryIO:
-        return self.path(storage_key).open("rb")
+        path = self.path(storage_key)
+        with _reachable("open", str(path), _unreachable_directory):
+            return path.open("rb")
 
     def delete(self, storage_key: str) -> None:
         self.path(storage_key).unlink(missing_ok=True)
 
     def exists(self, storage_key: str) -> bool:
-        return self.path(storage_key).is_file()
+        path = self.path(storage_key)
+        with _reachable("stat", str(path), _unreachable_directory):
+            return path.is_file()
+
+    def ping(self) -> None:
+        with _reachable("stat", str(self.root), lambda exc: isinstance(exc, OSError)):
+            if self.root.exists() and not self.root.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(self.root))
 
     def source(self, storage_key: str) -> Path | StoredObject:
         return self.path(storage_key)
@@ -281,17 +341,26 @@ class S3Store(TraceStore):
             config["endpoint"] = endpoint
         if not (os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")):
             config["region"] = "us-east-1"
-        client_options = {"allow_http": endpoint.startswith("http://")}
-        self.client = _Client.from_url(self.url, config=config, client_options=client_options)  # type: ignore[arg-type]
+        client_options = {"allow_http": endpoint.startswith("http://"), **S3_CLIENT_TIMEOUTS}
+        self.client = _Client.from_url(
+            self.url,
+            config=config,  # type: ignore[arg-type]
+            client_options=client_options,  # type: ignore[arg-type]
+            retry_config=S3_RETRY,  # type: ignore[arg-type]
+        )
 
     @property
     def description(self) -> str:
         return self.url
 
+    def _reachable(self, what: str, storage_key: str) -> Any:
+        return _reachable(what, f"{self.url}/{storage_key}", _unreachable_s3)
+
     def commit(self, staged: StagedFile, storage_key: str) -> None:
         import obstore
 
-        obstore.put(self.client, check_key(storage_key), staged.temp_path)  # multipart when large
+        with self._reachable("put", storage_key):  # a failed multipart upload leaves no object
+            obstore.put(self.client, check_key(storage_key), staged.temp_path)  # multipart when large
         staged.temp_path.unlink(missing_ok=True)
 
     def open(self, storage_key: str) -> BinaryIO:
@@ -299,24 +368,33 @@ class S3Store(TraceStore):
 
         # One GET streamed in >= 1 MiB chunks: 2.7x faster than obstore's ranged reader, which
         # issues a request per buffer (bench/storage_clients.py).
-        result = obstore.get(self.client, check_key(storage_key))
-        stream = result.stream(min_chunk_size=READ_CHUNK)
-        return io.BufferedReader(_ObjectReader(stream, result.meta["size"]), buffer_size=READ_CHUNK)
+        with self._reachable("get", storage_key):
+            result = obstore.get(self.client, check_key(storage_key))
+            stream = result.stream(min_chunk_size=READ_CHUNK)
+        reader = _ObjectReader(stream, result.meta["size"], lambda: self._reachable("read", storage_key))
+        return io.BufferedReader(reader, buffer_size=READ_CHUNK)
 
     def delete(self, storage_key: str) -> None:
         import obstore
 
-        with suppress(FileNotFoundError):
+        with suppress(FileNotFoundError), self._reachable("delete", storage_key):
             obstore.delete(self.client, check_key(storage_key))
 
     def exists(self, storage_key: str) -> bool:
         import obstore
 
         try:
-            obstore.head(self.client, check_key(storage_key))
+            with self._reachable("head", storage_key):
+                obstore.head(self.client, check_key(storage_key))
         except FileNotFoundError:
             return False
         return True
+
+    def ping(self) -> None:
+        import obstore
+
+        with suppress(FileNotFoundError), self._reachable("head", _PROBE_KEY):
+            obstore.head(self.client, _PROBE_KEY)  # a missing object: the store answered
 
     def download(
         self, storage_key: str, *, filename: str, media_type: str, headers: dict[str, str]
@@ -363,19 +441,24 @@ class StoredObject:
 
 
 class _ObjectReader(io.RawIOBase):
-    """obstore's chunk stream of one GET (its own buffer type) as standard raw binary I/O."""
+    """obstore's chunk stream of one GET (its own buffer type) as standard raw binary I/O.
 
-    def __init__(self, chunks: Any, size: int) -> None:
+    ``guard()`` wraps each chunk fetched: a connection lost mid-stream is StoreUnavailable too.
+    """
+
+    def __init__(self, chunks: Any, size: int, guard: Callable[[], Any]) -> None:
         self._chunks = iter(chunks)
         self._current = memoryview(b"")
         self.size = size  # the parser sizes its buffers by it
+        self._guard = guard
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
         while not self._current:
-            chunk = next(self._chunks, None)
+            with self._guard():
+                chunk = next(self._chunks, None)
             if chunk is None:
                 return 0
             self._current = memoryview(chunk).cast("B")

@@ -47,15 +47,16 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by te
     ) from exc
 from stepdoctor_server.auth.tokens import AdminTeam
 from stepdoctor_server.core.database import Database
-from stepdoctor_server.core.errors import ApiError
+from stepdoctor_server.core.errors import ApiError, TransientError
 from stepdoctor_server.core.models import TRACE_STATUSES, Trace
 from stepdoctor_server.core.settings import Settings, get_settings
-from stepdoctor_server.traces.storage import make_store
+from stepdoctor_server.traces.storage import StoreUnavailable, TraceStore, make_store
 from stepdoctor_server.web.schemas import ErrorResponse, HealthOut
 from stepdoctor_server.web.security import NulGuardMiddleware, SameOriginMiddleware, SecurityHeadersMiddleware
 from stepdoctor_server.web.timeouts import BodyReadTimeoutMiddleware
 
 log = logging.getLogger("stepdoctor.server")
+RETRY_AFTER_S = 10  # what a 503 for an unreachable store asks clients to wait
 
 
 def error_response(
@@ -104,6 +105,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(
             503, "database_unavailable", "database is busy or unreachable; retry later", {"Retry-After": "5"}
         )
+
+    @app.exception_handler(TransientError)
+    async def _unreachable(request: Request, exc: TransientError) -> JSONResponse:
+        # The store (or another service) is away: nothing was kept, the client retries later.
+        # The details (endpoint, bucket, key) were logged where the error was raised.
+        log.warning("%s %s: %s", request.method, request.url.path, exc)
+        code = "storage_unavailable" if isinstance(exc, StoreUnavailable) else "service_unavailable"
+        return error_response(503, code, f"{exc}; retry later", {"Retry-After": str(RETRY_AFTER_S)})
 
     @app.exception_handler(ClientDisconnect)
     async def _disconnected(_: Request, __: ClientDisconnect) -> JSONResponse:
@@ -355,15 +364,19 @@ def _install_health(app: FastAPI) -> None:
         response_model=HealthOut,
         tags=["ops"],
         responses={503: {"model": ErrorResponse}},
-        summary="Readiness: the database answers",
+        summary="Readiness: the database and the trace store answer",
     )
     async def readyz(request: Request) -> Response:
         db: Database = request.app.state.db
-        try:
-            await anyio.to_thread.run_sync(db.ping)
-        except Exception as exc:
-            log.warning("readiness check failed: %s", exc)
-            return error_response(503, "database_unavailable", "database is not reachable")
+        store: TraceStore = request.app.state.store
+        down = [
+            part
+            for part, ping in (("database", db.ping), ("trace store", store.ping))
+            if not await anyio.to_thread.run_sync(_answers, part, ping)
+        ]
+        if down:
+            code = "database_unavailable" if "database" in down else "storage_unavailable"
+            return error_response(503, code, f"not ready: {' and '.join(down)} not reachable")
         return JSONResponse({"status": "ok"})
 
     @app.get(
@@ -377,6 +390,15 @@ def _install_health(app: FastAPI) -> None:
         registry = request.app.state.metrics.registry
         body = await anyio.to_thread.run_sync(generate_latest, registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+def _answers(part: str, ping: Callable[[], object]) -> bool:
+    try:
+        ping()
+    except Exception as exc:  # logged here; the response names only the part
+        log.warning("readiness: %s not reachable: %s", part, (str(exc).splitlines() or [""])[0][:300])
+        return False
+    return True
 
 
 def _version() -> str:
