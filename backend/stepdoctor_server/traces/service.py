@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request, Response
@@ -31,27 +32,25 @@ def load_trace(session: Session, principal: Principal, trace_id: int) -> tuple[T
     return trace, run, project
 
 
-def current_analysis(session: Session, trace: Trace) -> tuple[Analysis | None, bool]:
-    """The trace's stored analysis and whether it is stale (``reports.read_analysis``); reading
-    writes nothing: a stale report is redone by the workers' sweep (``queue.requeue_outdated``)."""
+@dataclass(frozen=True)
+class TraceReport:
+    """This trace's report: the stored analysis (the API returns its JSON as stored), the report
+    typed (None before its analysis or when it does not decode) and whether it is stale."""
+
+    analysis: Analysis | None
+    doc: ReportDoc | None
+    stale: bool
+
+
+def trace_report(session: Session, trace: Trace) -> TraceReport:
+    """The one answer to "this trace's report" for ``GET /traces/{id}``, ``GET .../report`` and the
+    trace page (``reports.read_analysis``). Reading writes nothing: a stale report is redone by the
+    workers' sweep (``runs.diagnosis_job.requeue_outdated``) or an explicit re-analysis."""
     analysis = session.scalar(select(Analysis).where(Analysis.trace_id == trace.id))
     if analysis is None:
-        return None, False
-    _, stale = read_analysis(analysis.report, analysis.engine_version, analysis.schema_version)
-    return analysis, stale
-
-
-def trace_report(session: Session, trace: Trace) -> tuple[ReportDoc | None, bool]:
-    """This trace's report, typed (None before its analysis or when it does not decode), and
-    whether it is stale: the question the API's ``GET /traces/{id}`` and the trace page both ask."""
-    row = session.execute(
-        select(Analysis.report, Analysis.engine_version, Analysis.schema_version).where(
-            Analysis.trace_id == trace.id
-        )
-    ).first()
-    if row is None:
-        return None, False
-    return read_analysis(*row)
+        return TraceReport(None, None, False)
+    doc, stale = read_analysis(analysis.report, analysis.engine_version, analysis.schema_version)
+    return TraceReport(analysis, doc, stale)
 
 
 def public_report(report: dict[str, Any], filename: str) -> dict[str, Any]:

@@ -89,7 +89,8 @@ def reanalyze_run(run_id: int, principal: AdminTeam, session: SessionDep) -> Req
 )
 def get_report(trace_id: int, principal: ReadTeam, session: SessionDep) -> ReportOut:
     trace, _, _ = traces.load_trace(session, principal, trace_id)
-    analysis, stale = traces.current_analysis(session, trace)
+    shown = traces.trace_report(session, trace)
+    analysis, stale = shown.analysis, shown.stale
     return ReportOut(
         trace_id=trace.id,
         status=trace.status,

@@ -291,7 +291,8 @@ def download_filename(project: str, run: str, rank: int | None, trace_id: int, g
 def get_trace(trace_id: int, principal: ReadTeam, session: SessionDep) -> TraceOut:
     trace, run, project = traces.load_trace(session, principal, trace_id)
     # A report from an older engine is still shown, flagged stale, while it is redone.
-    analysis, stale = traces.current_analysis(session, trace)
+    shown = traces.trace_report(session, trace)
+    analysis, stale = shown.analysis, shown.stale
     summary = trace_summary(
         trace, analysis.primary_kind if analysis else None, analysis.primary_share if analysis else None
     )

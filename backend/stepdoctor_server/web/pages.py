@@ -310,7 +310,8 @@ def trace_page(
     step: Annotated[int | None, Query(ge=0, lt=2**31)] = None,
 ) -> HTMLResponse:
     trace, run, project = traces.load_trace(session, viewer, trace_id)
-    doc, stale = traces.trace_report(session, trace)
+    mine = traces.trace_report(session, trace)
+    doc, stale = mine.doc, mine.stale
     figs: dict[str, figures.Fig] = {}
     if doc is not None:
         figs["breakdown"] = figures.breakdown_figure(msgspec.structs.asdict(doc.breakdown))
