@@ -4,7 +4,7 @@
 
 A job's state is its trace row: ``pending -> running -> done | failed``. The embedded engine
 (SQLite, one host) claims pending rows directly, so an accepted upload *is* an enqueued job. With
-procrastinate (PostgreSQL, ``jobs``) delivery moves to procrastinate's tables, but the job rows are
+procrastinate (PostgreSQL, ``procrastinate_app``) delivery moves to procrastinate's tables, but the job rows are
 written by the same transaction (``enqueue_analyses``, ``schedule_aggregation``), and a delivery
 claims its trace here (``claim_trace``): completion is guarded by ``claimed_by``, so a job taken
 over from a worker presumed dead never stores a second analysis.

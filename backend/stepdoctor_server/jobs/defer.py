@@ -67,7 +67,7 @@ def _defer(
 
 
 def defer_analyses(session: Session, trace_ids: Sequence[int], *, priority: int = 0) -> None:
-    """``priority``: procrastinate fetches higher first (``queue.enqueue_analyses`` sets it per team)."""
+    """``priority``: procrastinate fetches higher first (``claims.enqueue_analyses`` sets it per team)."""
     for trace_id in trace_ids:
         _defer(
             session,

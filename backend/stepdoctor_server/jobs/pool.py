@@ -1,14 +1,14 @@
-"""Analysis workers: processes that turn pending traces into stored reports, on any host.
+"""Worker processes: they run the jobs the domains registered (``defer``), on any host.
 
-Two engines behind the same job code (``handle_trace``: stream the trace from the store, analyse
-it in a child process under the time and memory limits, store the outcome):
+Two engines behind the same job code (e.g. ``traces.analysis_job.handle_trace``: stream the trace
+from the store, analyse it in a child process under the time and memory limits, store the outcome):
 
 - Embedded (SQLite, one host): ``start_pool`` spawns N processes that claim pending rows of
   ``traces`` by polling, and a supervisor thread that restarts a worker which died and puts its
   job back; claims older than the job time limit are swept (a hung worker). A job that kills its
-  worker ``queue.MAX_ATTEMPTS`` times is failed instead of retried forever.
-- Procrastinate (PostgreSQL, any number of hosts): see ``jobs``; one process runs N jobs at a
-  time with heartbeats, and a dead or hung worker's jobs run elsewhere.
+  worker ``claims.MAX_ATTEMPTS`` times is failed instead of retried forever.
+- Procrastinate (PostgreSQL, any number of hosts): see ``procrastinate_app``; one process runs N
+  jobs at a time with heartbeats, and a dead or hung worker's jobs run elsewhere.
 
 The database going away mid-job is retried with backoff (``retry_db``), one log line per outage,
 and never stored as the trace's failure. An analysis that failed because the trace store was

@@ -98,7 +98,7 @@ def make_app(settings: Settings) -> Any:
 
 def _transient_retry(settings: Settings) -> Any:
     """Retry only transient trouble (TransientJobError: the database or the trace store away),
-    waiting ``worker.retry_wait_s`` (the embedded pool's backoff) between deliveries. A bad trace
+    waiting ``defer.retry_wait_s`` (the embedded pool's backoff) between deliveries. A bad trace
     fails once, with its reason stored in ``traces``; ``handle_trace`` fails the trace itself
     after ``settings.analysis_tries`` tries on an unreachable store, within these attempts."""
     from procrastinate import BaseRetryStrategy, RetryDecision

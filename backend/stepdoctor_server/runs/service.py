@@ -47,7 +47,7 @@ def trace_status_counts(session: Session, run_id: int) -> dict[str, int]:
 
 def run_diagnosis(run: Run) -> RunVerdict:
     """This run's verdict as stored (the workers refresh it as its traces finish), typed; 409 while
-    it has none, or while the stored one is stale (``queue.diagnosis_stale``: the workers redo it).
+    it has none, or while the stored one is stale (``diagnosis_job.diagnosis_stale``: the workers redo it).
 
     Reading it (rather than re-aggregating every report on the request path) keeps compare, the run
     page and ``GET /runs/{id}`` on one source of truth.

@@ -130,7 +130,7 @@ def handle_trace(
     unreachable trace store is tried again ``settings.analysis_tries`` times in all, with backoff:
     in this process (``delivery`` None, the embedded pool), or, for the ``delivery``-th (0-based)
     delivery of a procrastinate job, by putting the trace back to pending and raising
-    TransientJobError so procrastinate schedules the job again (``jobs``).
+    TransientJobError so procrastinate schedules the job again (``procrastinate_app``).
     """
     job = retry_db(lambda: _load_job(db, trace_id), what=f"trace {trace_id}")
     if job is None:

@@ -8,7 +8,7 @@ attributes, so a missing or mistyped field fails in one place instead of being g
 **Is this stale?** is answered here and nowhere else (``is_stale``, ``read_analysis``): a report
 written by another engine or schema, or one that does not decode, is stale. Reading never writes:
 the API and the pages show a stale report flagged, and re-queueing it is a job of its own
-(``queue.requeue_outdated``, run by the workers' sweep) or an explicit ``POST .../reanalyze``.
+(``runs.diagnosis_job.requeue_outdated``, run by the workers' sweep) or an explicit ``POST .../reanalyze``.
 """
 
 from __future__ import annotations
