@@ -151,6 +151,8 @@ def test_every_surface_shows_one_run_verdict(
         assert f"{p['gain']:.2f}×" in page
     if rec is not None:
         assert rec["title"] in page and f"{rec['expected_speedup']:.2f}×" in page
+        # The card's own words come from a trace: labelled so, not read as the run's share.
+        assert 'class="muted why-scope"' in page
     assert page.count('id="verdict-note"') <= 1 and page.count('id="verdict"') == 1
 
     # Windows are never ranks.
