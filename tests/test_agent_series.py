@@ -6,9 +6,11 @@ spool is read back with the engine's own reader (``stepdoctor_analysis.run_timel
 
 from __future__ import annotations
 
+import copy
 import gzip
 import io
 import json
+import pickle
 from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
@@ -96,6 +98,9 @@ def test_a_watched_loader_keeps_its_identity_and_type(tmp_path: Path) -> None:
     assert len(batches) == 4 and type(loader).__name__ == "DataLoader"
     found = chunks(tmp_path / "proj" / "ident")
     assert [int(v >= 0) for c in found for v in c.data_ns] == [1, 1, 1, 1]
+    # copies and pickles are plain DataLoaders (nothing of the agent's travels with them)
+    for twin in (copy.deepcopy(loader), pickle.loads(pickle.dumps(loader))):
+        assert type(twin) is DataLoader and len([x for x in twin]) == 4
 
 
 def test_sync_ships_the_traces_and_leaves_the_series_complete(tmp_path: Path) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import copyreg
 import json
 import os
 import queue
@@ -206,9 +207,6 @@ class SeriesRecorder:
         if self.data_acc < 0:
             self.data_acc = 0
 
-    def add_data_wait(self, ns: int) -> None:
-        self.data_acc = (self.data_acc if self.data_acc > 0 else 0) + ns
-
     @guarded()
     def event(self, step: int, now: int, wall: int) -> None:
         """A limit was crossed at the end of unprofiled ``step``: a slow step, a due memory sample or
@@ -249,6 +247,7 @@ class SeriesRecorder:
         if os.getpid() != self._pid:
             return
         self._flush(final=True)
+        forget_loaders(self)
         left = self._writer.close(timeout)
         if left:
             say(
@@ -479,9 +478,17 @@ class _ChunkWriter:
 
 # --- the DataLoader's wait ----------------------------------------------------------------------
 
-_TIMED_LOADERS: dict[type, type] = {}
-_TIMED_ITERS: dict[type, type] = {}
-_ATTR = "_stepdoctor_series"
+#: Marks the classes made here; their instances hold nothing of ours (the recorder lives on the
+#: class), so copying or pickling a watched loader gives a plain, untimed one.
+_TIMED = "_stepdoctor_timed"
+_LOADER_CLASSES: dict[tuple[type, int], type] = {}
+_ITER_CLASSES: dict[tuple[type, int], type] = {}
+
+
+def _original(cls: type) -> type:
+    while cls.__dict__.get(_TIMED):
+        cls = cls.__mro__[1]
+    return cls
 
 
 @guarded(default=False)
@@ -495,51 +502,68 @@ def time_loader(loader: Any, recorder: SeriesRecorder) -> bool:
     data = sys.modules.get("torch.utils.data")
     if data is None or not isinstance(loader, data.DataLoader):
         return False
-    cls = type(loader)
-    if cls not in _TIMED_LOADERS.values():
-        timed = _TIMED_LOADERS.get(cls)
-        if timed is None:
-            timed = type(cls.__name__, (cls,), {"__iter__": _timed_iter, "__module__": cls.__module__})
-            _TIMED_LOADERS[cls] = timed
-        loader.__class__ = timed
-    object.__setattr__(loader, _ATTR, recorder)
+    cls = _original(type(loader))
+    key = (cls, id(recorder))
+    timed = _LOADER_CLASSES.get(key)
+    if timed is None:
+        namespace = {
+            "__iter__": _timed_iter(recorder),
+            "__reduce_ex__": _reduce_untimed,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            _TIMED: True,
+        }
+        timed = _LOADER_CLASSES[key] = type(cls.__name__, (cls,), namespace)
+    loader.__class__ = timed
     recorder.loader_known()
     return True
 
 
-def _timed_iter(self: Any) -> Any:
-    parent: Any = type(self).__mro__[1]
-    it = parent.__iter__(self)
-    recorder = self.__dict__.get(_ATTR)
-    if recorder is None:
-        return it
-    # timing is optional: an iterator that refuses a class change is iterated untimed
-    with contextlib.suppress(TypeError, AttributeError):
-        cls = type(it)
-        if cls not in _TIMED_ITERS.values():
-            timed = _TIMED_ITERS.get(cls)
+def forget_loaders(recorder: SeriesRecorder) -> None:
+    """The recorder is done: drop its classes (loaders still using one keep timing into nothing)."""
+    for table in (_LOADER_CLASSES, _ITER_CLASSES):
+        for key in [k for k in table if k[1] == id(recorder)]:
+            del table[key]
+
+
+def _reduce_untimed(self: Any, protocol: int) -> Any:
+    """Copies and pickles of a watched loader are of its own class, untimed (rebuilt by the
+    standard library's ``copyreg._reconstructor``, so unpickling needs no stepdoctor)."""
+    rebuild: Any = getattr(copyreg, "_reconstructor")  # noqa: B009 - private in typeshed, stable since 2.x
+    return rebuild, (_original(type(self)), object, None), dict(self.__dict__)
+
+
+def _timed_iter(recorder: SeriesRecorder) -> Callable[[Any], Any]:
+    def __iter__(self: Any) -> Any:
+        parent: Any = type(self).__mro__[1]
+        it = parent.__iter__(self)
+        # timing is optional: an iterator that refuses a class change is iterated untimed
+        with contextlib.suppress(TypeError, AttributeError):
+            cls = _original(type(it))
+            key = (cls, id(recorder))
+            timed = _ITER_CLASSES.get(key)
             if timed is None:
-                timed = type(
-                    cls.__name__,
-                    (cls,),
-                    {"__next__": _timed_next(cls.__next__), "__module__": cls.__module__},
-                )
-                _TIMED_ITERS[cls] = timed
+                namespace = {
+                    "__next__": _timed_next(getattr(cls, "__next__"), recorder),  # noqa: B009
+                    "__module__": cls.__module__,
+                    "__qualname__": cls.__qualname__,
+                    _TIMED: True,
+                }
+                timed = _ITER_CLASSES[key] = type(cls.__name__, (cls,), namespace)
             it.__class__ = timed
-        it.__dict__[_ATTR] = recorder
-    return it
+        return it
+
+    return __iter__
 
 
-def _timed_next(parent_next: Callable[[Any], Any]) -> Callable[[Any], Any]:
+def _timed_next(parent_next: Callable[[Any], Any], recorder: SeriesRecorder) -> Callable[[Any], Any]:
     def __next__(self: Any) -> Any:
         start = _perf_ns()
         try:
             return parent_next(self)
         finally:
-            recorder = self.__dict__.get(_ATTR)
-            if recorder is not None:
-                took = _perf_ns() - start
-                acc = recorder.data_acc
-                recorder.data_acc = acc + took if acc > 0 else took
+            took = _perf_ns() - start
+            acc = recorder.data_acc
+            recorder.data_acc = acc + took if acc > 0 else took
 
     return __next__
