@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from torch.utils.data import DataLoader
 
 from stepdoctor.series import SUFFIX, SeriesSettings
@@ -184,3 +185,20 @@ def test_the_series_can_be_turned_off(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("STEPDOCTOR_SERIES", "0")
     run_loop(tmp_path, "none", 20)
     assert not list((tmp_path / "proj" / "none").glob(f"*{SUFFIX}"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_series_records_allocated_and_reserved_memory(tmp_path: Path) -> None:
+    import stepdoctor
+
+    model = torch.nn.Linear(256, 256).cuda()
+    with stepdoctor.profile("proj", "gpu", spool=tmp_path, skip_first=2, warmup=1, active=2) as prof:
+        for _ in range(12):
+            model(torch.randn(64, 256, device="cuda")).sum().backward()
+            prof.step()
+    timeline = rt.read_run_timeline(tmp_path / "proj" / "gpu")
+    assert timeline is not None and timeline.steps == 12 and timeline.memory is not None
+    assert timeline.memory.kind == "cuda" and timeline.memory.peak_bytes > 256 * 256 * 4
+    assert timeline.memory.reserved_peak_bytes is not None
+    assert timeline.memory.reserved_peak_bytes >= timeline.memory.peak_bytes

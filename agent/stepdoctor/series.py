@@ -394,7 +394,12 @@ def read_memory() -> tuple[int, int, int] | None:
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and cuda.is_initialized():
-        return MEM_CUDA, int(cuda.memory_allocated()), int(cuda.memory_reserved())
+        stats = cuda.memory_stats()  # one dict for both (memory_allocated() builds it each call)
+        return (
+            MEM_CUDA,
+            int(stats.get("allocated_bytes.all.current", 0)),
+            int(stats.get("reserved_bytes.all.current", 0)),
+        )
     try:
         with open("/proc/self/statm", "rb") as fh:
             return MEM_RSS, int(fh.read().split()[1]) * _PAGE, -1
