@@ -83,7 +83,11 @@ def test_every_step_lands_in_the_series_beside_the_traces_without_a_server(tmp_p
     out = io.StringIO()
     with redirect_stdout(out):
         assert cli.main([str(run_dir), "--format", "json"]) == 0
-    assert json.loads(out.getvalue())["run_timeline"] == timeline.to_dict()
+    report = json.loads(out.getvalue())
+    assert report["run_timeline"] == timeline.to_dict()
+    from stepdoctor_analysis import contract
+
+    assert contract.decode(report).run_timeline == timeline.to_dict()  # the published schema allows it
 
 
 def test_a_watched_loader_keeps_its_identity_and_type(tmp_path: Path) -> None:
