@@ -17,8 +17,8 @@ import torch
 import stepdoctor
 from stepdoctor import guard
 from stepdoctor.demo_train import make_loader, make_model, train
-from stepdoctor.spool import META_SUFFIX, TRACE_SUFFIX
 from stepdoctor.series import SUFFIX as SERIES_SUFFIX
+from stepdoctor.spool import META_SUFFIX, TRACE_SUFFIX
 from support.fake_server import TOKEN, FakeServer
 
 # TensorBoard profiler plugin's file pattern (torch-tb-profiler run loader)
