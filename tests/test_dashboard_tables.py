@@ -11,43 +11,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from stepdoctor_server.models import Project, Run
+from support.dashboard_traces import ALL_REDUCE_NELEMS as NELEMS
+from support.dashboard_traces import ddp_recorded_trace
 from support.server import drain, logged_in, synthetic_trace, upload
-from support.synthetic import TraceBuilder
-from support.synthetic_dist import NCCL
-
-GEMM = "sm80_xmma_gemm_bf16bf16_bf16f32_f32_nn_n_tilesize128x128x32"
-NELEMS = 64 * 2**20  # bf16: 128 MiB per all-reduce
-
-
-def _ddp_trace(path: Path, rank: int) -> Path:
-    """4 steps of 2 ms compute, then a 1 ms all-reduce of 128 MiB that nothing overlaps, recorded
-    as PyTorch does (``record_param_comms`` with its message size) so bytes and algbw are known."""
-    b = TraceBuilder(rank=rank, world_size=2)
-    op, rng, kernel = NCCL["all_reduce"]
-    t = 100.0
-    for n in range(4):
-        start, g = t, t + 10
-        for _ in range(10):
-            b.cpu_op("aten::mm", t, 8)
-            b.launch(GEMM, t + 1, 5, g, 200)
-            t, g = t + 8, g + 200
-        b.cpu_op(op, t, 30)
-        comms = {
-            "Collective name": "allreduce",
-            "dtype": "BFloat16",
-            "In msg nelems": NELEMS,
-            "Out msg nelems": NELEMS,
-        }
-        b.cpu_op("record_param_comms", t + 2, 26, comms)
-        b.annotation(rng, t + 4, 20)
-        g = max(g, t + 12)
-        b.launch(kernel, t + 8, 6, g, 1_000, stream=7)
-        t, g = t + 32, g + 1_000
-        b.runtime("cudaStreamSynchronize", t, g - t + 2)
-        t = g + 4
-        b.step(n + 1, start, t - start)
-        t += 20
-    return b.write(path)
 
 
 def _cells(page: str, table_id: str) -> list[list[str]]:
@@ -64,7 +30,11 @@ def test_collectives_table_on_trace_and_run_pages_shows_the_report_rows(
 ) -> None:
     made = [
         upload(
-            client, _ddp_trace(tmp_path / f"r{r}.json", r).read_bytes(), run="ddp", rank=r, gzipped=False
+            client,
+            ddp_recorded_trace(tmp_path / f"r{r}.json", r).read_bytes(),
+            run="ddp",
+            rank=r,
+            gzipped=False,
         ).json()
         for r in (0, 1)
     ]
