@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stepdoctor_analysis import BOTTLENECK_KINDS
-from stepdoctor_dashboard import assets, figures, formatting, guide_page
+from stepdoctor_dashboard import assets, figures, formatting, guide_page, memory_figures
 from stepdoctor_server import compare, sessions
 from stepdoctor_server.auth import Principal, authenticate
 from stepdoctor_server.db import DatabaseDep, SessionDep
@@ -379,6 +379,8 @@ def trace_page(
     )
     if memory is not None:
         figs["memory"] = memory
+    if doc is not None:  # what holds the memory, stacked per device: memory_use_0, memory_use_1, ...
+        figs.update(memory_figures.memory_use_figures(doc.metrics.memory))
     timeline = (doc.timeline if doc is not None else None) or {}
     drawn = [s for s in timeline.get("steps") or [] if isinstance(s, dict)]
     shown_step = next((s for s in drawn if s.get("number") == step), drawn[0] if drawn else None)
