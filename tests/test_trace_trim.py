@@ -3,6 +3,7 @@ boundaries touch (CPU: one step's marker ends where the next begins) and where t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,10 @@ def _gpu_behind_steps(path: Path, n: int = 8) -> Path:
     "build", [back_to_back_cpu_steps, _gpu_behind_steps], ids=["cpu-touching", "gpu-behind"]
 )
 @pytest.mark.parametrize("first,last", [(5, 6), (5, 5), (1, 2), (7, 8)])
-def test_trim_keeps_exactly_the_steps_asked_for(tmp_path: Path, build: object, first: int, last: int) -> None:
-    src = build(tmp_path / "src.json.gz")  # type: ignore[operator]
+def test_trim_keeps_exactly_the_steps_asked_for(
+    tmp_path: Path, build: Callable[[Path], Path], first: int, last: int
+) -> None:
+    src = build(tmp_path / "src.json.gz")
     whole = {s.number: s for s in steps.find_steps(parse.load_trace(src))}
     assert sorted(whole) == list(range(1, 9))
     out = tmp_path / "cut.json.gz"
