@@ -53,6 +53,9 @@ STEP_COLUMNS = ("wall_ns", "data_ns")
 MEMORY_COLUMNS = ("mem_step", "mem_kind", "mem_a", "mem_b")
 MEM_RSS, MEM_CUDA = 0, 1
 NEVER = 2**62
+#: Steps after a window that never count as slow: the delivery thread compresses the window's trace
+#: meanwhile, and on a busy machine that shows in the next steps (measured: up to 2x on a 20 ms step).
+POST_WINDOW_STEPS = 5
 _perf_ns = time.perf_counter_ns
 _LITTLE = sys.byteorder == "little"
 
@@ -135,6 +138,7 @@ class SeriesRecorder:
         "_mem_due",
         "_pid",
         "_profiled",
+        "_quiet_until",
         "_ref_ns",
         "_run_dir",
         "_seq",
@@ -194,6 +198,7 @@ class SeriesRecorder:
         self._windows: list[dict[str, Any]] = []
         self._anomalies: list[dict[str, Any]] = []
         self._last_capture = -float("inf")
+        self._quiet_until = -1  # steps up to here are right after a window: not checked
         self.anomaly_count = 0
         self.steps = 0  # steps handed to chunks so far
         self._writer = _ChunkWriter(run_dir)
@@ -211,7 +216,7 @@ class SeriesRecorder:
     def event(self, step: int, now: int, wall: int) -> None:
         """A limit was crossed at the end of unprofiled ``step``: a slow step, a due memory sample or
         chunk, or the end of a median block."""
-        if wall > self.threshold and step > self.settings.anomaly_warmup:
+        if wall > self.threshold and step > self.settings.anomaly_warmup and step > self._quiet_until:
             self._slow(step, now, wall)
         if now >= self._mem_due:
             self._sample_memory(step, now)
@@ -231,6 +236,7 @@ class SeriesRecorder:
         else:
             ranges.append([step, step])
             self._all_profiled.append([step, step])
+        self._quiet_until = step + POST_WINDOW_STEPS
         self._sample_memory(step, now)
         self._after_step(step, now)
 
@@ -348,6 +354,7 @@ class SeriesRecorder:
                 "warmup": self.settings.anomaly_warmup,
                 "capture": self.settings.anomaly_capture,
                 "min_ms": self.settings.anomaly_min_ms,
+                "post_window": POST_WINDOW_STEPS,
                 "slow_steps": self.anomaly_count,
                 "median_ms": self._ref_ns / 1e6 if self._ref_ns else None,
             },
