@@ -10,8 +10,11 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from stepdoctor_analysis.pipeline import analyze_path
+from stepdoctor_dashboard.figures import lane_titles
 from support import synthetic
 from support.dashboard import page_plots
+from support.fixtures import HTA_TRACES
 from support.server import drain, logged_in, upload
 from support.synthetic_dist import straggler_job
 
@@ -84,3 +87,30 @@ def test_step_lanes_are_named_as_threads(
     assert "main thread" in rows
     assert not any(row.startswith("host thread") for row in rows)
     assert any(row.startswith("GPU 0 stream") for row in rows)
+
+
+def test_lane_titles_name_the_main_backward_and_loader_threads() -> None:
+    """On a real HTA trace the autograd engine's thread is the backward thread; loader-only lanes
+    are DataLoader workers; lanes of several processes say which; GPU lanes keep their labels."""
+    report = analyze_path(HTA_TRACES / "trace_filter" / "sampled_rank-0.json.gz").to_dict()
+    timeline = report["timeline"]
+    lanes = timeline["steps"][0]["lanes"]
+    titles = lane_titles(lanes, timeline["names"])
+    assert [lane["label"] for lane in lanes][:2] == ["host thread 4037", "host thread 23695"]
+    assert titles[:3] == ["main thread", "backward thread", "GPU 0 stream 7"]
+    names = ["aten::mm", "enumerate(DataLoader)#_MultiProcessingDataLoaderIter.__next__", "aten::pin_memory"]
+
+    def host(label: str, *ops: int) -> dict[str, object]:
+        return {"label": label, "kind": "host", "boxes": [[0, 1, op, 1] for op in ops]}
+
+    made = [host("host 10/-3", 0, 1), host("host 10/7", 2, 2), host("host 11/-3", 0), host("host 11/8", 2)]
+    assert lane_titles(made, names) == [
+        "main thread (process 10)",
+        "DataLoader worker (process 10)",
+        "main thread (process 11)",
+        "DataLoader worker (process 11)",
+    ]
+    assert lane_titles([host("host thread -3", 0), host("host thread 5", 0)], names) == [
+        "main thread",
+        "thread 2",
+    ]

@@ -340,31 +340,45 @@ _HOST_LABEL = re.compile(r"^host (?:thread (?P<tid>-?\d+)|(?P<pid>-?\d+)/(?P<tid
 def lane_titles(lanes: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[str]:
     """Readable lane names: "main thread", "DataLoader worker", "backward thread", else "thread 2",
     "thread 3"... in lane order (a raw id such as "host thread -3" means nothing to a reader);
-    "(process P)" is added when the step spans several processes. GPU lanes keep their labels."""
-    titles: list[str] = []
-    pids = {m["pid"] for lane in lanes if (m := _HOST_LABEL.match(str(lane.get("label")))) and m["pid"]}
-    main_taken, other = False, 1
-    for lane in lanes:
-        label = str(lane.get("label"))
-        match = _HOST_LABEL.match(label)
-        if lane.get("kind") != "host" or match is None:
-            titles.append(label)
-            continue
-        ops = [names[b[2]].lower() for b in lane.get("boxes") or [] if 0 <= b[2] < len(names)]
+    "(process P)" is added when the step spans several processes. GPU lanes keep their labels.
+
+    A process's main thread is its busiest host lane running the training loop's ops (``_MAIN_OPS``),
+    else its busiest lane that is neither a loader nor the autograd engine (lanes come busiest first).
+    """
+    role: dict[int, str] = {}
+    hosts = [
+        (i, m, [names[b[2]].lower() for b in lane.get("boxes") or [] if 0 <= b[2] < len(names)])
+        for i, lane in enumerate(lanes)
+        if lane.get("kind") == "host" and (m := _HOST_LABEL.match(str(lane.get("label")))) is not None
+    ]
+    for i, _, ops in hosts:
         if ops and all(any(k in op for k in _LOADER_OPS) for op in ops):
-            title = "DataLoader worker"
+            role[i] = "DataLoader worker"
         elif ops and sum("autograd::engine" in op for op in ops) * 2 > len(ops):
-            title = "backward thread"
-        elif not main_taken and any(any(k in op for k in _MAIN_OPS) for op in ops):
-            title, main_taken = "main thread", True
-        else:
+            role[i] = "backward thread"
+    pids = {m["pid"] for _, m, _ in hosts if m["pid"]}
+    for pid in pids or {None}:  # each process has its main thread
+        rest = [(i, ops) for i, m, ops in hosts if i not in role and m["pid"] == pid]
+        main = next((i for i, ops in rest if any(k in op for op in ops for k in _MAIN_OPS)), None)
+        if main is None and rest:
+            main = rest[0][0]
+        if main is not None:
+            role[main] = "main thread"
+    other = 1
+    for i, _, _ in hosts:
+        if i not in role:
             other += 1
-            title = f"thread {other}"
-        if len(pids) > 1 and match["pid"]:
-            title += f" (process {match['pid']})"
-        if title in titles:  # a second loader or backward thread: "DataLoader worker 2"
-            title = f"{title} {sum(t == title or t.startswith(title + ' ') for t in titles) + 1}"
-        titles.append(title)
+            role[i] = f"thread {other}"
+    seen: dict[str, int] = {}
+    titles: list[str] = []
+    for i, lane in enumerate(lanes):
+        if i not in role:
+            titles.append(str(lane.get("label")))
+            continue
+        match = next(m for j, m, _ in hosts if j == i)
+        title = role[i] + (f" (process {match['pid']})" if len(pids) > 1 and match["pid"] else "")
+        seen[title] = seen.get(title, 0) + 1
+        titles.append(title if seen[title] == 1 else f"{title} {seen[title]}")  # "DataLoader worker 2"
     return titles
 
 
