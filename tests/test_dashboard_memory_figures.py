@@ -68,6 +68,7 @@ def test_categories_stack_to_the_reported_peak_under_the_capacity_line() -> None
     (line,) = fig["layout"]["shapes"]
     assert line["y0"] == line["y1"] == 512.0 and line["line"]["dash"] == "dash"
     assert fig["layout"]["yaxis"]["title"]["text"] == "MiB allocated"
+    assert fig["layout"]["updatemenus"] == []  # 450 of 512 MiB: the stack already fills the plot
     notes = [a["text"] for a in fig["layout"]["annotations"]]
     assert "capacity 512.0 MiB" in notes
     assert "peak 450.00 MiB: mostly activations (67%)" in notes
@@ -83,7 +84,8 @@ def test_categories_stack_to_the_reported_peak_under_the_capacity_line() -> None
 def test_capacity_line_only_when_the_capacity_is_known() -> None:
     fig = memory_use_figure(SERIES, _peak(), capacity=None)
     assert fig is not None
-    assert fig["layout"]["shapes"] == []
+    assert fig["layout"]["shapes"] == [] and fig["layout"]["updatemenus"] == []
+    assert "range" not in fig["layout"]["yaxis"]  # plotly fits the stack
     assert not any(a["text"].startswith("capacity") for a in fig["layout"]["annotations"])
     # Without a peak the areas are still drawn, with no marker.
     bare = memory_use_figure(SERIES, None, capacity=None)
@@ -113,6 +115,11 @@ def test_the_dominant_category_is_named_at_the_peak() -> None:
                                    "activations": 0.0, "temporaries": 0.0}  # fmt: skip
     assert "peak 12.00 GiB: mostly optimizer_state (50%)" in [a["text"] for a in fig["layout"]["annotations"]]
     assert fig["layout"]["shapes"][0]["y0"] == 80.0
+    # The whole device in view, and (12 of 80 GiB: a band at the bottom) a button to fit the stack.
+    assert fig["layout"]["yaxis"]["range"] == [0, pytest.approx(80 * 1.08)]
+    (menu,) = fig["layout"]["updatemenus"]
+    fit = {b["label"]: b["args"][0]["yaxis.range"] for b in menu["buttons"]}
+    assert fit == {"whole device": [0, pytest.approx(86.4)], "fit the stack": [0, pytest.approx(13.2)]}
 
 
 def test_the_h100_loop_report_draws_its_gpu_stacked_to_its_peak() -> None:

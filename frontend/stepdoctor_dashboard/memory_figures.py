@@ -71,8 +71,8 @@ def memory_use_figure(
     if peak is not None:
         t_us, columns = _with_peak(t_us, columns, peak)
     device = str(series.get("device") or "device")
-    top = max([peak.allocated if peak else 0, capacity or 0, *map(sum, zip(*columns.values(), strict=True))])
-    unit, scale = ("GiB", GIB) if top >= GIB else ("MiB", MIB)
+    stack_top = max([peak.allocated if peak else 0, *map(sum, zip(*columns.values(), strict=True))])
+    unit, scale = ("GiB", GIB) if max(stack_top, capacity or 0) >= GIB else ("MiB", MIB)
     x = [t / 1000.0 for t in t_us]
     data: list[dict[str, Any]] = [
         {
@@ -124,7 +124,8 @@ def memory_use_figure(
         data,
         f"What holds the memory on {device}",
         xaxis={"title": {"text": "ms since the first profiled step"}},
-        yaxis={"title": {"text": f"{unit} allocated"}, "rangemode": "tozero"},
+        yaxis={"title": {"text": f"{unit} allocated"}, "rangemode": "tozero", **_y_range(capacity, scale)},
+        updatemenus=_zoom_buttons(stack_top, capacity, scale),
         hovermode="closest",
         legend={"orientation": "h", "yanchor": "top", "y": -0.25, "x": 0, "traceorder": "normal"},
         shapes=shapes,
@@ -132,6 +133,25 @@ def memory_use_figure(
         height=380,
         margin={"l": 60, "r": 20, "t": 40, "b": 100},
     )
+
+
+def _y_range(capacity: int | None, scale: int) -> dict[str, Any]:
+    """Up to the capacity line and a little above, so the line and its label are always in view."""
+    return {"range": [0, capacity / scale * 1.08]} if capacity else {}
+
+
+def _zoom_buttons(stack_top: int, capacity: int | None, scale: int) -> list[dict[str, Any]]:
+    """Where the stack stays far under the capacity (below half), a thin band at the bottom of the
+    whole device: two buttons switch between the whole device and the stack filling the plot."""
+    if not capacity or stack_top <= 0 or stack_top >= capacity / 2:
+        return []
+    views = [
+        ("whole device", _y_range(capacity, scale)["range"]),
+        ("fit the stack", [0, stack_top / scale * 1.1]),
+    ]
+    buttons = [{"label": label, "method": "relayout", "args": [{"yaxis.range": r}]} for label, r in views]
+    return [{"type": "buttons", "direction": "left", "x": 0.5, "xanchor": "center", "y": 1.02, "yanchor": "bottom",
+             "pad": {"r": 4, "t": 0}, "showactive": True, "active": 0, "buttons": buttons}]  # fmt: skip
 
 
 def _with_peak(
