@@ -6,15 +6,18 @@ spool is read back with the engine's own reader (``stepdoctor_analysis.run_timel
 
 from __future__ import annotations
 
+import copy
 import gzip
 import io
 import json
+import pickle
 from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from torch.utils.data import DataLoader
 
 from stepdoctor.series import SUFFIX, SeriesSettings
@@ -80,7 +83,11 @@ def test_every_step_lands_in_the_series_beside_the_traces_without_a_server(tmp_p
     out = io.StringIO()
     with redirect_stdout(out):
         assert cli.main([str(run_dir), "--format", "json"]) == 0
-    assert json.loads(out.getvalue())["run_timeline"] == timeline.to_dict()
+    report = json.loads(out.getvalue())
+    assert report["run_timeline"] == timeline.to_dict()
+    from stepdoctor_analysis import contract
+
+    assert contract.decode(report).run_timeline == timeline.to_dict()  # the published schema allows it
 
 
 def test_a_watched_loader_keeps_its_identity_and_type(tmp_path: Path) -> None:
@@ -96,6 +103,9 @@ def test_a_watched_loader_keeps_its_identity_and_type(tmp_path: Path) -> None:
     assert len(batches) == 4 and type(loader).__name__ == "DataLoader"
     found = chunks(tmp_path / "proj" / "ident")
     assert [int(v >= 0) for c in found for v in c.data_ns] == [1, 1, 1, 1]
+    # copies and pickles are plain DataLoaders (nothing of the agent's travels with them)
+    for twin in (copy.deepcopy(loader), pickle.loads(pickle.dumps(loader))):
+        assert type(twin) is DataLoader and len([x for x in twin]) == 4
 
 
 def test_sync_ships_the_traces_and_leaves_the_series_complete(tmp_path: Path) -> None:
@@ -127,12 +137,17 @@ def embedded_capture(run_dir: Path, sidecar: dict[str, Any]) -> dict[str, Any]:
 
 SLOW = range(200, 210)
 AGAIN = range(250, 255)  # a second slowdown, inside the 10-minute rate limit
-#: Steps sleep 50 ms: a busy machine's jitter stays well under the 1.5x (25 ms) a capture needs.
 STEP_S = 0.05
+#: The default rule (k = 1.5 over the last 50 steps, after 50, at most once per 10 minutes) with a
+#: 100 ms floor: our CI box runs many test processes on 2 cores and stalls a process for 50-70 ms
+#: now and then (measured), which on a 50 ms step is a real slowdown, just not the one under test.
+NOISY_BOX = SeriesSettings(anomaly_min_ms=100.0)
 
 
 def test_a_slowdown_captures_the_next_window_once_and_says_why(tmp_path: Path) -> None:
-    prof = run_loop(tmp_path, "slow", 280, step_s=STEP_S, slow=set(SLOW) | set(AGAIN))
+    prof = run_loop(
+        tmp_path, "slow", 280, step_s=STEP_S, slow=set(SLOW) | set(AGAIN), series_settings=NOISY_BOX
+    )
     run_dir = tmp_path / "proj" / "slow"
     by_reason = {s["window"]["reason"]: s for s in sidecars(run_dir)}
     assert sorted(by_reason) == ["anomaly", "schedule"] and prof.captured == 2
@@ -157,7 +172,7 @@ def test_a_slowdown_captures_the_next_window_once_and_says_why(tmp_path: Path) -
 
 
 def test_a_steady_loop_captures_nothing_on_anomaly(tmp_path: Path) -> None:
-    prof = run_loop(tmp_path, "steady", 260, step_s=STEP_S)
+    prof = run_loop(tmp_path, "steady", 260, step_s=STEP_S, series_settings=NOISY_BOX)
     run_dir = tmp_path / "proj" / "steady"
     assert [s["window"]["reason"] for s in sidecars(run_dir)] == ["schedule"] and prof.captured == 1
     armed = [c.header["anomaly"]["median_ms"] for c in chunks(run_dir)]
@@ -165,7 +180,8 @@ def test_a_steady_loop_captures_nothing_on_anomaly(tmp_path: Path) -> None:
 
 
 def test_anomaly_capture_turned_off_still_reports_the_slowdown(tmp_path: Path) -> None:
-    prof = run_loop(tmp_path, "off", 230, slow=SLOW, anomaly_capture=False)
+    settings = SeriesSettings(anomaly_capture=False, anomaly_min_ms=100.0)
+    prof = run_loop(tmp_path, "off", 230, slow=SLOW, series_settings=settings)
     run_dir = tmp_path / "proj" / "off"
     assert [s["window"]["reason"] for s in sidecars(run_dir)] == ["schedule"] and prof.captured == 1
     timeline = rt.read_run_timeline(run_dir)
@@ -179,3 +195,20 @@ def test_the_series_can_be_turned_off(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("STEPDOCTOR_SERIES", "0")
     run_loop(tmp_path, "none", 20)
     assert not list((tmp_path / "proj" / "none").glob(f"*{SUFFIX}"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_series_records_allocated_and_reserved_memory(tmp_path: Path) -> None:
+    import stepdoctor
+
+    model = torch.nn.Linear(256, 256).cuda()
+    with stepdoctor.profile("proj", "gpu", spool=tmp_path, skip_first=2, warmup=1, active=2) as prof:
+        for _ in range(12):
+            model(torch.randn(64, 256, device="cuda")).sum().backward()
+            prof.step()
+    timeline = rt.read_run_timeline(tmp_path / "proj" / "gpu")
+    assert timeline is not None and timeline.steps == 12 and timeline.memory is not None
+    assert timeline.memory.kind == "cuda" and timeline.memory.peak_bytes > 256 * 256 * 4
+    assert timeline.memory.reserved_peak_bytes is not None
+    assert timeline.memory.reserved_peak_bytes >= timeline.memory.peak_bytes

@@ -313,26 +313,67 @@ except ImportError as exc:
     assert f"pip install 'stepdoctor[{extra}]'" in out.stdout
 
 
-def test_every_agent_variable_is_documented() -> None:
+def test_every_variable_is_documented() -> None:
+    """Every STEPDOCTOR_* variable read anywhere in the packages (agent, engine, server, dashboard)."""
     import re
 
     used = set()
-    for py in (REPO / "agent" / "stepdoctor").rglob("*.py"):
-        used |= set(re.findall(r"\bSTEPDOCTOR_[A-Z_]+\b", py.read_text()))
+    for folder in ("agent", "backend", "frontend"):
+        for py in (REPO / folder).rglob("*.py"):
+            used |= set(re.findall(r"\bSTEPDOCTOR_[A-Z_]+\b", py.read_text()))
     readme = (REPO / "README.md").read_text()
-    assert used and not {v for v in used if f"`{v}`" not in readme}, "add them to the README's table"
+    missing = {v for v in used if f"`{v}`" not in readme}
+    assert used and not missing, f"add them to the README's table: {sorted(missing)}"
+
+
+def _readme_section(heading: str) -> str:
+    """The README's text under ``heading`` (e.g. ``## Install``) up to the next heading of its level or above."""
+    import re
+
+    level = len(heading) - len(heading.lstrip("#"))
+    found = re.search(
+        rf"^{re.escape(heading)}\n(.*?)(?=^#{{1,{level}}} )", (REPO / "README.md").read_text(), re.S | re.M
+    )
+    assert found, f"the README has no section '{heading}'"
+    return found.group(1)
+
+
+def test_the_readme_names_every_mcp_tool() -> None:
+    """The README's MCP section lists each tool the server offers, as `name(`."""
+    import asyncio
+
+    pytest.importorskip("mcp")
+    from mcp import Client
+
+    from stepdoctor_server.mcp_server import LocalBackend, build_server
+
+    async def tools() -> set[str]:
+        async with Client(build_server(LocalBackend(REPO))) as client:
+            return {t.name for t in (await client.list_tools()).tools}
+
+    section = _readme_section("## Coding agents: `stepdoctor mcp`")
+    names = asyncio.run(tools())
+    assert names and not {n for n in names if f"`{n}(" not in section}
+
+
+def test_the_readme_names_every_value_logged_to_the_trackers() -> None:
+    from stepdoctor.integrations.trackers import step_summary, verdict_record
+
+    logged = {*verdict_record("http://s", 1, {}), *step_summary([1.0]), "windows"}
+    section = _readme_section("### The verdict in W&B and MLflow")
+    assert not {k for k in logged if f"`{k}`" not in section}
+    for name in ("read_token", "tracker_interval", "tracker_timeout"):  # the Session's own options
+        assert f"`{name}" in section
 
 
 def test_the_readmes_compose_secrets_go_into_a_file_compose_reads(tmp_path: Path) -> None:
     """The README's one line that writes ``.env`` gives the compose file both secrets, and no others."""
-    import re
 
     cmd = _compose_command()
     if cmd is None:
         pytest.skip("no docker compose client installed")
-    install = re.search(r"^## Install\n(.*?)(?=^## )", (REPO / "README.md").read_text(), re.S | re.M)
-    assert install
-    (line,) = [ln for ln in install.group(1).splitlines() if ln.startswith("printf ") and "> .env" in ln]
+    install = _readme_section("## Install")
+    (line,) = [ln for ln in install.splitlines() if ln.startswith("printf ") and "> .env" in ln]
     shutil.copy2(REPO / "docker-compose.yml", tmp_path / "docker-compose.yml")
     env = {k: v for k, v in os.environ.items() if k not in ("POSTGRES_PASSWORD", "S3_SECRET_KEY")}
     subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, check=True, timeout=60)
@@ -349,10 +390,8 @@ def _install_table() -> dict[str, str]:
     """The README Install section's table: each thing a user runs (a backticked name) -> its row's needs."""
     import re
 
-    install = re.search(r"^## Install\n(.*?)(?=^## )", (REPO / "README.md").read_text(), re.S | re.M)
-    assert install
     needs: dict[str, str] = {}
-    for row in re.findall(r"^\|(.+)\|(.+)\|$", install.group(1), re.M):
+    for row in re.findall(r"^\|(.+)\|(.+)\|$", _readme_section("## Install"), re.M):
         for name in re.findall(r"`([^`]+)`", row[0]):
             needs[name] = row[1]
     return needs

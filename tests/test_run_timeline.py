@@ -135,13 +135,16 @@ def test_a_resent_chunk_counts_once_and_a_lost_one_shows_as_missing() -> None:
 
 
 def plain_anomalies(
-    walls: list[int], profiled: set[int], k: float, window: int, warmup: int, min_ms: float
+    walls: list[int], profiled: set[int], k: float, window: int, warmup: int, min_ms: float, post: int
 ) -> set[int]:
     """The agent's rule written out step by step: a reference from each full block of ``window``
-    steps (from step ``warmup``) that is at least half unprofiled, applied to the steps after it."""
-    hits, ref = set(), None
+    steps (from step ``warmup``) that is at least half unprofiled, applied to the steps after it,
+    except the ``post`` steps right after a profiled one."""
+    hits, ref, quiet_until = set(), None, -1
     for step, wall in enumerate(walls):
-        if ref is not None and step not in profiled and wall > max(int(k * ref), ref + int(min_ms * 1e6)):
+        if step in profiled:
+            quiet_until = step + post
+        elif ref is not None and step > quiet_until and wall > max(int(k * ref), ref + int(min_ms * 1e6)):
             hits.add(step)
         if step >= warmup + window - 1 and (step - warmup + 1) % window == 0:
             block = [walls[s] for s in range(step - window + 1, step + 1) if s not in profiled]
@@ -157,11 +160,14 @@ def test_anomalies_follow_the_agents_rule_at_every_step() -> None:
     walls[2000:2100] *= 3  # a lasting slowdown: flagged until it is the new median
     profiled = set(range(100, 130)) | set(range(1990, 2005))
     steps = np.arange(3000)
+    walls[1230:1236] = 40_000_000  # right after a window: the agent does not count those
+    profiled |= set(range(1220, 1230))
     mask = np.isin(steps, sorted(profiled))
-    found = rt.detect_anomalies(steps, walls, mask, k=1.5, window=50, warmup=50, min_ms=1.0)
-    expected = plain_anomalies(walls.tolist(), profiled, 1.5, 50, 50, 1.0)
+    found = rt.detect_anomalies(steps, walls, mask, k=1.5, window=50, warmup=50, min_ms=1.0, post_window=5)
+    expected = plain_anomalies(walls.tolist(), profiled, 1.5, 50, 50, 1.0, 5)
     assert set(steps[found].tolist()) == expected
-    assert {400, 401, 1500, 2222, 2005} <= expected and 2150 not in expected
+    assert {400, 401, 1500, 2222, 1235} <= expected and 2150 not in expected
+    assert not expected & set(range(1230, 1235)) and not expected & set(range(2005, 2010))
 
 
 def test_the_timeline_counts_steady_unprofiled_steps_and_lists_windows_and_anomalies() -> None:

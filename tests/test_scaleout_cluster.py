@@ -276,8 +276,9 @@ def test_api_with_no_workers_runs_no_analysis_and_no_migration(cluster: Cluster,
             timeout=60,
             cwd=str(REPO_ROOT),
         )
-        assert result.returncode == 1
-        assert "not at the latest schema revision: run `stepdoctor db upgrade` first" in result.stderr
+        assert result.returncode == 2, result.stderr  # a CLI error: one line, exit 2
+        (line,) = result.stderr.strip().splitlines()
+        assert "not at the latest schema revision: run `stepdoctor db upgrade` first" in line
         assert migrate.current_revision(Settings(data_dir=tmp_path, database_url=empty_url)) is None
 
 

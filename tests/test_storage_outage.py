@@ -185,7 +185,9 @@ def _follow_the_outage(outcome: str, status: Callable[[], dict[str, object]], we
     time.sleep(3.0)
     assert status()["status"] in ("pending", "running"), status()
     weed.start()
-    _wait_for("the analysis", lambda: status()["status"] == "done", state=status)
+    # Bounded generously: a try that starts while weed is still coming up may hang until the
+    # client's request timeout (S3_CLIENT_TIMEOUTS) before it fails over to the next try.
+    _wait_for("the analysis", lambda: status()["status"] == "done", timeout_s=300, state=status)
     assert status()["status_reason"] is None
 
 

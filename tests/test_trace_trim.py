@@ -3,23 +3,14 @@ boundaries touch (CPU: one step's marker ends where the next begins) and where t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from stepdoctor_analysis import parse, steps, trim
+from support.dashboard_traces import back_to_back_cpu_steps
 from support.synthetic import TraceBuilder
-
-
-def _cpu_steps(path: Path, n: int = 8) -> Path:
-    """Back-to-back steps of host work only: ProfilerStep#k ends exactly where #k+1 begins."""
-    b = TraceBuilder()
-    t = 100.0
-    for number in range(1, n + 1):
-        b.step(number, t, 100)
-        b.cpu_op("aten::mm", t + 10, 80)
-        t += 100
-    return b.write(path)
 
 
 def _gpu_behind_steps(path: Path, n: int = 8) -> Path:
@@ -39,10 +30,14 @@ def _gpu_behind_steps(path: Path, n: int = 8) -> Path:
     return b.write(path)
 
 
-@pytest.mark.parametrize("build", [_cpu_steps, _gpu_behind_steps], ids=["cpu-touching", "gpu-behind"])
+@pytest.mark.parametrize(
+    "build", [back_to_back_cpu_steps, _gpu_behind_steps], ids=["cpu-touching", "gpu-behind"]
+)
 @pytest.mark.parametrize("first,last", [(5, 6), (5, 5), (1, 2), (7, 8)])
-def test_trim_keeps_exactly_the_steps_asked_for(tmp_path: Path, build: object, first: int, last: int) -> None:
-    src = build(tmp_path / "src.json.gz")  # type: ignore[operator]
+def test_trim_keeps_exactly_the_steps_asked_for(
+    tmp_path: Path, build: Callable[[Path], Path], first: int, last: int
+) -> None:
+    src = build(tmp_path / "src.json.gz")
     whole = {s.number: s for s in steps.find_steps(parse.load_trace(src))}
     assert sorted(whole) == list(range(1, 9))
     out = tmp_path / "cut.json.gz"
@@ -52,7 +47,7 @@ def test_trim_keeps_exactly_the_steps_asked_for(tmp_path: Path, build: object, f
 
 
 def test_trim_of_touching_steps_keeps_their_windows(tmp_path: Path) -> None:
-    src = _cpu_steps(tmp_path / "src.json.gz")
+    src = back_to_back_cpu_steps(tmp_path / "src.json.gz")
     whole = {s.number: (s.start, s.end) for s in steps.find_steps(parse.load_trace(src))}
     out = tmp_path / "cut.json.gz"
     result = trim.trim_trace(src, out, 5, 6)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import copyreg
 import json
 import os
 import queue
@@ -52,6 +53,9 @@ STEP_COLUMNS = ("wall_ns", "data_ns")
 MEMORY_COLUMNS = ("mem_step", "mem_kind", "mem_a", "mem_b")
 MEM_RSS, MEM_CUDA = 0, 1
 NEVER = 2**62
+#: Steps after a window that never count as slow: the delivery thread compresses the window's trace
+#: meanwhile, and on a busy machine that shows in the next steps (measured: up to 2x on a 20 ms step).
+POST_WINDOW_STEPS = 5
 _perf_ns = time.perf_counter_ns
 _LITTLE = sys.byteorder == "little"
 
@@ -134,6 +138,7 @@ class SeriesRecorder:
         "_mem_due",
         "_pid",
         "_profiled",
+        "_quiet_until",
         "_ref_ns",
         "_run_dir",
         "_seq",
@@ -193,6 +198,7 @@ class SeriesRecorder:
         self._windows: list[dict[str, Any]] = []
         self._anomalies: list[dict[str, Any]] = []
         self._last_capture = -float("inf")
+        self._quiet_until = -1  # steps up to here are right after a window: not checked
         self.anomaly_count = 0
         self.steps = 0  # steps handed to chunks so far
         self._writer = _ChunkWriter(run_dir)
@@ -206,14 +212,11 @@ class SeriesRecorder:
         if self.data_acc < 0:
             self.data_acc = 0
 
-    def add_data_wait(self, ns: int) -> None:
-        self.data_acc = (self.data_acc if self.data_acc > 0 else 0) + ns
-
     @guarded()
     def event(self, step: int, now: int, wall: int) -> None:
         """A limit was crossed at the end of unprofiled ``step``: a slow step, a due memory sample or
         chunk, or the end of a median block."""
-        if wall > self.threshold and step > self.settings.anomaly_warmup:
+        if wall > self.threshold and step > self.settings.anomaly_warmup and step > self._quiet_until:
             self._slow(step, now, wall)
         if now >= self._mem_due:
             self._sample_memory(step, now)
@@ -233,6 +236,7 @@ class SeriesRecorder:
         else:
             ranges.append([step, step])
             self._all_profiled.append([step, step])
+        self._quiet_until = step + POST_WINDOW_STEPS
         self._sample_memory(step, now)
         self._after_step(step, now)
 
@@ -249,6 +253,7 @@ class SeriesRecorder:
         if os.getpid() != self._pid:
             return
         self._flush(final=True)
+        forget_loaders(self)
         left = self._writer.close(timeout)
         if left:
             say(
@@ -349,6 +354,7 @@ class SeriesRecorder:
                 "warmup": self.settings.anomaly_warmup,
                 "capture": self.settings.anomaly_capture,
                 "min_ms": self.settings.anomaly_min_ms,
+                "post_window": POST_WINDOW_STEPS,
                 "slow_steps": self.anomaly_count,
                 "median_ms": self._ref_ns / 1e6 if self._ref_ns else None,
             },
@@ -395,7 +401,12 @@ def read_memory() -> tuple[int, int, int] | None:
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and cuda.is_initialized():
-        return MEM_CUDA, int(cuda.memory_allocated()), int(cuda.memory_reserved())
+        stats = cuda.memory_stats()  # one dict for both (memory_allocated() builds it each call)
+        return (
+            MEM_CUDA,
+            int(stats.get("allocated_bytes.all.current", 0)),
+            int(stats.get("reserved_bytes.all.current", 0)),
+        )
     try:
         with open("/proc/self/statm", "rb") as fh:
             return MEM_RSS, int(fh.read().split()[1]) * _PAGE, -1
@@ -479,9 +490,17 @@ class _ChunkWriter:
 
 # --- the DataLoader's wait ----------------------------------------------------------------------
 
-_TIMED_LOADERS: dict[type, type] = {}
-_TIMED_ITERS: dict[type, type] = {}
-_ATTR = "_stepdoctor_series"
+#: Marks the classes made here; their instances hold nothing of ours (the recorder lives on the
+#: class), so copying or pickling a watched loader gives a plain, untimed one.
+_TIMED = "_stepdoctor_timed"
+_LOADER_CLASSES: dict[tuple[type, int], type] = {}
+_ITER_CLASSES: dict[tuple[type, int], type] = {}
+
+
+def _original(cls: type) -> type:
+    while cls.__dict__.get(_TIMED):
+        cls = cls.__mro__[1]
+    return cls
 
 
 @guarded(default=False)
@@ -495,51 +514,68 @@ def time_loader(loader: Any, recorder: SeriesRecorder) -> bool:
     data = sys.modules.get("torch.utils.data")
     if data is None or not isinstance(loader, data.DataLoader):
         return False
-    cls = type(loader)
-    if cls not in _TIMED_LOADERS.values():
-        timed = _TIMED_LOADERS.get(cls)
-        if timed is None:
-            timed = type(cls.__name__, (cls,), {"__iter__": _timed_iter, "__module__": cls.__module__})
-            _TIMED_LOADERS[cls] = timed
-        loader.__class__ = timed
-    object.__setattr__(loader, _ATTR, recorder)
+    cls = _original(type(loader))
+    key = (cls, id(recorder))
+    timed = _LOADER_CLASSES.get(key)
+    if timed is None:
+        namespace = {
+            "__iter__": _timed_iter(recorder),
+            "__reduce_ex__": _reduce_untimed,
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            _TIMED: True,
+        }
+        timed = _LOADER_CLASSES[key] = type(cls.__name__, (cls,), namespace)
+    loader.__class__ = timed
     recorder.loader_known()
     return True
 
 
-def _timed_iter(self: Any) -> Any:
-    parent: Any = type(self).__mro__[1]
-    it = parent.__iter__(self)
-    recorder = self.__dict__.get(_ATTR)
-    if recorder is None:
-        return it
-    # timing is optional: an iterator that refuses a class change is iterated untimed
-    with contextlib.suppress(TypeError, AttributeError):
-        cls = type(it)
-        if cls not in _TIMED_ITERS.values():
-            timed = _TIMED_ITERS.get(cls)
+def forget_loaders(recorder: SeriesRecorder) -> None:
+    """The recorder is done: drop its classes (loaders still using one keep timing into nothing)."""
+    for table in (_LOADER_CLASSES, _ITER_CLASSES):
+        for key in [k for k in table if k[1] == id(recorder)]:
+            del table[key]
+
+
+def _reduce_untimed(self: Any, protocol: int) -> Any:
+    """Copies and pickles of a watched loader are of its own class, untimed (rebuilt by the
+    standard library's ``copyreg._reconstructor``, so unpickling needs no stepdoctor)."""
+    rebuild: Any = getattr(copyreg, "_reconstructor")  # noqa: B009 - private in typeshed, stable since 2.x
+    return rebuild, (_original(type(self)), object, None), dict(self.__dict__)
+
+
+def _timed_iter(recorder: SeriesRecorder) -> Callable[[Any], Any]:
+    def __iter__(self: Any) -> Any:
+        parent: Any = type(self).__mro__[1]
+        it = parent.__iter__(self)
+        # timing is optional: an iterator that refuses a class change is iterated untimed
+        with contextlib.suppress(TypeError, AttributeError):
+            cls = _original(type(it))
+            key = (cls, id(recorder))
+            timed = _ITER_CLASSES.get(key)
             if timed is None:
-                timed = type(
-                    cls.__name__,
-                    (cls,),
-                    {"__next__": _timed_next(cls.__next__), "__module__": cls.__module__},
-                )
-                _TIMED_ITERS[cls] = timed
+                namespace = {
+                    "__next__": _timed_next(getattr(cls, "__next__"), recorder),  # noqa: B009
+                    "__module__": cls.__module__,
+                    "__qualname__": cls.__qualname__,
+                    _TIMED: True,
+                }
+                timed = _ITER_CLASSES[key] = type(cls.__name__, (cls,), namespace)
             it.__class__ = timed
-        it.__dict__[_ATTR] = recorder
-    return it
+        return it
+
+    return __iter__
 
 
-def _timed_next(parent_next: Callable[[Any], Any]) -> Callable[[Any], Any]:
+def _timed_next(parent_next: Callable[[Any], Any], recorder: SeriesRecorder) -> Callable[[Any], Any]:
     def __next__(self: Any) -> Any:
         start = _perf_ns()
         try:
             return parent_next(self)
         finally:
-            recorder = self.__dict__.get(_ATTR)
-            if recorder is not None:
-                took = _perf_ns() - start
-                acc = recorder.data_acc
-                recorder.data_acc = acc + took if acc > 0 else took
+            took = _perf_ns() - start
+            acc = recorder.data_acc
+            recorder.data_acc = acc + took if acc > 0 else took
 
     return __next__

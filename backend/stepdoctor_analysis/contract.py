@@ -333,6 +333,8 @@ class ReportDoc(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown
     tables: Tables | None = None  # operator/kernel tables
     timeline: dict[str, Any] | None = None  # drawn representative steps (``step_timeline``)
     deep: dict[str, Any] | None = None  # ``stepdoctor analyze --deep/--diff`` only: HTA's result
+    # ``stepdoctor analyze RUN_DIR`` with the agent's step series: ``run_timeline.RunTimeline``
+    run_timeline: dict[str, Any] | None = None
 
 
 def decode(report: dict[str, Any] | bytes | str) -> ReportDoc:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from functools import cache
-from importlib import resources
 
 from . import BOTTLENECK_KINDS, STRAGGLER_ID
 
@@ -22,7 +21,10 @@ _HEADING = re.compile(r"^## +(\S.*?)\s*$", re.MULTILINE)
 
 @cache
 def text() -> str:
-    """The whole guide, from the packaged copy."""
+    """The whole guide, from the packaged copy (``importlib.resources`` pulls in tempfile, shutil and
+    the compressors: imported here, so a report that only links the guide does not pay for them)."""
+    from importlib import resources
+
     return resources.files(__package__).joinpath("verdicts.md").read_text(encoding="utf-8")
 
 

@@ -357,6 +357,7 @@ class _Part:
     window: int
     warmup: int
     min_ms: float
+    post_window: int
     missing: int
     finished: bool
     t_end: float | None
@@ -407,6 +408,7 @@ def _assemble(chunks: list[Chunk]) -> _Part:
         window=int(_number(settings.get("window"), 50, low=2)),
         warmup=int(_number(settings.get("warmup"), 50, low=0)),
         min_ms=float(_number(settings.get("min_ms"), 0.0, low=0.0)),
+        post_window=int(_number(settings.get("post_window"), 0, low=0)),
         missing=max(0, expected - len(steps)),
         finished=bool(unique[-1].header.get("final")),
         t_end=_number(unique[-1].header.get("t_end"), None, low=0.0),
@@ -473,13 +475,19 @@ def detect_anomalies(
     window: int,
     warmup: int,
     min_ms: float = 0.0,
+    post_window: int = 0,
     refs: np.ndarray | None = None,
 ) -> np.ndarray:
     """Mask of unprofiled steps slower than ``k`` x their reference (:func:`block_references`) and
-    at least ``min_ms`` above it: the agent's ``anomaly_threshold``."""
+    at least ``min_ms`` above it (the agent's ``anomaly_threshold``), leaving out the first
+    ``post_window`` steps after profiled ones (the agent's ``POST_WINDOW_STEPS``)."""
     if refs is None:
         refs = block_references(steps, wall, profiled, window=window, warmup=warmup)
     ok = ~np.isnan(refs) & ~profiled
+    for shift in range(1, min(post_window, len(steps)) + 1):
+        after = np.zeros(len(steps), dtype=bool)
+        after[shift:] = profiled[:-shift] & (steps[shift:] - steps[:-shift] == shift)
+        ok &= ~after
     ref = refs[ok].astype(np.int64)
     thresholds = np.zeros(len(steps), dtype=np.int64)
     thresholds[ok] = np.maximum((k * refs[ok]).astype(np.int64), ref + int(min_ms * 1e6))
@@ -502,6 +510,7 @@ def _anomaly_ranges(part: _Part) -> tuple[list[Anomaly], int]:
         window=part.window,
         warmup=part.warmup,
         min_ms=part.min_ms,
+        post_window=part.post_window,
         refs=refs,
     )
     agent = np.isin(

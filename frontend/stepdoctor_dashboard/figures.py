@@ -11,13 +11,13 @@ theme travels as JSON in each layout (plotly.js knows no templates by name).
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import plotly.io as pio
 
 from stepdoctor_analysis.contract import StepRow
-from stepdoctor_analysis.ranks import RankSummary
 
 # The TensorBoard profiler plugin's categories, in its priority order, with stable colours.
 CATEGORY_COLORS = {
@@ -178,14 +178,66 @@ def steps_figure(steps: Sequence[StepRow], title: str = "Where each step's time 
     )
 
 
-def ranks_figure(ranks: Sequence[RankSummary], title: str = "Step time per rank") -> Fig:
+STRAGGLER_COLOR = "#e45756"
+# ``ranks.RankVerdict.basis`` -> the per-rank field stragglers were judged on.
+_RANK_METRICS = {"busy time before collectives": "busy_us", "step time": "step_time_us"}
+
+
+def _get(item: Any, key: str) -> Any:
+    """A field of a rank or straggler, stored as JSON (a mapping) or typed (a struct)."""
+    return item.get(key) if isinstance(item, Mapping) else getattr(item, key, None)
+
+
+def _rank_label(item: Any) -> str:
+    rank = _get(item, "rank")
+    return str(rank) if rank is not None else str(_get(item, "worker") or "?")
+
+
+def ranks_figure(
+    ranks: Sequence[Any], stragglers: Sequence[Any] = (), spread: Mapping[str, Any] | None = None
+) -> Fig:
+    """One bar per rank of the metric the stragglers were judged by (``spread["basis"]``: busy
+    time before the collectives when the job communicates, else step time), stragglers in red with
+    their factor over the others' median, the median as a dashed line; step time on hover."""
+    basis = str((spread or {}).get("basis") or "step time")
+    field = _RANK_METRICS.get(basis, "step_time_us")
+    labels = [_rank_label(r) for r in ranks]
+    late = {_rank_label(s): _num(_get(s, "over_median")) for s in stragglers}
+    values = [_num(_get(r, field)) / 1000.0 for r in ranks]
     bar = {
         "type": "bar",
-        "x": [r.label for r in ranks],
-        "y": [r.step_time_us / 1000.0 for r in ranks],
-        "marker": {"color": "#4c78a8"},
+        "x": labels,
+        "y": values,
+        "name": basis,
+        "marker": {"color": [STRAGGLER_COLOR if label in late else "#4c78a8" for label in labels]},
+        "customdata": [
+            [_num(_get(r, "step_time_us")) / 1000.0, "straggler" if label in late else ""]
+            for r, label in zip(ranks, labels, strict=True)
+        ],
+        "hovertemplate": "rank %{x}: %{y:.3f} ms " + basis + "<br>step %{customdata[0]:.3f} ms"
+        " %{customdata[1]}<extra></extra>",
     }
-    return figure([bar], title, xaxis=_axis("rank", type="category"), yaxis=_axis("ms per step"))
+    shapes, notes = [], []
+    median = _num((spread or {}).get("median_busy_us")) / 1000.0
+    if median > 0 and field == "busy_us":
+        shapes.append(
+            {"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": median, "y1": median,
+             "line": {"dash": "dash", "color": "#667085", "width": 1}}
+        )  # fmt: skip
+    for label, factor in late.items():
+        if label in labels:
+            notes.append(
+                {"x": label, "y": values[labels.index(label)], "text": f"straggler {factor:.2f}×",
+                 "showarrow": False, "yanchor": "bottom", "font": {"color": STRAGGLER_COLOR}}
+            )  # fmt: skip
+    return figure(
+        [bar],
+        f"{basis[0].upper()}{basis[1:]} per rank" + (" (stragglers in red)" if late else ""),
+        xaxis=_axis("rank", type="category"),
+        yaxis=_axis(f"ms per step, {basis}"),
+        shapes=shapes,
+        annotations=notes,
+    )
 
 
 def compare_figure(comparison: Mapping[str, Any], base_name: str, other_name: str) -> Fig:
@@ -199,15 +251,32 @@ def compare_figure(comparison: Mapping[str, Any], base_name: str, other_name: st
     return figure(data, "Before / after, per category", barmode="group", yaxis=_axis("ms per step"))
 
 
-def memory_figure(series: Mapping[str, Any], title: str = "Memory over the capture") -> Fig | None:
-    """Allocated/reserved curves per device from a report's memory series, when the trace had them."""
+def memory_figure(
+    series: Mapping[str, Any], devices: Sequence[Any] = (), title: str = "Memory over the capture"
+) -> Fig | None:
+    """Allocated/reserved curves per device from a report's memory series, when the trace had them,
+    with each device's capacity (``metrics.memory.devices[].capacity``) as a dashed line."""
     curves = [c for c in series.get("curves") or [] if isinstance(c, Mapping)] if series else []
     if not curves:
         return None
+    capacity = {str(_get(d, "device")): _num(_get(d, "capacity")) for d in devices if d is not None}
     data = []
     for curve in curves:
         t = [x / 1000.0 for x in curve.get("t_us") or []]
         label = str(curve.get("device", "device"))
+        if capacity.get(label, 0.0) > 0 and t:
+            cap = capacity[label]
+            data.append(
+                {
+                    "type": "scatter",
+                    "mode": "lines",
+                    "x": [min(t), max(t)],
+                    "y": [cap / 2**20, cap / 2**20],
+                    "name": f"{label} capacity ({cap / 2**30:.1f} GiB)",
+                    "line": {"dash": "dash", "color": STRAGGLER_COLOR, "width": 1.5},
+                    "hovertemplate": "%{fullData.name}<extra></extra>",
+                }
+            )
         for key in ("allocated", "reserved"):
             if curve.get(key):
                 data.append(
@@ -261,6 +330,58 @@ def _ordered(values: Mapping[str, Any]) -> list[tuple[str, Any]]:
     return known + sorted((k, v) for k, v in values.items() if k not in CATEGORY_COLORS)
 
 
+# What a host thread does, from the names of the ops drawn on its lane (the trace has no thread
+# names the engine keeps): data loading, the autograd engine's backward pass, or the training loop.
+_LOADER_OPS = ("dataloader", "pin_memory", "collate", "__getitem__", "fetch")
+_MAIN_OPS = ("enumerate(dataloader)", "optimizer.", "profilerstep", "aten::", "forward")
+_HOST_LABEL = re.compile(r"^host (?:thread (?P<tid>-?\d+)|(?P<pid>-?\d+)/(?P<tid2>-?\d+))$")
+
+
+def lane_titles(lanes: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[str]:
+    """Readable lane names: "main thread", "DataLoader worker", "backward thread", else "thread 2",
+    "thread 3"... in lane order (a raw id such as "host thread -3" means nothing to a reader);
+    "(process P)" is added when the step spans several processes. GPU lanes keep their labels.
+
+    A process's main thread is its busiest host lane running the training loop's ops (``_MAIN_OPS``),
+    else its busiest lane that is neither a loader nor the autograd engine (lanes come busiest first).
+    """
+    role: dict[int, str] = {}
+    hosts = [
+        (i, m, [names[b[2]].lower() for b in lane.get("boxes") or [] if 0 <= b[2] < len(names)])
+        for i, lane in enumerate(lanes)
+        if lane.get("kind") == "host" and (m := _HOST_LABEL.match(str(lane.get("label")))) is not None
+    ]
+    for i, _, ops in hosts:
+        if ops and all(any(k in op for k in _LOADER_OPS) for op in ops):
+            role[i] = "DataLoader worker"
+        elif ops and sum("autograd::engine" in op for op in ops) * 2 > len(ops):
+            role[i] = "backward thread"
+    pids = {m["pid"] for _, m, _ in hosts if m["pid"]}
+    for pid in pids or {None}:  # each process has its main thread
+        rest = [(i, ops) for i, m, ops in hosts if i not in role and m["pid"] == pid]
+        main = next((i for i, ops in rest if any(k in op for op in ops for k in _MAIN_OPS)), None)
+        if main is None and rest:
+            main = rest[0][0]
+        if main is not None:
+            role[main] = "main thread"
+    other = 1
+    for i, _, _ in hosts:
+        if i not in role:
+            other += 1
+            role[i] = f"thread {other}"
+    seen: dict[str, int] = {}
+    titles: list[str] = []
+    for i, lane in enumerate(lanes):
+        if i not in role:
+            titles.append(str(lane.get("label")))
+            continue
+        match = next(m for j, m, _ in hosts if j == i)
+        title = role[i] + (f" (process {match['pid']})" if len(pids) > 1 and match["pid"] else "")
+        seen[title] = seen.get(title, 0) + 1
+        titles.append(title if seen[title] == 1 else f"{title} {seen[title]}")  # "DataLoader worker 2"
+    return titles
+
+
 # GPU box colours by what the op is (the step figure's host and stream lanes).
 _OP_COLORS = {
     "host": "#9aa5b8",
@@ -291,9 +412,10 @@ def step_figure(step: Mapping[str, Any], names: Sequence[str]) -> Fig:
     Lanes hold up to a few thousand boxes; each lane is one bar trace with per-box colours.
     """
     lanes = [lane for lane in step.get("lanes") or [] if isinstance(lane, Mapping)]
-    rows = [str(lane.get("label")) for lane in lanes]
+    titles = lane_titles(lanes, names)
+    rows = [titles[i] for i in range(len(lanes))]
     data: list[dict[str, Any]] = []
-    for lane in lanes:
+    for i, lane in enumerate(lanes):
         if lane.get("kind") == "charged":
             continue
         boxes = lane.get("boxes") or []
@@ -302,7 +424,7 @@ def step_figure(step: Mapping[str, Any], names: Sequence[str]) -> Fig:
             {
                 "type": "bar",
                 "orientation": "h",
-                "y": [str(lane.get("label"))] * len(boxes),
+                "y": [titles[i]] * len(boxes),
                 "base": [b[0] / 1000.0 for b in boxes],
                 "x": [(b[1] - b[0]) / 1000.0 for b in boxes],
                 "marker": {
@@ -313,7 +435,7 @@ def step_figure(step: Mapping[str, Any], names: Sequence[str]) -> Fig:
                 "hovertemplate": "%{customdata[0]}<br>%{base:.3f} ms + %{x:.3f} ms"
                 "<br>%{customdata[1]} event(s)<extra></extra>",
                 "showlegend": False,
-                "name": str(lane.get("label")),
+                "name": titles[i],
             }
         )
     charged = next((lane for lane in lanes if lane.get("kind") == "charged"), None)

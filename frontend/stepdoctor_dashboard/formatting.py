@@ -7,6 +7,7 @@ that context). Templates never mark data ``| safe``; ``tests/test_dashboard_esca
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any
 
 from jinja2 import Environment
@@ -61,5 +62,32 @@ def factor(speedup: Any) -> str:
     return f"{x:.2f}× faster" if x > 1 else f"{1 / x:.2f}× slower"
 
 
+def _utc(value: Any) -> datetime | None:
+    """A stored time in UTC: the database keeps UTC, and SQLite hands it back without a zone."""
+    if not isinstance(value, datetime):
+        return None
+    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+def when(value: Any) -> str:
+    """A time as people read it, with its zone: ``2026-11-26 08:33 UTC`` (``–`` when unknown)."""
+    t = _utc(value)
+    return "–" if t is None else t.strftime("%Y-%m-%d %H:%M UTC")
+
+
+def iso_time(value: Any) -> str:
+    """The same time for a ``<time datetime=...>`` attribute: ISO 8601 with its offset."""
+    t = _utc(value)
+    return "" if t is None else t.isoformat(timespec="seconds")
+
+
 def register(env: Environment) -> None:
-    env.filters.update(duration=duration, size=size, percent=percent, factor=factor, script_json=script_json)
+    env.filters.update(
+        duration=duration,
+        size=size,
+        percent=percent,
+        factor=factor,
+        script_json=script_json,
+        when=when,
+        iso_time=iso_time,
+    )

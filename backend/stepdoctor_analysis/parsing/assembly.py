@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +86,8 @@ def _run_metadata(value: Any) -> dict[str, Any]:
     """The agent's embedded run metadata: a JSON object (a JSON string of one from writers that
     quote it); anything else is not ours and is ignored."""
     if isinstance(value, str):
+        import json  # rare: only writers that quote the object
+
         try:
             value = json.loads(value)
         except ValueError:

@@ -24,6 +24,11 @@ from stepdoctor_server.core.models import DashboardSession, Team, Token, utcnow
 COOKIE = "stepdoctor_session"
 LEGACY_COOKIES = ("stepdoctor_token",)  # the old cookie held the raw API token: cleared at logout
 SESSION_TTL = timedelta(hours=12)
+# A second cookie, holding nothing but "1", outlives the session: the browser drops the session
+# cookie when it expires, and this one tells the login page to say so rather than ask silently.
+# Logout clears both, so a user who logged out is not told their session expired.
+SIGNED_IN_COOKIE = "stepdoctor_signed_in"
+SIGNED_IN_TTL = timedelta(days=30)
 
 
 def _digest(raw: str) -> str:
@@ -46,8 +51,22 @@ def start(session: Session, principal: Principal, *, ttl: timedelta = SESSION_TT
 
 def resolve(session: Session, raw: str | None) -> Principal | None:
     """The principal of a live session: unknown, expired, or with a dead token -> None."""
-    if not raw or len(raw) > 128:
-        return None
+    principal, _ = lookup(session, raw)
+    return principal
+
+
+def lookup(
+    session: Session, raw: str | None, *, signed_in: bool = False
+) -> tuple[Principal | None, str | None]:
+    """The principal of a live session, or why there is none: ``"expired"`` (the session outlived
+    ``SESSION_TTL``, or the browser dropped its cookie while ``signed_in``: the
+    ``SIGNED_IN_COOKIE`` is still there), ``"token"`` (its token was revoked or expired),
+    ``"unknown"`` (no such session), ``None`` (never signed in, or logged out). The login page
+    says which."""
+    if not raw:
+        return None, "expired" if signed_in else None
+    if len(raw) > 128:
+        return None, "unknown"
     row = session.execute(
         select(DashboardSession, Token, Team.name)
         .join(Token, Token.id == DashboardSession.token_id)
@@ -55,12 +74,14 @@ def resolve(session: Session, raw: str | None) -> Principal | None:
         .where(DashboardSession.hash == _digest(raw))
     ).first()
     if row is None:
-        return None
+        return None, "unknown"
     record, token, team_name = row
     now = utcnow()
-    if _aware(record.expires_at) <= now or token_state(token, now) != "active":
-        return None
-    return Principal(team_id=token.team_id, team_name=team_name, token_id=token.id, scope=token.scope)
+    if _aware(record.expires_at) <= now:
+        return None, "expired"
+    if token_state(token, now) != "active":
+        return None, "token"
+    return Principal(team_id=token.team_id, team_name=team_name, token_id=token.id, scope=token.scope), None
 
 
 def end(session: Session, raw: str | None) -> None:
@@ -85,8 +106,17 @@ def set_cookie(response: Response, request: Request, raw: str, *, ttl: timedelta
         secure=is_https(request),
         path="/",
     )
+    response.set_cookie(
+        SIGNED_IN_COOKIE,
+        "1",
+        max_age=int(SIGNED_IN_TTL.total_seconds()),
+        httponly=True,
+        samesite="strict",
+        secure=is_https(request),
+        path="/",
+    )
 
 
 def clear_cookies(response: Response, request: Request) -> None:
-    for name in (COOKIE, *LEGACY_COOKIES):
+    for name in (COOKIE, SIGNED_IN_COOKIE, *LEGACY_COOKIES):
         response.delete_cookie(name, path="/", httponly=True, samesite="strict", secure=is_https(request))

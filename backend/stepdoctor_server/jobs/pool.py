@@ -360,6 +360,8 @@ def _cause(reason: str) -> str:
         return "time_limit"
     if "memory limit" in reason or "out of memory" in reason:
         return "memory_limit"
+    if reason.startswith("the trace store is unreachable"):  # tries exhausted in an outage
+        return "store_unreachable"
     return "internal" if reason.startswith("internal error") else "bad_trace"
 
 

@@ -14,20 +14,22 @@ from urllib.parse import parse_qs, urlencode
 
 import msgspec
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stepdoctor_analysis import BOTTLENECK_KINDS
 from stepdoctor_analysis.run_verdict import RunVerdict
-from stepdoctor_dashboard import assets, figures
+from stepdoctor_dashboard import assets, figures, memory_figures
 from stepdoctor_server.auth import sessions
 from stepdoctor_server.auth.tokens import Principal, authenticate
 from stepdoctor_server.core.database import DatabaseDep, SessionDep
 from stepdoctor_server.core.errors import ApiError, check_id, not_found
-from stepdoctor_server.core.models import Project, Trace
+from stepdoctor_server.core.models import Analysis, Project, Trace
 from stepdoctor_server.deep import service as deep
 from stepdoctor_server.runs import compare
 from stepdoctor_server.runs import service as runs
@@ -47,17 +49,29 @@ REFRESH_S = 5  # pages with traces still being analysed reload themselves this o
 
 
 class LoginRequired(Exception):
-    """Raised by the page dependency; answered with a redirect to the login page."""
+    """Raised by the page dependency; answered with a redirect to the login page, which says why
+    (``reason``: ``sessions.lookup``'s, e.g. "expired")."""
+
+    def __init__(self, reason: str | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+# What the login page says when a session ended without the user logging out.
+LOGIN_REASONS = {
+    "expired": "Your session expired. Log in again to continue.",
+    "token": "The token this session was started with was revoked or expired. Log in with a live one.",
+    "unknown": "Your session ended. Log in again to continue.",
+}
 
 
 def page_principal(request: Request, db: DatabaseDep) -> Principal:
     raw = request.cookies.get(COOKIE)
-    if not raw:
-        raise LoginRequired
-    with db.session() as session:
-        principal = sessions.resolve(session, raw)
+    signed_in = bool(request.cookies.get(sessions.SIGNED_IN_COOKIE))
+    with db.session() as session:  # no query without a cookie: only says why there is none
+        principal, reason = sessions.lookup(session, raw, signed_in=signed_in)
     if principal is None or not principal.allows("read"):
-        raise LoginRequired
+        raise LoginRequired(reason)
     return principal
 
 
@@ -73,8 +87,12 @@ def install(app: FastAPI) -> None:
     guide_page.install(app, templates.env)
 
     @app.exception_handler(LoginRequired)
-    async def _login(request: Request, _: LoginRequired) -> Response:
-        return RedirectResponse(f"/login?next={request.url.path}", status_code=303)
+    async def _login(request: Request, exc: LoginRequired) -> Response:
+        query = {"next": request.url.path, **({"reason": exc.reason} if exc.reason else {})}
+        redirect = RedirectResponse(f"/login?{urlencode(query)}", status_code=303)
+        if exc.reason:  # said once: the dead cookies go with the redirect that explains them
+            sessions.clear_cookies(redirect, request)
+        return redirect
 
     _html_errors(app)
 
@@ -83,6 +101,7 @@ def _html_errors(app: FastAPI) -> None:
     """Browsers get an HTML page for errors on dashboard paths; the API keeps its JSON errors."""
     json_api_error = app.exception_handlers.get(ApiError)
     json_http_error = app.exception_handlers.get(StarletteHTTPException)
+    json_validation_error = app.exception_handlers.get(RequestValidationError)
 
     def wants_html(request: Request) -> bool:
         return not request.url.path.startswith(_MACHINE_PATHS)
@@ -99,6 +118,13 @@ def _html_errors(app: FastAPI) -> None:
         answer: Any = json_api_error(request, exc)
         return await answer
 
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        if wants_html(request) or json_validation_error is None:
+            return page(request, 422, _validation_text(exc))
+        answer: Any = json_validation_error(request, exc)
+        return await answer
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         if wants_html(request) or json_http_error is None:
@@ -108,12 +134,24 @@ def _html_errors(app: FastAPI) -> None:
         return await answer
 
 
+def _validation_text(exc: RequestValidationError) -> str:
+    """A bad query or path value in a sentence: ``base: Input should be a valid integer (got 'x')``."""
+    parts = []
+    for error in exc.errors()[:3]:
+        where = ".".join(str(x) for x in error.get("loc", ())[1:]) or "request"
+        got = error.get("input")
+        shown = f" (got {str(got)[:40]!r})" if isinstance(got, str | int | float) else ""
+        parts.append(f"{where}: {error.get('msg', 'invalid')}{shown}")
+    return "Invalid address: " + "; ".join(parts) + "."
+
+
 # -- login ---------------------------------------------------------------------------------------
 
 
 @router.get("/login", response_class=HTMLResponse)
-def login_form(request: Request, next: str = "/") -> HTMLResponse:
-    return _render(request, "login.html", None, next=_safe_next(next), error=None)
+def login_form(request: Request, next: str = "/", reason: str = "") -> HTMLResponse:
+    notice = LOGIN_REASONS.get(reason)
+    return _render(request, "login.html", None, next=_safe_next(next), error=None, notice=notice)
 
 
 @router.post("/login", response_class=HTMLResponse)
@@ -130,7 +168,7 @@ async def login(request: Request, db: DatabaseDep) -> Response:
         message = (
             "Unknown or revoked token." if principal is None else "This token cannot read (upload scope)."
         )
-        response = _render(request, "login.html", None, next=target, error=message)
+        response = _render(request, "login.html", None, next=target, error=message, notice=None)
         response.status_code = 401
         return response
     redirect = RedirectResponse(target, status_code=303)
@@ -235,8 +273,11 @@ def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep)
         figs["breakdown"] = figures.breakdown_figure(d.breakdown)
     if d.shares:
         figs["shares"] = figures.shares_figure(d.shares)
-    if len(d.ranks) > 1:
-        figs["ranks"] = figures.ranks_figure(d.ranks)
+    if len(d.ranks) > 1:  # the metric the stragglers were judged by, and the stragglers marked
+        spread = (
+            msgspec.structs.asdict(d.rank_spread) if d.rank_spread is not None else {"basis": d.rank_basis}
+        )
+        figs["ranks"] = figures.ranks_figure(d.ranks, d.stragglers, spread)
     others = runs.sibling_runs(session, run, 200)
     waiting = any(t.status in ("pending", "running") for t, _, _ in trace_rows)
     return _render(
@@ -255,8 +296,20 @@ def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep)
         facts=_device_facts(facts),
         tables=(facts.tables if facts is not None else None) or {},
         rep_trace=rep_id,
+        collectives=_collectives(session, rep_id),
         refresh_s=REFRESH_S if waiting else None,
     )
+
+
+def _collectives(session: Session, trace_id: int | None) -> list[dict[str, Any]]:
+    """The collective-by-type rows of a trace's report (``comm.CollectiveStat``, what the CLI
+    prints), read as one JSON field: the run page shows its representative trace's."""
+    if trace_id is None:
+        return []
+    rows = session.execute(
+        select(Analysis.report["metrics"]["communication"]["by_type"]).where(Analysis.trace_id == trace_id)
+    ).scalar()
+    return [r for r in rows if isinstance(r, dict) and r.get("type")] if isinstance(rows, list) else []
 
 
 def _device_facts(facts: ReportFacts | None) -> dict[str, Any]:
@@ -318,9 +371,15 @@ def trace_page(
     if doc is not None and doc.steps:
         figs["steps"] = figures.steps_figure(doc.steps)
     # ``metrics.memory`` and ``timeline`` are free-form sections of the contract: read guarded.
-    memory = figures.memory_figure(doc.metrics.memory.get("series") or {}) if doc is not None else None
+    memory = (
+        figures.memory_figure(doc.metrics.memory.get("series") or {}, doc.metrics.memory.get("devices") or [])
+        if doc is not None
+        else None
+    )
     if memory is not None:
         figs["memory"] = memory
+    if doc is not None:  # what holds the memory, stacked per device: memory_use_0, memory_use_1, ...
+        figs.update(memory_figures.memory_use_figures(doc.metrics.memory))
     timeline = (doc.timeline if doc is not None else None) or {}
     drawn = [s for s in timeline.get("steps") or [] if isinstance(s, dict)]
     shown_step = next((s for s in drawn if s.get("number") == step), drawn[0] if drawn else None)
@@ -400,14 +459,21 @@ def compare_page(
     base: Annotated[int, Query()],
     other: Annotated[int, Query()],
 ) -> HTMLResponse:
-    base_run, _ = runs.load_run(session, viewer, base)
+    base_run, base_project = runs.load_run(session, viewer, base)
     other_run, _ = runs.load_run(session, viewer, other)
     try:
         base_d = runs.run_diagnosis(base_run)
         other_d = runs.run_diagnosis(other_run)
     except ApiError as exc:  # a run without analysed traces yet
         return _render(
-            request, "compare.html", viewer, base=base_run, other=other_run, c=None, error=exc.message
+            request,
+            "compare.html",
+            viewer,
+            base=base_run,
+            base_project=base_project,
+            other=other_run,
+            c=None,
+            error=exc.message,
         )
     comparison = compare.compare_diagnoses(base_d, other_d)
     differences = compare.context_differences(
@@ -420,6 +486,7 @@ def compare_page(
         "compare.html",
         viewer,
         base=base_run,
+        base_project=base_project,
         other=other_run,
         c=comparison,
         fig=fig,
