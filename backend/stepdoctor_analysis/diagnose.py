@@ -540,7 +540,8 @@ def _render(rule: Rule, hit: Hit, ctx: Context) -> Recommendation:
         change=words(rule.change.format(**params)) if rule.change else "",
         why=words(rule.why.format(**params)),
         expected_speedup=round(gain, 3),
-        removable_us_per_step=round(hit.removable_ns / 1e3, 3),
+        # The part the gain counts (``speedup`` caps it at 95% of the step): N = S / (S - M) as shown.
+        removable_us_per_step=round(min(hit.removable_ns, 0.95 * ctx.step_ns) / 1e3, 3),
         confidence=hit.confidence if hit.confidence is not None else 0.5,
         caveats=[words(c) for c in caveats],
         evidence=hit.evidence,
