@@ -212,3 +212,12 @@ def test_on_cuda_the_series_records_allocated_and_reserved_memory(tmp_path: Path
     assert timeline.memory.kind == "cuda" and timeline.memory.peak_bytes > 256 * 256 * 4
     assert timeline.memory.reserved_peak_bytes is not None
     assert timeline.memory.reserved_peak_bytes >= timeline.memory.peak_bytes
+
+
+def test_chunks_are_also_cut_every_few_seconds(tmp_path: Path) -> None:
+    """A slow loop still leaves its steps on disk as it goes (``chunk_seconds``), not only at exit."""
+    settings = SeriesSettings(chunk_seconds=0.1, anomaly_capture=False)
+    run_loop(tmp_path, "timed", 60, step_s=0.01, series_settings=settings)
+    found = chunks(tmp_path / "proj" / "timed")
+    assert len(found) >= 4 and all(len(c.wall_ns) < 60 for c in found)
+    assert sum(len(c.wall_ns) for c in found) == 60 and [c.header["final"] for c in found][-1] is True

@@ -14,6 +14,7 @@ from fastapi.testclient import TestClient
 from stepdoctor_analysis import contract, pipeline
 from stepdoctor_analysis.contract import MemoryCategories, MemorySection
 from stepdoctor_dashboard.memory_figures import memory_use_figure, memory_use_figures
+from support import cpu_loops
 from support.dashboard import page_plots
 from support.server import drain, logged_in, upload
 
@@ -152,3 +153,22 @@ def test_trace_page_embeds_the_stacked_memory_view(client: TestClient, app: Fast
         "temporaries",
     }
     assert fig["layout"]["shapes"][0]["type"] == "line"
+
+
+def test_a_real_cpu_loop_draws_its_activations_stacked_to_the_peak(tmp_path: Path) -> None:
+    """A deep, narrow MLP on a large batch, recorded here with ``profile_memory=True``: its host
+    stack is drawn with activations on top at the peak, adding up to the report's peak."""
+    trace = cpu_loops.activation_heavy_loop(tmp_path / "act.json")
+    memory = contract.decode(pipeline.analyze_path(trace).to_dict()).metrics.memory
+    (peak,) = memory.by_category
+    fig = memory_use_figures(memory)["memory_use_0"]
+    at_peak = _stack_at(fig, peak.at_us / 1000.0)
+    unit = {"MiB allocated": MIB, "GiB allocated": GIB}[fig["layout"]["yaxis"]["title"]["text"]]
+    assert sum(at_peak.values()) == pytest.approx(peak.allocated / unit)
+    assert max(at_peak, key=at_peak.__getitem__) == "activations"
+    assert any("mostly activations" in a["text"] for a in fig["layout"]["annotations"])
+    capacity = [d.get("capacity") for d in memory.devices if d.get("device") == peak.device]
+    assert bool(fig["layout"]["shapes"]) == bool(capacity and capacity[0]), (
+        capacity,
+        fig["layout"]["shapes"],
+    )

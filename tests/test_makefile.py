@@ -18,13 +18,16 @@ REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 
 
+# make's own state and the Makefile's knobs: a parent `make test LINT=0` exports them to its children.
+_MAKE_STATE = frozenset(
+    {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "LINT", "PYTEST_ARGS", "TORCH_SPEC", "HOST", "PORT"}
+    | {"COMPOSE", "PYTHON", "VENV"}
+)
+
+
 def make(*args: str) -> str:
     """``make ARGS`` in the repository, hermetic: nothing of a calling make or of STEPDOCTOR_* leaks in."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES") and not k.startswith("STEPDOCTOR_")
-    }
+    env = {k: v for k, v in os.environ.items() if k not in _MAKE_STATE and not k.startswith("STEPDOCTOR_")}
     done = subprocess.run(
         ["make", "--no-print-directory", *args],
         cwd=REPO,

@@ -7,6 +7,7 @@ own stage file, which must be gone once the upload is answered.
 
 from __future__ import annotations
 
+import gzip
 import io
 import os
 import time
@@ -23,7 +24,7 @@ from stepdoctor_server.core.models import Analysis, Trace
 from stepdoctor_server.core.settings import Settings
 from stepdoctor_server.traces.storage import LocalStore, S3Store, StagedFile, make_store
 from support.s3 import s3_env, s3_server  # noqa: F401 - fixtures
-from support.server import FIXTURE_TRACES, drain, upload
+from support.server import FIXTURE_TRACES, drain, row_counts, synthetic_trace, upload
 
 pytestmark = pytest.mark.usefixtures("s3_env")
 
@@ -120,6 +121,38 @@ def test_upload_analyse_download_and_export_through_s3(client: TestClient, app: 
     assert resp.status_code == 200
     with zipfile.ZipFile(io.BytesIO(resp.content)) as zf:
         assert sorted(zf.read(n) for n in zf.namelist()) == sorted(bodies.values())
+
+
+_PLAIN = synthetic_trace(20, compress=False)
+_EVENT_3 = b'"ts": 30, "dur": 5'  # the fourth event's times
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (_EVENT_3, b'"ts": NaN, "dur": 5'),
+        (b'"aten::op3"', b'"aten::\\ud800"'),
+        (_EVENT_3, b'"ts": 1e308, "dur": 5'),
+        (b'"pid": 1', b'"pid": ' + b"9" * 30),
+    ],
+    ids=["nan", "lone-surrogate", "ts-1e308", "pid-30-digits"],
+)
+def test_a_trace_the_worker_cannot_read_never_reaches_s3(
+    client: TestClient, app: FastAPI, old: bytes, new: bytes
+) -> None:
+    """Refused at the door (422) on the S3 store too: no row, no object, no stage file left; the
+    next good upload is stored and analysed."""
+    store = app.state.store
+    assert isinstance(store, S3Store) and old in _PLAIN
+    rows, keys = row_counts(app), store.list_keys()
+    refused = upload(client, gzip.compress(_PLAIN.replace(old, new, 1), mtime=0), run="bad")
+    assert refused.status_code == 422 and refused.json()["error"]["code"] == "invalid_trace", refused.text
+    assert row_counts(app) == rows and store.list_keys() == keys
+    assert [p for p in store.temp_dir.glob("*") if p.is_file()] == []
+    good = upload(client, gzip.compress(_PLAIN, mtime=0), run="good")
+    assert good.status_code == 201, good.text
+    assert drain(app) == 1
+    assert client.get(f"/api/v1/traces/{good.json()['id']}").json()["status"] == "done"
 
 
 def test_presigned_download_redirects_to_the_same_bytes(
