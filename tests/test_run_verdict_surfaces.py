@@ -141,6 +141,7 @@ def test_every_surface_shows_one_run_verdict(
     assert f"mean step {_fmt(step)}" in text
     if rec is not None:
         assert f"Next optimization: {rec['title']}" in text
+        assert "  Seen in a trace: " in text  # a trace's words, labelled so, not the run's share
 
     # Run page: the same kind, share, step, gain and first card; the verdict note at most once.
     headline = re.search(r'<div class="headline">(.*?)</div>', page, re.S)

@@ -248,7 +248,8 @@ def render_text(r: Report) -> str:
         lines += [
             f"Next optimization: {rec.title} ({_gain_text(rec)})",
             f"  Change: {rec.change}",
-            f"  Why:    {rec.why}",
+            # A run's card carries the words of a trace that raised it (that trace's share), not the run's.
+            f"  Why:    {rec.why}" if not r.ranks else f"  Seen in a trace: {rec.why}",
             f"  Guide:  {guide.link(rec.kind, rec.id)}",
         ]
         lines += [f"  Caveat: {c}" for c in rec.caveats]
