@@ -155,6 +155,11 @@ def test_every_surface_shows_one_run_verdict(
         # The card's own words come from a trace: labelled so, not read as the run's share.
         assert 'class="muted why-scope"' in page
     assert page.count('id="verdict-note"') <= 1 and page.count('id="verdict"') == 1
+    # The run's details (device, tables) come from the trace that stands for its verdict.
+    assert api["lead_trace_id"] is not None
+    assert f'href="/traces/{api["lead_trace_id"]}">trace #{api["lead_trace_id"]}</a>' in page or (
+        'id="kernels"' not in page and 'id="collectives' not in page
+    )
 
     # Windows are never ranks.
     if windows_only:

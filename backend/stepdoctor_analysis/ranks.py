@@ -51,6 +51,7 @@ class TraceEntry:
     rank: int | None = None
     window: int | None = None
     worker: str | None = None
+    trace_id: int | None = None  # the server's id of the trace, when it has one
 
 
 class RankSummary(msgspec.Struct, kw_only=True):

@@ -152,6 +152,7 @@ class RunVerdict(msgspec.Struct, kw_only=True):
     stragglers: list[Straggler] = msgspec.field(default_factory=list)
     warnings: list[str] = msgspec.field(default_factory=list)
     lead: int | None = None  # index of the trace whose report stands for the run's details
+    lead_trace_id: int | None = None  # that trace's server id (``TraceEntry.trace_id``), when known
     computed_at: str | None = None  # set by the server when it stores the verdict
 
     def rank_section(self) -> RankVerdict:
@@ -233,7 +234,8 @@ def run_verdict(
         busy_spread=ranks.spread,
         stragglers=ranks.stragglers,
         warnings=_warnings(ranks),
-        lead=_lead(entries, ranks, limiter.kind),
+        lead=(lead := _lead(entries, ranks, limiter.kind)),
+        lead_trace_id=entries[lead].trace_id,
     )
 
 

@@ -49,7 +49,11 @@ def aggregate_run(traces: Sequence[StoredTrace], *, failed: int = 0, pending: in
     for t in traces:
         doc = read_report(t.report)
         if doc is not None:
-            entries.append(TraceEntry(doc, rank=t.rank, window=t.window_index, worker=worker_of(t.meta)))
+            entries.append(
+                TraceEntry(
+                    doc, rank=t.rank, window=t.window_index, worker=worker_of(t.meta), trace_id=t.trace_id
+                )
+            )
     return run_verdict(entries, failed=failed, pending=pending, outdated=len(traces) - len(entries))
 
 

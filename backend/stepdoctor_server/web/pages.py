@@ -267,6 +267,8 @@ def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep)
     d = state.verdict or RunVerdict()
     trace_rows, trace_count = runs.run_traces(session, run.id, MAX_TRACES_LISTED)
     rep_id, warnings = runs.run_facts(session, run.id)
+    if d.lead_trace_id is not None:  # the trace whose report stands for the run's verdict (as on the CLI)
+        rep_id = d.lead_trace_id
     facts = runs.facts_report(session, rep_id) if rep_id is not None else None
     figs: dict[str, figures.Fig] = {}
     if d.breakdown:
