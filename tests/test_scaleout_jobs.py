@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 from sqlalchemy.exc import OperationalError
 
 from stepdoctor_server.core import migrate
@@ -259,3 +259,39 @@ def test_sweep_requeues_pending_and_orphaned_traces(client: TestClient, app: Fas
         locks = session.scalars(text("SELECT lock FROM procrastinate_jobs WHERE status = 'todo'")).all()
         assert sorted(locks) == sorted([f"trace:{pending}", f"trace:{orphan}"])
         assert session.get(Trace, orphan).status == "pending"
+
+
+@pytest.mark.postgres
+def test_worker_process_works_through_a_backlog_of_jobs_for_deleted_traces(tmp_path: Path) -> None:
+    """Each job whose trace is gone ends at once ('already analysed or gone'), and a backlog of
+    them is worked through to the end: here enough that the worker's log runs well past a pipe's
+    64 KiB (``worker_subprocess`` keeps it in a file; a pipe read only at the end blocked the
+    worker mid-job once full, and the jobs behind it never ran)."""
+    from stepdoctor_server.core.database import Database
+    from stepdoctor_server.jobs.defer import defer_analyses
+    from support.server import migrated_database, worker_subprocess
+
+    gone = list(range(1_000_000, 1_000_400))  # ids no trace has
+    with migrated_database("postgresql", tmp_path) as url:
+        db = Database(Settings(data_dir=tmp_path, database_url=url))
+        try:
+            with db.session() as session:
+                defer_analyses(session, gone)
+            waiting = text("SELECT count(*) FROM procrastinate_jobs WHERE status IN ('todo', 'doing')")
+
+            def left() -> int:
+                with db.session() as session:
+                    return int(session.scalar(waiting) or 0)
+
+            with worker_subprocess(url, tmp_path / "data", "--workers", "1") as worker:
+                deadline = time.monotonic() + 300
+                while left() and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                remaining = left()
+        finally:
+            db.dispose()
+    assert remaining == 0, f"{remaining} jobs still waiting\n{worker.output[-3000:]}"
+    assert len(worker.output) > 64 << 10
+    for trace_id in gone:
+        assert f"trace {trace_id}: already analysed or gone" in worker.output
+    assert "Traceback" not in worker.output, worker.output[-3000:]

@@ -23,7 +23,14 @@ from fastapi.testclient import TestClient
 from stepdoctor_server.core.settings import Settings
 from stepdoctor_server.traces.storage import S3Store
 from support.s3 import BUCKET, S3Server, free_weed_ports, running_weed
-from support.server import FIXTURE_TRACES, row_counts, upload, worker_subprocess
+from support.server import (
+    DB_BACKENDS,
+    FIXTURE_TRACES,
+    migrated_database,
+    row_counts,
+    upload,
+    worker_subprocess,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -53,6 +60,17 @@ class Weed:
         if self._running is not None:
             self._running.__exit__(None, None, None)
             self._running = None
+
+
+@pytest.fixture(params=DB_BACKENDS)
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A database of this test's own (not the session's shared one): the ``stepdoctor worker``
+    a test starts works through every job queued in its database, so the jobs earlier tests
+    left (for traces long deleted) must not stand in front of the one this test watches."""
+    data_dir = tmp_path / "db"
+    data_dir.mkdir()
+    with migrated_database(request.param, data_dir) as url:
+        yield url
 
 
 @pytest.fixture

@@ -49,6 +49,7 @@ from stepdoctor_server.web.app import create_app
 from support.fixtures import TRACES
 
 __all__ = [
+    "DB_BACKENDS",
     "FIXTURE_TRACES",
     "POSTGRES_ADMIN_URL",
     "ServerProcess",
@@ -60,6 +61,7 @@ __all__ = [
     "db_url",
     "drain",
     "make_token",
+    "migrated_database",
     "read_token",
     "row_counts",
     "serve_subprocess",
@@ -110,11 +112,18 @@ def _fresh_postgres_database() -> Iterator[str]:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-@pytest.fixture(scope="session", params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A migrated database URL, once per backend per test session."""
-    data_dir = tmp_path_factory.mktemp(f"db-{request.param}")
-    if request.param == "sqlite":
+# The backends ``db_url`` is parametrized over; a module that needs a database of its own
+# overrides ``db_url`` with these params and ``migrated_database``.
+DB_BACKENDS = ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)]
+
+
+@contextmanager
+def migrated_database(backend: str, data_dir: Path) -> Iterator[str]:
+    """A fresh database of ``backend`` with the schema migrated; PostgreSQL's is dropped after.
+
+    Skips (with the reason) when PostgreSQL is unreachable.
+    """
+    if backend == "sqlite":
         url = f"sqlite:///{data_dir / 'stepdoctor.sqlite3'}"
         migrate.upgrade(Settings(data_dir=data_dir, database_url=url))
         yield url
@@ -124,6 +133,13 @@ def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         pytest.skip(reason)
     with _fresh_postgres_database() as url:
         migrate.upgrade(Settings(data_dir=data_dir, database_url=url))
+        yield url
+
+
+@pytest.fixture(scope="session", params=DB_BACKENDS)
+def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A migrated database URL, once per backend per test session."""
+    with migrated_database(request.param, tmp_path_factory.mktemp(f"db-{request.param}")) as url:
         yield url
 
 
@@ -443,25 +459,34 @@ def store_analysis(
 class WorkerRun:
     """A ``stepdoctor worker`` process; ``output`` is its stdout and stderr once it has stopped."""
 
-    process: subprocess.Popen[str]
+    process: subprocess.Popen[bytes]
     output: str = ""
 
 
 @contextmanager
 def worker_subprocess(database_url: str, data_dir: Path, *args: str) -> Iterator[WorkerRun]:
     """``stepdoctor worker *args`` on this database and data directory; on exit it gets SIGINT
-    (an operator's Ctrl-C) and its output is kept, so the test can check how it stopped."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "stepdoctor", "worker", *args],
-        env={**os.environ, "STEPDOCTOR_DATABASE_URL": database_url, "STEPDOCTOR_DATA_DIR": str(data_dir)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=str(REPO_ROOT),
-    )
-    run = WorkerRun(process)
-    try:
-        yield run
-    finally:
-        process.send_signal(signal.SIGINT)
-        run.output, _ = process.communicate(timeout=30)
+    (an operator's Ctrl-C) and its output is kept, so the test can check how it stopped.
+
+    Output goes to a file, as ``serve_subprocess``'s does: a pipe read only at the end fills up
+    (64 KiB) once the worker has logged enough, e.g. working through many queued jobs, and the
+    worker then blocks in its next log call, mid-job, until the test gives up.
+    """
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "stepdoctor", "worker", *args],
+            env={**os.environ, "STEPDOCTOR_DATABASE_URL": database_url, "STEPDOCTOR_DATA_DIR": str(data_dir)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=str(REPO_ROOT),
+        )
+        run = WorkerRun(process)
+        try:
+            yield run
+        finally:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(timeout=30)
+            finally:
+                log.seek(0)
+                run.output = log.read().decode(errors="replace")
