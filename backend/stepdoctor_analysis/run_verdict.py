@@ -85,21 +85,9 @@ class RunCard(msgspec.Struct, kw_only=True):
     ranks: list[int] = msgspec.field(default_factory=list)
 
 
-class RunFinding(msgspec.Struct, kw_only=True):
-    """A finding with the number of traces that raised it."""
+class RunFinding(Recommendation, kw_only=True):
+    """A trace's finding with the number of traces that raised it (the card's fields are the trace's)."""
 
-    id: str
-    title: str
-    kind: str
-    change: str
-    why: str
-    expected_speedup: float
-    removable_us_per_step: float
-    confidence: float
-    caveats: list[str]
-    evidence: dict[str, Any]
-    basis: str = "measured"
-    expected_speedup_range: tuple[float, float] | None = None
     traces: int = 0
 
 

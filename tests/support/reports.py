@@ -103,7 +103,9 @@ def verdict(**over: Any) -> RunVerdict:
         if isinstance(value, dict):
             fields[key] = _merge(_blank(tp), {"reason": "", **value} if tp is RunPrimary else value)
         elif isinstance(value, list):
-            fields[key] = [_merge(_blank(tp), v) for v in value]
+            # A finding is a report's Recommendation, whose kind must be a bottleneck kind.
+            blank = _blank(tp) | ({"kind": "compute"} if tp is RunFinding else {})
+            fields[key] = [_merge(blank, v) for v in value]
     return msgspec.convert(fields, RunVerdict)
 
 
