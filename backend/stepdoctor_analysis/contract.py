@@ -252,8 +252,7 @@ class OutOfMemoryEvent(_Doc):
 class MemorySection(_Doc):
     """``metrics.memory``: the allocator (``memory.MemoryStats``), what holds the memory at each device's
     peak, step-end growth, fragmentation and out-of-memory forensics (``memory_use``). ``devices``,
-    ``allocator_evidence`` and ``series`` are free-form inside; ``get`` reads a field by name, as the
-    readers written against the free-form section do."""
+    ``allocator_evidence`` and ``series`` are free-form inside."""
 
     devices: list[dict[str, Any]] = []
     steady_alloc_calls_per_step: float = 0.0
@@ -267,9 +266,6 @@ class MemorySection(_Doc):
     leak: list[MemoryLeak] = []
     fragmentation: list[MemoryFragmentation] = []
     out_of_memory_at: list[OutOfMemoryEvent] = []
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default)
 
 
 class Metrics(_Doc, omit_defaults=True):

@@ -75,10 +75,9 @@ def read_facts(device: Any, gpu: Any, memory_devices: Any, tables: Any) -> Repor
 
 def facts_of(doc: ReportDoc) -> ReportFacts:
     """The same parts of a report already read whole."""
-    devices = doc.metrics.memory.get("devices")
     return ReportFacts(
         device=doc.device,
         gpu=doc.metrics.gpu,
-        memory_devices=devices if isinstance(devices, list) else [],
+        memory_devices=doc.metrics.memory.devices,
         tables=doc.tables,
     )

@@ -374,7 +374,7 @@ def trace_page(
         figs["steps"] = figures.steps_figure(doc.steps)
     # ``metrics.memory`` and ``timeline`` are free-form sections of the contract: read guarded.
     memory = (
-        figures.memory_figure(doc.metrics.memory.get("series") or {}, doc.metrics.memory.get("devices") or [])
+        figures.memory_figure(doc.metrics.memory.series, doc.metrics.memory.devices)
         if doc is not None
         else None
     )
