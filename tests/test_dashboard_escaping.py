@@ -128,7 +128,9 @@ def test_plotly_text_shows_names_as_written_and_keeps_our_hover_markup() -> None
     step = {"number": 1, "why": "<i>", "lanes": [{"label": "host", "kind": "host", "boxes": [[0, 5, 0, 1]]}]}
     fig = figures.step_figure(step, [name])
     (trace,) = fig["data"]
-    assert trace["customdata"] == [['k&lt;a href="javascript:x()"&gt;j&lt;/a&gt; &amp; &lt;b&gt;', 1]]
+    assert [c[:2] for c in trace["customdata"]] == [
+        ['k&lt;a href="javascript:x()"&gt;j&lt;/a&gt; &amp; &lt;b&gt;', 1]
+    ]
     assert "<br>" in trace["hovertemplate"]  # our own markup stays markup
     assert "&lt;i&gt;" in fig["layout"]["title"]["text"]
     assert figures.plotly_text({"name": "a<b", "hovertemplate": "<br>", "n": [1, "&"]}) == {
@@ -240,7 +242,12 @@ def test_dashboard_pages_with_hostile_names_are_escaped_and_nonced(
         trace = browser.get(f"/traces/{created['id']}")
         scripts = _check_page(trace).scripts
         plots = {a["data-plot"]: json.loads(b) for a, b in scripts if a.get("type") == "application/json"}
-        boxes = {n for trace in plots["plot-step"]["data"] for n, _ in trace.get("customdata") or []}
+        boxes = {
+            c[0]
+            for trace in plots["plot-step"]["data"]
+            for c in trace.get("customdata") or []
+            if isinstance(c, list)
+        }
         # JSON.parse reads the names back as plotly's markup for the text as written.
         assert {escape(n, quote=False) for n in (*KERNELS, *OPS)} <= boxes, boxes
         assert DEVICE in _text(trace.text)

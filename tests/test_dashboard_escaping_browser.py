@@ -184,7 +184,9 @@ def test_hostile_names_stay_text_on_every_page_in_chromium(tmp_path: Path) -> No
             step = page.evaluate(
                 "() => JSON.parse(document.querySelector(\"script[data-plot='plot-step']\").textContent)"
             )
-            boxes = {n for trace in step["data"] for n, _ in trace.get("customdata") or []}
+            boxes = {
+                c[0] for trace in step["data"] for c in trace.get("customdata") or [] if isinstance(c, list)
+            }
             # In plotly's markup, escaped as plotly reads it back: the names as written.
             assert {escape(n, quote=False) for n in (*KERNELS, *OPS)} <= boxes, boxes
             for name, label in _hover_labels(page, "plot-step", (*KERNELS, *OPS)).items():

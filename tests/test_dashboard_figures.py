@@ -114,3 +114,21 @@ def test_lane_titles_name_the_main_backward_and_loader_threads() -> None:
         "main thread",
         "thread 2",
     ]
+
+
+def test_step_boxes_hover_with_their_length_not_their_end() -> None:
+    """Plotly's ``%{x}`` on a bar drawn from a base is the bar's end; the hover must read the length."""
+    from stepdoctor_dashboard.figures import step_figure
+
+    step = {
+        "lanes": [
+            {"kind": "host", "label": "host thread 1", "boxes": [[165.0, 195.0, 0, 1]]},
+            {"kind": "charged", "label": "charged", "boxes": [[165.0, 195.0, "compute"]]},
+        ]
+    }
+    data = step_figure(step, ["aten::mm"])["data"]
+    for trace in data:
+        template = trace["hovertemplate"]
+        assert "%{x" not in template, template
+        lengths = [c[2] if isinstance(c, list) else c for c in trace["customdata"]]
+        assert lengths == pytest.approx([0.03]), trace  # 30 µs, shown where the old hover said 0.195 ms

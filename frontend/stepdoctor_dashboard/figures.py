@@ -431,8 +431,11 @@ def step_figure(step: Mapping[str, Any], names: Sequence[str]) -> Fig:
                     "color": [_op_color(str(lane.get("kind")), n) for n in labels],
                     "line": {"width": 0},  # thin boxes would be all outline
                 },
-                "customdata": [[_short(n), b[3]] for n, b in zip(labels, boxes, strict=True)],
-                "hovertemplate": "%{customdata[0]}<br>%{base:.3f} ms + %{x:.3f} ms"
+                # Plotly's %{x} on a bar with a base is where the bar ends, so the length is data.
+                "customdata": [
+                    [_short(n), b[3], (b[1] - b[0]) / 1000.0] for n, b in zip(labels, boxes, strict=True)
+                ],
+                "hovertemplate": "%{customdata[0]}<br>%{base:.3f} ms + %{customdata[2]:.3f} ms"
                 "<br>%{customdata[1]} event(s)<extra></extra>",
                 "showlegend": False,
                 "name": titles[i],
@@ -454,7 +457,8 @@ def step_figure(step: Mapping[str, Any], names: Sequence[str]) -> Fig:
                     "marker": {"color": KIND_COLORS[kind], "line": {"width": 0}},
                     "name": kind,
                     "legendgroup": kind,
-                    "hovertemplate": "%{fullData.name}: %{x:.3f} ms at %{base:.3f} ms<extra></extra>",
+                    "customdata": [(b[1] - b[0]) / 1000.0 for b in mine],
+                    "hovertemplate": "%{fullData.name}: %{customdata:.3f} ms at %{base:.3f} ms<extra></extra>",
                 }
             )
     height = 120 + 34 * len(rows)
