@@ -1,0 +1,23 @@
+"""Schema for project baselines, regression flags and webhook deliveries.
+
+Revision ID: 2026_11_26_0002
+Revises: 2026_11_26_0001
+Create Date: 2026-11-26 11:00:00
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+revision: str = "2026_11_26_0002"
+down_revision: str | None = "2026_11_26_0001"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    pass
+
+
+def downgrade() -> None:
+    pass

@@ -1,0 +1,23 @@
+"""Schema for capture-now requests a live run's agent polls for.
+
+Revision ID: 2026_11_26_0003
+Revises: 2026_11_26_0002
+Create Date: 2026-11-26 11:00:00
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+revision: str = "2026_11_26_0003"
+down_revision: str | None = "2026_11_26_0002"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    pass
+
+
+def downgrade() -> None:
+    pass

@@ -1,0 +1,23 @@
+"""Schema for each trace's compact per-rank record, folded into its run's aggregate.
+
+Revision ID: 2026_11_26_0005
+Revises: 2026_11_26_0004
+Create Date: 2026-11-26 11:00:00
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+revision: str = "2026_11_26_0005"
+down_revision: str | None = "2026_11_26_0004"
+branch_labels: str | Sequence[str] | None = None
+depends_on: str | Sequence[str] | None = None
+
+
+def upgrade() -> None:
+    pass
+
+
+def downgrade() -> None:
+    pass
