@@ -135,6 +135,9 @@ class Run(Base):
     # re-aggregation), and how many times it was computed (operations, tests).
     diagnosis_basis: Mapped[str | None] = mapped_column(String(64))
     aggregations: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Its regression status against the project's baseline (``runs.regressions.RegressionStatus``),
+    # written by the run-diagnosis job, read by the pages and the API.
+    regression: Mapped[dict[str, Any] | None]
 
     project: Mapped[Project] = relationship(back_populates="runs", lazy="raise")
     traces: Mapped[list[Trace]] = relationship(back_populates="run", lazy="raise")
@@ -245,3 +248,46 @@ class DashboardSession(Base):
     hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(index=True)
+
+
+class ProjectBaseline(Base):
+    """The run a project's runs are compared with (chosen by an upload or admin token); without a
+    row, the median of the project's last finished runs (``runs.regressions``)."""
+
+    __tablename__ = "project_baselines"
+
+    project_id: Mapped[int] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+WEBHOOK_STATUSES = ("pending", "delivered", "failed")
+
+
+class WebhookDelivery(Base):
+    """One regression's webhook POST, and the queue its sender claims (``runs.webhook``).
+
+    Unique per (run, signature): a regression of one run is announced once, however often its
+    status is recomputed. ``next_attempt_at`` carries the exponential backoff between tries.
+    """
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        UniqueConstraint("run_id", "signature"),
+        CheckConstraint(_in("status", WEBHOOK_STATUSES), name="status"),
+        Index("ix_webhook_deliveries_status_next_attempt_at", "status", "next_attempt_at"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    signature: Mapped[str] = mapped_column(String(255))
+    payload: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    claimed_by: Mapped[str | None] = mapped_column(String(255))
+    claimed_at: Mapped[datetime | None]
+    delivered_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)

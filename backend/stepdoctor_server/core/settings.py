@@ -64,6 +64,21 @@ class Settings(BaseSettings):
     # Prometheus metrics of ``stepdoctor worker`` (0 = off), bound to metrics_host.
     metrics_port: int = Field(default=0, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
+    # Regressions (runs.regressions): a run is compared with its project's chosen baseline run, else
+    # with the median of the project's last ``baseline_runs`` finished runs; a steady step time more
+    # than ``regression_threshold`` (a fraction: 0.05 = 5%) slower, or another verdict kind, is flagged.
+    baseline_runs: int = Field(default=5, ge=1, le=100)
+    regression_threshold: float = Field(default=0.05, ge=0, le=100)
+    # One JSON POST per new regression (Slack/Mattermost-compatible ``text``), off the request path,
+    # tried ``webhook_tries`` times with exponential backoff from ``webhook_retry_wait_s``. A secret
+    # (the URL often embeds a token): repr, str and logs show only its scheme and host.
+    webhook_url: SecretStr = SecretStr("")
+    webhook_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    webhook_tries: int = Field(default=6, ge=1, le=50)
+    webhook_retry_wait_s: float = Field(default=5.0, ge=0)
+    # The dashboard's address as users reach it (``https://stepdoctor.example.com``), for links in
+    # webhooks; empty: links are relative paths.
+    public_url: str = ""
 
     @model_validator(mode="after")
     def _resolve_paths(self) -> Settings:
@@ -72,11 +87,19 @@ class Settings(BaseSettings):
             self.database_url = SecretStr(f"sqlite:///{self.data_dir / 'stepdoctor.sqlite3'}")
         return self
 
-    @field_serializer("database_url", when_used="json")
+    @field_serializer("database_url", "webhook_url", when_used="json")
     def _database_url_json(self, value: SecretStr) -> str:
         """Settings reach analysis child processes as JSON (``model_dump_json``), which must carry
         the real URL; Python dumps, repr and str keep it masked."""
         return value.get_secret_value()
+
+    @property
+    def webhook_url_shown(self) -> str:
+        """The webhook URL for messages and logs: scheme and host only (its path is often the secret)."""
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(self.webhook_url.get_secret_value())
+        return f"{parts.scheme}://{parts.hostname or ''}/..." if parts.scheme else ""
 
     @property
     def database_url_shown(self) -> str:
