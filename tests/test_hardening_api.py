@@ -20,7 +20,7 @@ from stepdoctor_server import cli
 from stepdoctor_server.core.models import Token, Trace, utcnow
 from stepdoctor_server.core.settings import get_settings
 from stepdoctor_server.jobs.claims import REANALYSIS_PRIORITY, claim_row
-from support.server import bearer, row_counts, store_analysis, store_files, synthetic_trace, upload
+from support.server import bearer, drain, row_counts, store_analysis, store_files, synthetic_trace, upload
 
 BIG_IDS = (0, -1, 2**31, 2**31 + 5, 2**63 - 1, 2**63, 2**64)
 
@@ -347,8 +347,13 @@ def test_trimmed_download_names_itself_and_errors_name_the_trace_not_storage(
     assert message == f"trace {made['id']}: no step in 12-12; the trace has steps 551-552"
     assert key.rsplit("/", 1)[-1].split(".")[0] not in message
 
-    # ?steps= is checked before the store is asked: a bad range is 422 even with the file gone.
+    # ?steps= is checked before the store is asked: a bad range is 422 even with the file gone,
+    # and so, once the trace is analysed, is a range its stored report shows it does not have.
+    drain(app)
     app.state.store.path(key).unlink()
     bad = client.get(f"/api/v1/traces/{made['id']}/download?steps=9-1")
     assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_steps"
+    absent = client.get(f"/api/v1/traces/{made['id']}/download?steps=12")
+    assert absent.status_code == 422, absent.text
+    assert absent.json()["error"]["message"] == message  # the cut's own wording, without the file
     assert client.get(f"/api/v1/traces/{made['id']}/download?steps=552").status_code == 410

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gzip
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -74,6 +75,13 @@ def parse_steps(text: str) -> tuple[int, int]:
     return first, last
 
 
+def no_step_message(label: str, first: int, last: int, numbers: Sequence[int]) -> str:
+    """Why ``first``-``last`` cuts nothing from a trace whose steps are ``numbers`` (in time order):
+    the one wording for the cut itself and for the server's check before it fetches the file."""
+    have = f"{numbers[0]}-{numbers[-1]}" if numbers else "none"
+    return f"{label}: no step in {first}-{last}; the trace has steps {have}"
+
+
 def step_window(
     path: str | Path, first: int, last: int, *, max_bytes: int | None = None, label: str | None = None
 ) -> tuple[int, int]:
@@ -90,8 +98,7 @@ def step_window(
     steps = find_steps(trace)
     chosen = [s for s in steps if first <= s.number <= last]
     if not chosen:
-        have = f"{steps[0].number}-{steps[-1].number}" if steps else "none"
-        raise TraceError(f"{label}: no step in {first}-{last}; the trace has steps {have}")
+        raise TraceError(no_step_message(label, first, last, [s.number for s in steps]))
     numbers, starts, ends = marker_ranges(trace)
     marks = [i for i, n in enumerate(numbers) if first <= n <= last]
     start = min([s.start for s in chosen] + [int(starts[i]) for i in marks])

@@ -72,10 +72,12 @@ def download(
 ) -> Response:
     """The trace as uploaded, or only the ProfilerSteps ``steps`` names (e.g. ``5-6``); 410 when the
     store lost the file."""
-    from stepdoctor_server.traces.trim import requested_steps, trimmed_download
+    from stepdoctor_server.traces.trim import check_steps_in_report, requested_steps, trimmed_download
 
     wanted = requested_steps(steps) if steps is not None else None  # a bad range fetches nothing
     trace, _, _ = load_trace(session, principal, trace_id)
+    if wanted is not None:  # nor does a range the stored report shows the trace lacks
+        check_steps_in_report(trace, trace_report(session, trace).doc, wanted)
     if not store.exists(trace.storage_key):
         raise ApiError(410, "gone", f"trace {trace_id} file is missing from the store")
     if wanted is not None:

@@ -14,8 +14,9 @@ from fastapi import Request
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
+from stepdoctor_analysis.contract import ReportDoc
 from stepdoctor_analysis.errors import TraceError, TraceTooLarge
-from stepdoctor_analysis.trim import parse_steps, trim_trace
+from stepdoctor_analysis.trim import no_step_message, parse_steps, trim_trace
 from stepdoctor_server.core.errors import ApiError
 from stepdoctor_server.core.models import Trace
 
@@ -26,6 +27,30 @@ def requested_steps(steps: str) -> tuple[int, int]:
         return parse_steps(steps)
     except ValueError as exc:
         raise ApiError(422, "invalid_steps", str(exc)) from None
+
+
+def marker_steps(doc: ReportDoc) -> list[int] | None:
+    """The ProfilerStep numbers a trace's report implies, or None when it cannot say for sure.
+
+    The report lists its steady steps; the warm-up steps before them are counted, not numbered.
+    Markers number steps consecutively, so consecutive steady numbers and a warm-up count give
+    every number; anything else (no markers, gaps) is left to the cut itself, after the fetch.
+    """
+    iterations = doc.iterations
+    numbers = [s.number for s in doc.steps]
+    if iterations is None or iterations.source != "markers" or not numbers:
+        return None
+    if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
+        return None
+    return list(range(numbers[0] - iterations.warmup.count, numbers[-1] + 1))
+
+
+def check_steps_in_report(trace: Trace, doc: ReportDoc | None, steps: tuple[int, int]) -> None:
+    """A 422 for steps the stored report shows the trace does not have, before the file is fetched."""
+    numbers = marker_steps(doc) if doc is not None else None
+    first, last = steps
+    if numbers is not None and not any(first <= n <= last for n in numbers):
+        raise ApiError(422, "cannot_trim", no_step_message(f"trace {trace.id}", first, last, numbers))
 
 
 def trimmed_download(trace: Trace, path: Path, steps: tuple[int, int], request: Request) -> FileResponse:
