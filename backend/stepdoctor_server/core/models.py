@@ -13,12 +13,14 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Float,
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -248,6 +250,68 @@ class DashboardSession(Base):
     hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(index=True)
+
+
+class SeriesStream(Base):
+    """One agent process's step series in a run (``stepdoctor.series``; a restart is a new stream).
+
+    Kept up to date as chunks arrive, so liveness (``runs.series.liveness_of``) reads a few rows per
+    run, never the chunks: ``heartbeat_at`` is the latest chunk's time (the agent's clock, capped at
+    the time it reached us), ``final`` whether the process wrote its exit chunk.
+    """
+
+    __tablename__ = "series_streams"
+    __table_args__ = (UniqueConstraint("run_id", "stream"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    stream: Mapped[str] = mapped_column(String(64))
+    rank: Mapped[int | None]
+    chunks: Mapped[int] = mapped_column(Integer, default=0)
+    steps: Mapped[int] = mapped_column(BigInteger, default=0)
+    heartbeat_at: Mapped[datetime]
+    final: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class SeriesChunk(Base):
+    """One step-series chunk as the agent wrote it (``data``: the chunk's bytes, validated on the way in).
+
+    The bytes stay as they are (zlib-compressed int64 columns, ~2 bytes a step): the engine's
+    ``run_timeline`` reads them back, so ``check`` and the run page see every step the agent saw.
+    """
+
+    __tablename__ = "series_chunks"
+    __table_args__ = (
+        UniqueConstraint("stream_id", "seq"),
+        Index("ix_series_chunks_stream_id_first_step", "stream_id", "first_step"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    stream_id: Mapped[int] = mapped_column(ForeignKey("series_streams.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(BigInteger)
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)  # first_step - 1 for a chunk without steps
+    count: Mapped[int] = mapped_column(Integer)
+    final: Mapped[bool] = mapped_column(Boolean, default=False)
+    sha256: Mapped[str] = mapped_column(String(64))
+    size_bytes: Mapped[int] = mapped_column(Integer)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+    received_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class RunTimelineCache(Base):
+    """A run's ``RunTimeline`` as last computed (``to_dict()``), valid while ``basis`` (the chunks it
+    was built from) and the engine version match: the page and API of a 10-million-step run read
+    this instead of decompressing every chunk again."""
+
+    __tablename__ = "run_timelines"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    basis: Mapped[str] = mapped_column(String(64))
+    engine_version: Mapped[str] = mapped_column(String(32))
+    timeline: Mapped[dict[str, Any]]
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
 
 class ProjectBaseline(Base):

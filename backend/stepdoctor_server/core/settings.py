@@ -64,6 +64,12 @@ class Settings(BaseSettings):
     # Prometheus metrics of ``stepdoctor worker`` (0 = off), bound to metrics_host.
     metrics_port: int = Field(default=0, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
+    # Step series (runs/series.py): a chunk's size limit (the engine's own is 16 MiB; the agent's
+    # chunks are ~40 KB), how long without a heartbeat (and no clean exit) a run is "stopped", and
+    # how old a cached run timeline the run page and API may show while chunks keep arriving.
+    max_series_chunk_bytes: int = Field(default=16 * 1024**2, gt=0)
+    series_stale_after_s: float = Field(default=300.0, gt=0)
+    run_timeline_refresh_s: float = Field(default=30.0, ge=0)
     # Regressions (runs.regressions): a run is compared with its project's chosen baseline run, else
     # with the median of the project's last ``baseline_runs`` finished runs; a steady step time more
     # than ``regression_threshold`` (a fraction: 0.05 = 5%) slower, or another verdict kind, is flagged.

@@ -1,0 +1,281 @@
+"""A run's step series on the server: chunks stored as the agent wrote them, the run timeline over
+them, and whether the run is live, finished or stopped.
+
+* :func:`store_chunk` validates one chunk with the engine's own reader
+  (``stepdoctor_analysis.run_timeline.validate_chunk``), refuses one that overlaps a stored chunk
+  of the same process, and stores the bytes unchanged (~4 bytes a step), once: a resent chunk is a
+  replay. Chunks live in the database, not the trace store: they are small (10,000 steps in ~40 KB),
+  go in with their row in one transaction (nothing half kept), and a run's timeline reads them in
+  one query.
+* :func:`run_timeline_of` is the engine's ``run_timeline`` over the stored chunks (the same
+  function ``stepdoctor analyze RUN_DIR`` runs over the spool), cached per run while no chunk
+  arrived: at 10 million steps it takes seconds, its cached ``to_dict()`` milliseconds.
+* :func:`liveness_of` is the one owner of a run's liveness, from the heartbeats kept per process
+  (``SeriesStream``): ``live`` (a heartbeat within ``stale_after_s``, not every process exited
+  cleanly), ``finished`` (every rank's latest process wrote its exit chunk) or ``stopped`` (no
+  heartbeat for ``stale_after_s`` and no clean exit). A run without a series has no liveness (None).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Literal
+
+import msgspec
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from stepdoctor_analysis import ENGINE_VERSION
+from stepdoctor_analysis.run_timeline import RunTimeline, SeriesError, run_timeline, validate_chunk
+from stepdoctor_server.core.errors import ApiError
+from stepdoctor_server.core.models import Run, RunTimelineCache, SeriesChunk, SeriesStream, utcnow
+
+Liveness = Literal["live", "finished", "stopped"]
+#: No heartbeat for this long (and no clean exit) and a run is ``stopped`` (``STEPDOCTOR_SERIES_STALE_AFTER_S``).
+STALE_AFTER_S = 300.0
+
+
+# --- liveness -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StreamBeat:
+    """What liveness needs of one agent process: its rank, latest heartbeat and clean exit."""
+
+    rank: int | None
+    heartbeat_at: datetime
+    final: bool
+
+
+def _utc(value: datetime) -> datetime:
+    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value
+
+
+def liveness_rule(
+    streams: Iterable[StreamBeat], *, now: datetime | None = None, stale_after_s: float = STALE_AFTER_S
+) -> Liveness | None:
+    """The rule, over a run's processes: per rank the process heard from last decides (a restart
+    replaces a killed one); the run is finished when each of those exited cleanly, else live while
+    any heartbeat is younger than ``stale_after_s``, else stopped. None without any process."""
+    latest: dict[int | None, StreamBeat] = {}
+    for beat in streams:
+        known = latest.get(beat.rank)
+        if known is None or _utc(beat.heartbeat_at) >= _utc(known.heartbeat_at):
+            latest[beat.rank] = beat
+    if not latest:
+        return None
+    if all(beat.final for beat in latest.values()):
+        return "finished"
+    now = now or datetime.now(timezone.utc)
+    newest = max(_utc(beat.heartbeat_at) for beat in latest.values())
+    return "live" if (now - newest).total_seconds() < stale_after_s else "stopped"
+
+
+def liveness_of_runs(
+    session: Session,
+    run_ids: Iterable[int],
+    *,
+    now: datetime | None = None,
+    stale_after_s: float = STALE_AFTER_S,
+) -> dict[int, Liveness | None]:
+    """:func:`liveness_rule` for several runs in one query (the run lists); None for runs without a series."""
+    ids = list(dict.fromkeys(run_ids))
+    beats: dict[int, list[StreamBeat]] = {run_id: [] for run_id in ids}
+    if ids:
+        rows = session.execute(
+            select(
+                SeriesStream.run_id, SeriesStream.rank, SeriesStream.heartbeat_at, SeriesStream.final
+            ).where(SeriesStream.run_id.in_(ids))
+        )
+        for run_id, rank, heartbeat_at, final in rows:
+            beats[run_id].append(StreamBeat(rank, heartbeat_at, bool(final)))
+    return {
+        run_id: liveness_rule(found, now=now, stale_after_s=stale_after_s) for run_id, found in beats.items()
+    }
+
+
+def liveness_of(
+    session: Session, run_id: int, *, now: datetime | None = None, stale_after_s: float = STALE_AFTER_S
+) -> Liveness | None:
+    """``"live" | "finished" | "stopped"``, or None when the run has no step series.
+
+    Callers with settings pass ``settings.series_stale_after_s`` (tests shorten it)."""
+    return liveness_of_runs(session, [run_id], now=now, stale_after_s=stale_after_s)[run_id]
+
+
+# --- the run timeline ---------------------------------------------------------------------------
+
+
+def _basis(session: Session, run_id: int) -> tuple[str, int]:
+    """(digest of the chunk set, chunk count): chunks are only ever added, so count and newest id
+    name the set."""
+    count, newest = session.execute(
+        select(func.count(SeriesChunk.id), func.max(SeriesChunk.id))
+        .join(SeriesStream, SeriesStream.id == SeriesChunk.stream_id)
+        .where(SeriesStream.run_id == run_id)
+    ).one()
+    return f"{int(count)}:{int(newest or 0)}", int(count)
+
+
+def run_timeline_of(session: Session, run_id: int, *, fresh_within_s: float = 0.0) -> RunTimeline | None:
+    """The engine's :class:`RunTimeline` over the run's stored chunks (in step order), or None when
+    the run has no step series (or only chunks without steps).
+
+    The last result is kept per run (``run_timelines``) and reused while no chunk arrived, or, with
+    ``fresh_within_s``, while it is younger than that (a live 10-million-step run's page does not
+    redo seconds of work for every new chunk; ``check`` and regressions pass 0: exact).
+    """
+    basis, count = _basis(session, run_id)
+    if count == 0:
+        return None
+    cached = session.get(RunTimelineCache, run_id)
+    if cached is not None and cached.engine_version == ENGINE_VERSION:
+        age = (utcnow() - _utc(cached.updated_at)).total_seconds()
+        if cached.basis == basis or age < fresh_within_s:
+            return msgspec.convert(cached.timeline, RunTimeline)
+    chunks = session.scalars(
+        select(SeriesChunk.data)
+        .join(SeriesStream, SeriesStream.id == SeriesChunk.stream_id)
+        .where(SeriesStream.run_id == run_id)
+        .order_by(SeriesStream.id, SeriesChunk.seq)
+    )
+    try:
+        timeline = run_timeline(bytes(data) for data in chunks)
+    except SeriesError:  # only chunks without steps (a process that exited before its first step)
+        return None
+    _keep(session, run_id, basis, timeline)
+    return timeline
+
+
+def _keep(session: Session, run_id: int, basis: str, timeline: RunTimeline) -> None:
+    try:
+        with session.begin_nested():
+            cached = session.get(RunTimelineCache, run_id)
+            if cached is None:
+                cached = RunTimelineCache(run_id=run_id)
+                session.add(cached)
+            cached.basis, cached.engine_version = basis, ENGINE_VERSION
+            cached.timeline, cached.updated_at = timeline.to_dict(), utcnow()
+            session.flush()
+    except IntegrityError:  # another request stored it meanwhile: theirs is as good
+        pass
+
+
+# --- storing a chunk ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A stored chunk (``replay``: it was already there, byte for byte)."""
+
+    run_id: int
+    stream: str
+    seq: int
+    first_step: int
+    last_step: int
+    replay: bool
+
+
+def invalid(message: str) -> ApiError:
+    return ApiError(422, "invalid_series_chunk", message)
+
+
+def store_chunk(session: Session, run: Run, data: bytes, *, received_at: datetime | None = None) -> Stored:
+    """Validate ``data`` and store it in ``run`` (the session only flushes); 422 naming the problem
+    when the chunk is bad or overlaps a stored chunk of its process, with nothing kept."""
+    try:
+        chunk = validate_chunk(data)
+    except SeriesError as exc:
+        raise invalid(str(exc)) from None
+    received_at = received_at or utcnow()
+    sha256 = hashlib.sha256(data).hexdigest()
+    last = chunk.last_step
+    final = bool(chunk.header.get("final"))
+    t_end = chunk.header.get("t_end")
+    heartbeat = received_at
+    if isinstance(t_end, int | float) and not isinstance(t_end, bool) and t_end > 0:
+        # the agent's clock says when the process was last seen; never later than its arrival
+        heartbeat = min(received_at, datetime.fromtimestamp(float(t_end), timezone.utc))
+    stream = _get_or_create_stream(session, run.id, chunk.stream, chunk.rank, heartbeat)
+    known = session.scalar(
+        select(SeriesChunk).where(SeriesChunk.stream_id == stream.id, SeriesChunk.seq == chunk.seq)
+    )
+    if known is not None:
+        if known.sha256 != sha256:
+            raise invalid(
+                f"series chunk {chunk.seq} of process {chunk.stream} is already stored with other content "
+                f"(steps {known.first_step}-{known.last_step})"
+            )
+        return Stored(run.id, chunk.stream, chunk.seq, known.first_step, known.last_step, True)
+    if last >= chunk.first_step:
+        overlap = session.scalar(
+            select(SeriesChunk)
+            .where(
+                SeriesChunk.stream_id == stream.id,
+                SeriesChunk.first_step <= last,
+                SeriesChunk.last_step >= chunk.first_step,
+            )
+            .limit(1)
+        )
+        if overlap is not None:
+            raise invalid(
+                f"series chunk {chunk.seq} (steps {chunk.first_step}-{last}) overlaps stored chunk "
+                f"{overlap.seq} (steps {overlap.first_step}-{overlap.last_step}) of process {chunk.stream}"
+            )
+    row = SeriesChunk(
+        stream_id=stream.id,
+        seq=chunk.seq,
+        first_step=chunk.first_step,
+        last_step=last,
+        count=len(chunk.wall_ns),
+        final=final,
+        sha256=sha256,
+        size_bytes=len(data),
+        data=data,
+        received_at=received_at,
+    )
+    try:
+        with session.begin_nested():
+            session.add(row)
+            session.flush()
+    except IntegrityError:  # the same chunk, sent twice at once: the other request stored it
+        again = session.scalar(
+            select(SeriesChunk).where(SeriesChunk.stream_id == stream.id, SeriesChunk.seq == chunk.seq)
+        )
+        if again is None or again.sha256 != sha256:
+            raise invalid(
+                f"series chunk {chunk.seq} of process {chunk.stream} conflicts with one stored meanwhile"
+            ) from None
+        return Stored(run.id, chunk.stream, chunk.seq, again.first_step, again.last_step, True)
+    stream.chunks += 1
+    stream.steps += row.count
+    stream.final = stream.final or final
+    if _utc(heartbeat) > _utc(stream.heartbeat_at):
+        stream.heartbeat_at = heartbeat
+    if chunk.rank is not None:
+        stream.rank = chunk.rank
+    session.flush()
+    return Stored(run.id, chunk.stream, chunk.seq, chunk.first_step, last, False)
+
+
+def _get_or_create_stream(
+    session: Session, run_id: int, name: str, rank: int | None, heartbeat: datetime
+) -> SeriesStream:
+    query = select(SeriesStream).where(SeriesStream.run_id == run_id, SeriesStream.stream == name)
+    stream = session.scalar(query)
+    if stream is not None:
+        return stream
+    try:
+        with session.begin_nested():
+            stream = SeriesStream(
+                run_id=run_id, stream=name, rank=rank, chunks=0, steps=0, heartbeat_at=heartbeat, final=False
+            )
+            session.add(stream)
+            session.flush()
+    except IntegrityError:  # created concurrently by the same process's next chunk
+        stream = session.scalars(query).one()
+    return stream
