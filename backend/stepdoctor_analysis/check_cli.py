@@ -1,7 +1,11 @@
 """``stepdoctor check CANDIDATE --baseline BASELINE [--max-regression 5%] [--format json]``: a CI gate.
 
 Each argument is a trace file or a run directory (the agent's spool folder, or a TensorBoard log
-folder holding one run). The step times compared are the unprofiled steady-state medians when both
+folder holding one run), or, with ``--server URL``, a run on a stepdoctor server named
+``project/run`` (an existing local path wins; mixed forms are fine). A server run is read from
+``GET /api/v1/projects/{project}/runs/{run}/check`` (read scope, ``--token`` or
+``$STEPDOCTOR_TOKEN``): its full-resolution steady step time, profiled step time and verdict,
+the same :class:`~stepdoctor_analysis.run_timeline.Side` a local run gives. The step times compared are the unprofiled steady-state medians when both
 runs have the agent's step series, else the profiled step times of their traces; the line says
 which (:func:`stepdoctor_analysis.run_timeline.compare` decides, for every surface).
 
@@ -14,9 +18,15 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+
+import msgspec
 
 from . import logdir
 from .errors import TraceError
@@ -40,8 +50,14 @@ def _parser() -> argparse.ArgumentParser:
         prog="stepdoctor check",
         description="Fail (exit 1) when CANDIDATE's step time regressed against BASELINE's.",
     )
-    p.add_argument("candidate", help="trace file or run directory of the run under test")
-    p.add_argument("--baseline", required=True, help="trace file or run directory to compare against")
+    p.add_argument(
+        "candidate", help="trace file or run directory of the run under test (or project/run with --server)"
+    )
+    p.add_argument(
+        "--baseline",
+        required=True,
+        help="trace file or run directory to compare against (or project/run with --server)",
+    )
     p.add_argument(
         "--max-regression",
         type=regression_fraction,
@@ -49,6 +65,15 @@ def _parser() -> argparse.ArgumentParser:
         help="largest slowdown allowed, in percent (default 5%%)",
     )
     p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument(
+        "--server",
+        default=None,
+        help="stepdoctor server URL: arguments of the form project/run are read there",
+    )
+    p.add_argument(
+        "--token", default=None, help="API token with read scope for --server (default $STEPDOCTOR_TOKEN)"
+    )
+    p.add_argument("--timeout", type=float, default=60.0, help=argparse.SUPPRESS)
     p.add_argument("--max-bytes", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
@@ -91,6 +116,60 @@ def side(path_text: str, *, max_bytes: int | None = None) -> Side:
     )
 
 
+_NAME = r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}"
+SERVER_RUN_RE = re.compile(rf"({_NAME})/({_NAME})")
+
+
+def server_run_name(text: str) -> tuple[str, str] | None:
+    """(project, run) when ``text`` reads ``project/run`` (the server's name alphabet), else None."""
+    match = SERVER_RUN_RE.fullmatch(text)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def server_side(server: str, token: str | None, project: str, run: str, *, timeout: float = 60.0) -> Side:
+    """What ``compare`` needs from a run on a stepdoctor server (the server builds it with the
+    same :class:`Side`); stdlib HTTP, TLS verified. Failures raise :class:`TraceError` (one line)."""
+    base = server.rstrip("/")
+    if urllib.parse.urlsplit(base).scheme not in ("http", "https"):
+        raise TraceError(f"--server must be an http:// or https:// URL, not {server!r}")
+    quote = urllib.parse.quote
+    url = f"{base}/api/v1/projects/{quote(project, safe='')}/runs/{quote(run, safe='')}/check"
+    request = urllib.request.Request(url, headers={"Accept": "application/json"})
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    where = f"{project}/{run} on {base}"
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read(16 * 2**20)
+    except urllib.error.HTTPError as exc:
+        raise TraceError(f"{where}: HTTP {exc.code}: {_error_message(exc)}") from None
+    except (urllib.error.URLError, TimeoutError, OSError) as exc:
+        reason = getattr(exc, "reason", None) or exc
+        raise TraceError(f"{where}: cannot reach the server: {reason}") from None
+    try:
+        return msgspec.json.decode(body, type=Side)
+    except msgspec.DecodeError as exc:
+        raise TraceError(f"{where}: the server's answer is not a run to compare: {exc}") from None
+
+
+def _error_message(exc: urllib.error.HTTPError) -> str:
+    """The API's one-line ``{"error": {"message"}}``, or the status text."""
+    try:
+        message = json.loads(exc.read(65536) or b"{}")["error"]["message"]
+    except (ValueError, KeyError, TypeError, OSError):
+        return str(exc.reason)
+    return str(message)[:300]
+
+
+def resolve_side(text: str, args: argparse.Namespace) -> Side:
+    """One argument as a :class:`Side`: a local path, else (with ``--server``) ``project/run`` there."""
+    named = server_run_name(text) if args.server else None
+    if named is not None and not Path(text).exists():
+        token = args.token or os.environ.get("STEPDOCTOR_TOKEN") or None
+        return server_side(args.server, token, *named, timeout=args.timeout)
+    return side(text, max_bytes=args.max_bytes)
+
+
 def render_line(c: Comparison) -> str:
     """The one line CI logs show."""
     basis = (
@@ -110,8 +189,8 @@ def render_line(c: Comparison) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        candidate = side(args.candidate, max_bytes=args.max_bytes)
-        baseline = side(args.baseline, max_bytes=args.max_bytes)
+        candidate = resolve_side(args.candidate, args)
+        baseline = resolve_side(args.baseline, args)
         result = compare(candidate, baseline, max_regression=args.max_regression)
     except TraceError as exc:
         print(f"stepdoctor check: {exc}", file=sys.stderr)
