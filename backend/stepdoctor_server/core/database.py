@@ -16,7 +16,7 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from stepdoctor_server.core.settings import Settings
+from stepdoctor_server.core.settings import Settings, get_settings
 
 _ROLLBACK_HOOKS = "stepdoctor_on_rollback"
 
@@ -74,6 +74,15 @@ class AppSession(Session):
         self.defers_jobs = defers_jobs
 
 
+SETTINGS = "stepdoctor.settings"
+
+
+def settings_of(session: Session) -> Settings:
+    """The settings of the app whose database ``session`` belongs to (the process's otherwise)."""
+    found = session.info.get(SETTINGS)
+    return found if isinstance(found, Settings) else get_settings()
+
+
 def defers_jobs(session: Session) -> bool:
     """Whether jobs queued in ``session``'s transaction are deferred to the job engine."""
     return isinstance(session, AppSession) and session.defers_jobs
@@ -87,14 +96,20 @@ class Database:
         self.engine = make_engine(settings)
         # Sessions know whether their jobs are deferred to a job engine (``defers_jobs``).
         defer = settings.uses_procrastinate
+        # ``info["settings"]``: what jobs running inside a session read (``settings_of``).
         self.sessionmaker = sessionmaker(
-            self.engine, class_=AppSession, expire_on_commit=False, defers_jobs=defer
+            self.engine,
+            class_=AppSession,
+            expire_on_commit=False,
+            defers_jobs=defer,
+            info={SETTINGS: settings},
         )
         self.read_sessionmaker = sessionmaker(
             self.engine.execution_options(**{READ_ONLY: True}),
             class_=AppSession,
             expire_on_commit=False,
             defers_jobs=defer,
+            info={SETTINGS: settings},
         )
 
     @contextmanager
