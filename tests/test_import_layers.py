@@ -39,15 +39,6 @@ KNOWN_CIRCLES = {
     frozenset(
         {"stepdoctor_analysis.advice", "stepdoctor_analysis.memory_rules", "stepdoctor_analysis.rules"}
     ),
-    frozenset(
-        {
-            "stepdoctor",
-            "stepdoctor.metadata",
-            "stepdoctor.profiler",
-            "stepdoctor.transport",
-            "stepdoctor.worker",
-        }
-    ),
 }
 
 

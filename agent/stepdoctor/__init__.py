@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from stepdoctor.version import __version__
 
 if TYPE_CHECKING:
     from stepdoctor.profiler import NoopProfile, Profile, profile

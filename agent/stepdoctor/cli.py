@@ -122,7 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_usage())
         return 0
     if args[0] == "--version":
-        from stepdoctor import __version__
+        from stepdoctor.version import __version__
 
         print(__version__)
         return 0

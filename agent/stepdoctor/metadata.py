@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from stepdoctor import __version__
 from stepdoctor.config import job_id
+from stepdoctor.version import __version__
 
 _SECRET_FLAG = re.compile(r"^-{1,2}[\w-]*(token|password|passwd|secret|api[-_]?key|credential)[\w-]*$", re.I)
 LOADER_FIELDS = ("batch_size", "num_workers", "pin_memory", "prefetch_factor", "persistent_workers")

@@ -26,10 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stepdoctor import config as _config
-from stepdoctor import memory_snapshot as _memory_snapshot
-from stepdoctor import metadata as _metadata
-from stepdoctor import series as _series
+import stepdoctor.config as _config
+import stepdoctor.memory_snapshot as _memory_snapshot
+import stepdoctor.metadata as _metadata
+import stepdoctor.series as _series
 from stepdoctor.guard import guarded, log_once, raise_errors, say
 from stepdoctor.spool import FAILED_DIR, UPLOADED_DIR, Spool
 from stepdoctor.worker import DeliveryWorker, Stats

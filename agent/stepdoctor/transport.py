@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from stepdoctor import __version__
 from stepdoctor.config import ca_bundle
+from stepdoctor.version import __version__
 
 METADATA_HEADER_MAX = 8 * 1024
 RETRYABLE_4XX = {408, 429}

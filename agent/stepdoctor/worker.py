@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepdoctor import transport
+import stepdoctor.transport as transport
 from stepdoctor.config import Delivery
 from stepdoctor.guard import guarded, log_once, logger, say
 from stepdoctor.spool import Entry, Spool
