@@ -30,7 +30,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from stepdoctor_analysis import ENGINE_VERSION
-from stepdoctor_analysis.run_timeline import RunTimeline, SeriesError, run_timeline, validate_chunk
+from stepdoctor_analysis.run_timeline import Chunk, RunTimeline, SeriesError, run_timeline, validate_chunk
+from stepdoctor_server.core.database import settings_of
 from stepdoctor_server.core.errors import ApiError
 from stepdoctor_server.core.models import Run, RunTimelineCache, SeriesChunk, SeriesStream, utcnow
 
@@ -80,9 +81,12 @@ def liveness_of_runs(
     run_ids: Iterable[int],
     *,
     now: datetime | None = None,
-    stale_after_s: float = STALE_AFTER_S,
+    stale_after_s: float | None = None,
 ) -> dict[int, Liveness | None]:
-    """:func:`liveness_rule` for several runs in one query (the run lists); None for runs without a series."""
+    """:func:`liveness_rule` for several runs in one query (the run lists); None for runs without a
+    series. ``stale_after_s`` defaults to the app's ``series_stale_after_s`` setting."""
+    if stale_after_s is None:
+        stale_after_s = settings_of(session).series_stale_after_s
     ids = list(dict.fromkeys(run_ids))
     beats: dict[int, list[StreamBeat]] = {run_id: [] for run_id in ids}
     if ids:
@@ -99,11 +103,10 @@ def liveness_of_runs(
 
 
 def liveness_of(
-    session: Session, run_id: int, *, now: datetime | None = None, stale_after_s: float = STALE_AFTER_S
+    session: Session, run_id: int, *, now: datetime | None = None, stale_after_s: float | None = None
 ) -> Liveness | None:
-    """``"live" | "finished" | "stopped"``, or None when the run has no step series.
-
-    Callers with settings pass ``settings.series_stale_after_s`` (tests shorten it)."""
+    """``"live" | "finished" | "stopped"``, or None when the run has no step series (the threshold:
+    the app's ``series_stale_after_s``, 5 minutes unless configured)."""
     return liveness_of_runs(session, [run_id], now=now, stale_after_s=stale_after_s)[run_id]
 
 
@@ -184,13 +187,26 @@ def invalid(message: str) -> ApiError:
     return ApiError(422, "invalid_series_chunk", message)
 
 
-def store_chunk(session: Session, run: Run, data: bytes, *, received_at: datetime | None = None) -> Stored:
-    """Validate ``data`` and store it in ``run`` (the session only flushes); 422 naming the problem
-    when the chunk is bad or overlaps a stored chunk of its process, with nothing kept."""
+def check_chunk(data: bytes) -> Chunk:
+    """The engine's reader over ``data``; 422 with its one line when the chunk is unusable."""
     try:
-        chunk = validate_chunk(data)
+        return validate_chunk(data)
     except SeriesError as exc:
         raise invalid(str(exc)) from None
+
+
+def store_chunk(
+    session: Session,
+    run: Run,
+    data: bytes,
+    *,
+    chunk: Chunk | None = None,
+    received_at: datetime | None = None,
+) -> Stored:
+    """Validate ``data`` (unless ``chunk`` is its :func:`check_chunk`) and store it in ``run`` (the
+    session only flushes); 422 naming the problem when the chunk is bad or overlaps a stored chunk
+    of its process, with nothing kept."""
+    chunk = chunk if chunk is not None else check_chunk(data)
     received_at = received_at or utcnow()
     sha256 = hashlib.sha256(data).hexdigest()
     last = chunk.last_step

@@ -20,10 +20,12 @@ from sqlalchemy.orm import InstrumentedAttribute, Session
 
 from stepdoctor_analysis import BOTTLENECK_KINDS
 from stepdoctor_server.auth.tokens import ReadTeam
-from stepdoctor_server.core.database import SessionDep
+from stepdoctor_server.core.database import SessionDep, settings_of
 from stepdoctor_server.core.errors import MAX_ID, ApiError
 from stepdoctor_server.core.models import Project, Run, Trace
+from stepdoctor_server.runs import series
 from stepdoctor_server.runs import service as runs
+from stepdoctor_server.runs.series import Liveness
 from stepdoctor_server.traces.ingest import NAME_RE, check_tag, validate_name
 from stepdoctor_server.web.schemas import (
     ErrorResponse,
@@ -146,7 +148,7 @@ def list_projects(
 # -- runs ----------------------------------------------------------------------------------------
 
 
-def _run_out(run: Run, project_name: str, trace_count: int) -> RunOut:
+def _run_out(run: Run, project_name: str, trace_count: int, liveness: Liveness | None = None) -> RunOut:
     return RunOut(
         id=run.id,
         project_id=run.project_id,
@@ -157,6 +159,7 @@ def _run_out(run: Run, project_name: str, trace_count: int) -> RunOut:
         trace_count=trace_count,
         created_at=run.created_at,
         updated_at=run.updated_at,
+        liveness=liveness,
     )
 
 
@@ -186,7 +189,8 @@ def list_runs(
         session, principal, project=project, tag=tag, primary_kind=primary_kind, since=since, until=until
     )
     rows, next_cursor = paginate(session, query, _run_keyset(sort), Run.id, limit, cursor)
-    return Page[RunOut](items=[_run_out(r, p, n) for r, p, n in rows], next=next_cursor)
+    alive = series.liveness_of_runs(session, [r.id for r, _, _ in rows])
+    return Page[RunOut](items=[_run_out(r, p, n, alive[r.id]) for r, p, n in rows], next=next_cursor)
 
 
 def _bounded_time(name: str, value: datetime) -> datetime:
@@ -203,12 +207,16 @@ def _bounded_time(name: str, value: datetime) -> datetime:
 def get_run(run_id: int, principal: ReadTeam, session: SessionDep) -> RunDetail:
     run, project = runs.load_run(session, principal, run_id)
     counts = runs.trace_status_counts(session, run.id)
-    base = _run_out(run, project.name, sum(counts.values()))
+    base = _run_out(run, project.name, sum(counts.values()), series.liveness_of(session, run.id))
+    timeline = series.run_timeline_of(
+        session, run.id, fresh_within_s=settings_of(session).run_timeline_refresh_s
+    )
     return RunDetail(
         **base.model_dump(),
         diagnosis=run.diagnosis,
         diagnosis_engine_version=run.diagnosis_engine_version,
         trace_status=counts,
+        run_timeline=timeline.to_dict() if timeline is not None else None,
     )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Annotated, Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 
@@ -103,12 +103,22 @@ class RunOut(BaseModel):
     trace_count: int
     created_at: UTCDateTime
     updated_at: UTCDateTime
+    liveness: Literal["live", "finished", "stopped"] | None = Field(
+        default=None,
+        description="from the agent's step-series heartbeats: live, finished (the process exited cleanly) "
+        "or stopped (no heartbeat for 5 minutes, no clean exit); null for a run without a step series",
+    )
 
 
 class RunDetail(RunOut):
     diagnosis: dict[str, Any] | None
     diagnosis_engine_version: str | None
     trace_status: dict[str, int] = Field(description="number of traces per status")
+    run_timeline: dict[str, Any] | None = Field(
+        default=None,
+        description="the engine's RunTimeline over every step the agent timed (what `stepdoctor analyze "
+        "RUN_DIR --format json` gives as run_timeline); null for a run without a step series",
+    )
 
 
 class HealthOut(BaseModel):

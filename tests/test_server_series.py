@@ -1,0 +1,103 @@
+"""Step-series upload on the server: stored once, read back as the engine's run timeline, bad
+chunks refused with nothing kept (``POST /api/v1/series``, ``runs/series.py``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from stepdoctor_analysis.run_timeline import run_timeline
+from support.series_chunks import chunk, padded, with_header
+from support.server import bearer, row_counts
+
+
+def send(client: TestClient, data: bytes, token: str, *, project: str = "proj", run: str = "run1") -> Any:
+    return client.post(
+        "/api/v1/series",
+        params={"project": project, "run": run},
+        content=data,
+        headers={**bearer(token), "Content-Type": "application/octet-stream"},
+    )
+
+
+def test_a_runs_chunks_are_stored_and_read_back_as_the_engines_timeline(
+    client: TestClient, upload_token: str, read_token: str
+) -> None:
+    window = {"first_step": 102, "last_step": 104, "reason": "schedule"}
+    sent = [
+        chunk("a1", 0, 0, 100),
+        chunk("a1", 1, 100, 100, profiled=[[100, 104]], windows=[window]),
+        chunk("a1", 2, 200, 100),
+        chunk("a1", 3, 300, 0, final=True),
+    ]
+    for data in sent[::-1]:  # any order: chunks of one process may arrive out of order after retries
+        answer = send(client, data, upload_token)
+        assert answer.status_code == 201, answer.text
+    run_id = answer.json()["run_id"]
+    detail = client.get(f"/api/v1/runs/{run_id}", headers=bearer(read_token))
+    assert detail.status_code == 200, detail.text
+    body = detail.json()
+    assert body["run_timeline"] == run_timeline(sent).to_dict()
+    assert body["run_timeline"]["steps"] == 300 and body["run_timeline"]["missing_steps"] == 0
+    assert body["run_timeline"]["windows"] == [window]
+    assert body["liveness"] == "finished"
+
+
+def test_the_same_chunk_twice_is_stored_once(app: FastAPI, client: TestClient, upload_token: str) -> None:
+    data = chunk("b1", 0, 0, 50)
+    first = send(client, data, upload_token)
+    rows = row_counts(app)
+    again = send(client, data, upload_token)
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert again.json() == {**first.json(), "replay": True}
+    assert row_counts(app) == rows and rows["series_chunks"] == 1
+
+
+def _nan(data: bytes) -> bytes:
+    return with_header(data, t_end=math.nan)
+
+
+BAD = {
+    "not finite": (lambda: _nan(chunk("c1", 0, 0, 10)), 422, "not a finite number"),
+    "steps go back": (lambda: chunk("c1", 0, 0, 10, mem_steps=[5, 3]), 422, "increasing steps"),
+    "ranges go back": (lambda: chunk("c1", 0, 0, 10, profiled=[[6, 7], [2, 3]]), 422, "increasing order"),
+    "not a chunk": (lambda: b"{}", 422, "bad magic bytes"),
+    "oversized": (lambda: padded(chunk("c1", 0, 0, 10), 5000), 413, "size limit of 4096 bytes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_a_bad_chunk_is_refused_naming_the_problem_and_nothing_is_kept(
+    app: FastAPI, client: TestClient, upload_token: str, case: str
+) -> None:
+    app.state.settings.max_series_chunk_bytes = 4096
+    make, status, words = BAD[case]
+    rows = row_counts(app)
+    answer = send(client, make(), upload_token, project="fresh", run="new")
+    assert answer.status_code == status, answer.text
+    assert words in answer.json()["error"]["message"]
+    assert row_counts(app) == rows  # not even the project or the run
+
+
+def test_a_chunk_overlapping_a_stored_one_is_refused(
+    app: FastAPI, client: TestClient, upload_token: str
+) -> None:
+    assert send(client, chunk("d1", 0, 0, 100), upload_token).status_code == 201
+    rows = row_counts(app)
+    for data in (chunk("d1", 1, 50, 100), chunk("d1", 0, 0, 100, wall_ms=30.0)):
+        answer = send(client, data, upload_token)
+        assert answer.status_code == 422, answer.text
+        assert "steps 0-99" in answer.json()["error"]["message"]
+    assert row_counts(app) == rows
+    # another process of the run (a restart numbers its steps from 0 again) is no overlap
+    assert send(client, chunk("d2", 0, 0, 100), upload_token).status_code == 201
+
+
+def test_a_read_token_cannot_upload_a_chunk(app: FastAPI, client: TestClient, read_token: str) -> None:
+    rows = row_counts(app)
+    assert send(client, chunk("e1", 0, 0, 10), read_token).status_code == 403
+    assert row_counts(app) == rows
