@@ -38,7 +38,8 @@ def _hit(*args: Any, **kwargs: Any) -> Hit:
     return Hit(*args, **kwargs)
 
 
-def _gib(n: float) -> str:
+def gib_text(n: float) -> str:
+    """Bytes as GiB, or MiB below a tenth of one."""
     return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / MIB:.1f} MiB"
 
 
@@ -59,28 +60,28 @@ def _leak(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     }
     params = {
         "device": worst.device,
-        "growth": _gib(worst.growth_per_step),
+        "growth": gib_text(worst.growth_per_step),
         "steps": len(worst.step_end_bytes),
-        "first": _gib(worst.step_end_bytes[0]),
-        "last": _gib(worst.step_end_bytes[-1]),
-        "who": _survivor_words(top),
-        "change": _leak_change(top),
+        "first": gib_text(worst.step_end_bytes[0]),
+        "last": gib_text(worst.step_end_bytes[-1]),
+        "who": survivor_words(top),
+        "change": leak_change(top),
     }
     conf = 0.85 if top is not None else 0.6
     return _hit(worst.growth_per_step / MIB, 0.0, evidence, params, conf)
 
 
-def _survivor_words(top: dict[str, object] | None) -> str:
+def survivor_words(top: dict[str, object] | None) -> str:
     if top is None:
         return "the trace does not show which allocations survive (they were made before the profiled steps)"
     where = f" in {top['module']}" if top.get("module") else ""
     return (
         f"what survives each step is allocated by {top['op'] or 'an unnamed op'}{where} in the {top['phase']} "
-        f"pass ({_gib(float(top['bytes_per_step']))} per step)"  # type: ignore[arg-type]
+        f"pass ({gib_text(float(top['bytes_per_step']))} per step)"  # type: ignore[arg-type]
     )
 
 
-def _leak_change(top: dict[str, object] | None) -> str:
+def leak_change(top: dict[str, object] | None) -> str:
     if top is not None and top.get("phase") == "forward":
         return (
             "Keep numbers, not tensors, across steps: losses.append(loss.item()) (or loss.detach()) instead of "
@@ -93,11 +94,18 @@ def _leak_change(top: dict[str, object] | None) -> str:
     )
 
 
+LEAK_TITLE = "Memory grows every step"
+LEAK_CAVEATS = (
+    "Growth that levels off (a cache filling, optimizer state created in the first steps) is not a leak: "
+    "profile more steps to tell.",
+)
+
+
 def _leak_spec() -> dict[str, Any]:
     return {
         "id": "memory.leak",
         "kind": "memory",
-        "title": "Memory grows every step",
+        "title": LEAK_TITLE,
         "trigger": "allocated memory at the ends of >= 3 consecutive steps rises every step, by >= 1 MiB per "
         "step on average, no step by less than half the mean rise",
         "threshold": memory_use.LEAK_MIN_MIB_PER_STEP,
@@ -105,10 +113,7 @@ def _leak_spec() -> dict[str, Any]:
         "change": "{change}",
         "why": "Allocated memory on {device} ends each of {steps} steps {growth} higher ({first} to {last}): "
         "{who}. At this rate the run runs out of memory however large the device.",
-        "caveats": (
-            "Growth that levels off (a cache filling, optimizer state created in the first steps) is not a leak: "
-            "profile more steps to tell.",
-        ),
+        "caveats": LEAK_CAVEATS,
         "claims_speedup": False,
     }
 
@@ -140,9 +145,9 @@ def _fragmentation(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     }
     params = {
         "device": f.device,
-        "alloc": _gib(f.peak_allocated),
-        "reserved": _gib(f.reserved_at_peak),
-        "gap": _gib(f.reserved_at_peak - f.peak_allocated),
+        "alloc": gib_text(f.peak_allocated),
+        "reserved": gib_text(f.reserved_at_peak),
+        "gap": gib_text(f.reserved_at_peak - f.peak_allocated),
         "gap_pct": 100 * f.gap_share,
         "time_pct": 100 * f.gap_time_share,
     }
@@ -202,10 +207,10 @@ def _pressure(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
             "reserved_gb": round(oom.reserved / GIB, 2),
         }
     where = (
-        f"An allocation of {_gib(oom.requested)} failed on {oom.device} (out of memory) with "
-        f"{_gib(oom.allocated)} allocated"
+        f"An allocation of {gib_text(oom.requested)} failed on {oom.device} (out of memory) with "
+        f"{gib_text(oom.allocated)} allocated"
         if oom is not None
-        else f"Peak memory reaches {100 * frac:.0f}% of {_gib(worst.capacity)} on {worst.device}: one larger "
+        else f"Peak memory reaches {100 * frac:.0f}% of {gib_text(worst.capacity)} on {worst.device}: one larger "
         "batch or fragmentation away from OOM"
         if worst is not None
         else "The trace holds an out-of-memory event"
@@ -223,7 +228,7 @@ def capacity_advice(
     """(change, why, caveat) by the category that dominates ``at`` (module docstring)."""
 
     def shard(held: float) -> str:
-        return f"sharding over N ranks frees (1 - 1/N) of the {_gib(held)} (each rank keeps 1/N)"
+        return f"sharding over N ranks frees (1 - 1/N) of the {gib_text(held)} (each rank keeps 1/N)"
 
     inference = workload is not None and workload.kind == "inference"
     if at is None or at.dominant() is None:
@@ -236,7 +241,7 @@ def capacity_advice(
     dom = at.dominant() or ""
     b = at.bytes
     held = (
-        f"{dom.replace('_', ' ')} {'holds' if dom in ('optimizer_state', 'persistent') else 'hold'} {_gib(b[dom])} ({100 * at.share(dom):.0f}%) of the {_gib(at.allocated)} "
+        f"{dom.replace('_', ' ')} {'holds' if dom in ('optimizer_state', 'persistent') else 'hold'} {gib_text(b[dom])} ({100 * at.share(dom):.0f}%) of the {gib_text(at.allocated)} "
         f"allocated {when}"
     )
     top_op = next((x["op"] for x in at.largest if x.get("category") == dom and x.get("op")), None)
@@ -255,9 +260,9 @@ def capacity_advice(
             )
         parts.append("halve the batch" if batch >= weights else "load the weights in bf16 or int8 (torchao)")
         frees = (
-            f"halving the batch frees about {_gib(batch / 2)} (what the batch allocates scales with it)"
+            f"halving the batch frees about {gib_text(batch / 2)} (what the batch allocates scales with it)"
             if batch >= weights
-            else f"bf16 weights free about {_gib(weights / 2)} if they are FP32 today, int8 about {_gib(weights * 3 / 4)}"
+            else f"bf16 weights free about {gib_text(weights / 2)} if they are FP32 today, int8 about {gib_text(weights * 3 / 4)}"
         )
         return (
             "; ".join(parts).capitalize(),
@@ -270,16 +275,16 @@ def capacity_advice(
             "Checkpoint each block: torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) in the "
             "forward (Hugging Face: model.gradient_checkpointing_enable()); or halve the micro-batch and "
             "accumulate two micro-batches per optimizer step",
-            f"{held}: checkpointing every block frees about {_gib(b[dom] * CHECKPOINT_FREES)} of them "
+            f"{held}: checkpointing every block frees about {gib_text(b[dom] * CHECKPOINT_FREES)} of them "
             "(a block keeps only its input and recomputes the rest in backward); halving the micro-batch frees "
-            f"about {_gib((b[dom] + inputs) / 2)} (activations and inputs scale with the batch).",
+            f"about {gib_text((b[dom] + inputs) / 2)} (activations and inputs scale with the batch).",
             "Checkpointing costs 20-35% more compute per step; autocast to bf16 halves activations that are FP32 today.",
         )
     if dom == "optimizer_state":
         return (
             "Keep the optimizer state in 8 bits (bitsandbytes.optim.AdamW8bit) or shard it over the data-parallel "
             "ranks (torch.distributed.optim.ZeroRedundancyOptimizer, FSDP, DeepSpeed ZeRO-1)",
-            f"{held}: 8-bit state frees about {_gib(b[dom] * EIGHT_BIT_FREES)} (1 byte per value "
+            f"{held}: 8-bit state frees about {gib_text(b[dom] * EIGHT_BIT_FREES)} (1 byte per value "
             f"instead of 4); {shard(b[dom])}.",
             "A fused optimizer (fused=True) removes the step's temporaries, not the state; 8-bit state changes "
             "the numerics slightly.",
@@ -289,7 +294,7 @@ def capacity_advice(
         return (
             f"Shard {what} (FSDP, DeepSpeed ZeRO-3), or keep the weights in bf16 with FP32 master weights "
             "only in the optimizer",
-            f"{held}: {shard(b[dom])}; bf16 weights free about {_gib(b.get('parameters', 0) / 2)} if "
+            f"{held}: {shard(b[dom])}; bf16 weights free about {gib_text(b.get('parameters', 0) / 2)} if "
             "they are FP32 today.",
             "Sharding adds an all-gather per layer in forward and backward.",
         )
@@ -303,7 +308,7 @@ def capacity_advice(
     if dom == "inputs":
         return (
             "Halve the batch and accumulate two micro-batches per optimizer step",
-            f"{held}: halving the batch frees about {_gib(b[dom] / 2)}.",
+            f"{held}: halving the batch frees about {gib_text(b[dom] / 2)}.",
             "Keep the effective batch (micro-batch x accumulation steps) to keep the optimisation unchanged.",
         )
     op = f" (the largest is made by {top_op})" if top_op else ""
