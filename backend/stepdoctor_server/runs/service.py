@@ -19,7 +19,7 @@ from stepdoctor_server.auth.tokens import Principal
 from stepdoctor_server.core.errors import ApiError, check_id, not_found
 from stepdoctor_server.core.models import Analysis, Project, Run, Trace
 from stepdoctor_server.runs import export as tensorboard_export
-from stepdoctor_server.runs.diagnosis import read_verdict
+from stepdoctor_server.runs.diagnosis import read_verdict, worker_of
 from stepdoctor_server.runs.diagnosis_job import diagnosis_stale
 from stepdoctor_server.traces.reports import ReportFacts, is_stale, read_facts
 from stepdoctor_server.traces.storage import TraceStore
@@ -282,6 +282,24 @@ def run_traces(session: Session, run_id: int, limit: int) -> tuple[list[Any], in
     ).all()
     count = int(session.scalar(select(func.count(Trace.id)).where(Trace.run_id == run_id)) or 0)
     return list(rows), count
+
+
+def rank_places(session: Session, run_id: int) -> dict[int | str, tuple[int, str | None]]:
+    """Each rank's first trace (its lowest window) and host, keyed as the engine groups ranks
+    (``ranks.rank_of``: the upload's rank, else the report's, else the agent's ``host_pid``): where a
+    click on a rank of the run page goes. Read as columns and JSON fields, not whole reports."""
+    rows = session.execute(
+        select(Trace.id, Trace.rank, Trace.meta, Analysis.report["rank"].as_json())
+        .outerjoin(Analysis, Analysis.trace_id == Trace.id)
+        .where(Trace.run_id == run_id)
+        .order_by(Trace.window_index.desc(), Trace.id.desc())
+    ).all()
+    out: dict[int | str, tuple[int, str | None]] = {}
+    for trace_id, rank, meta, report_rank in rows:  # the last written is the first window
+        key = rank if rank is not None else report_rank if isinstance(report_rank, int) else worker_of(meta)
+        if key is not None:
+            out[key] = (int(trace_id), _host(meta))
+    return out
 
 
 def sibling_runs(session: Session, run: Run, limit: int) -> list[Any]:

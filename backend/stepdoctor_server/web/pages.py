@@ -24,7 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stepdoctor_analysis import BOTTLENECK_KINDS
 from stepdoctor_analysis.run_verdict import RunVerdict
-from stepdoctor_dashboard import assets, figures, memory_figures
+from stepdoctor_dashboard import assets, figures, memory_figures, rank_figures
+from stepdoctor_dashboard.rank_figures import RankPlace
 from stepdoctor_server.auth import sessions
 from stepdoctor_server.auth.tokens import Principal, authenticate
 from stepdoctor_server.core.database import DatabaseDep, SessionDep
@@ -44,7 +45,7 @@ router = APIRouter(include_in_schema=False)
 
 # Paths for programs, not people: their errors stay JSON.
 _MACHINE_PATHS = ("/api", "/docs", "/openapi", "/redoc", "/metrics", "/healthz", "/readyz", "/static/")
-MAX_TRACES_LISTED = 500
+MAX_TRACES_LISTED = 50  # the run page's trace table; every rank's trace is in its paginated rank table
 REFRESH_S = 5  # pages with traces still being analysed reload themselves this often
 
 
@@ -261,7 +262,13 @@ def _paged_runs(session: Session, viewer: Principal, project_id: int | None, f: 
 
 
 @router.get("/runs/{run_id}", response_class=HTMLResponse)
-def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep) -> HTMLResponse:
+def run_page(
+    request: Request,
+    run_id: int,
+    viewer: Viewer,
+    session: SessionDep,
+    ranks_page: Annotated[int, Query(ge=0, le=10_000)] = 0,
+) -> HTMLResponse:
     run, project = runs.load_run(session, viewer, run_id)
     state = runs.run_state(session, run)
     d = state.verdict or RunVerdict()
@@ -275,11 +282,12 @@ def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep)
         figs["breakdown"] = figures.breakdown_figure(d.breakdown)
     if d.shares:
         figs["shares"] = figures.shares_figure(d.shares)
-    if len(d.ranks) > 1:  # the metric the stragglers were judged by, and the stragglers marked
-        spread = (
-            msgspec.structs.asdict(d.rank_spread) if d.rank_spread is not None else {"basis": d.rank_basis}
-        )
-        figs["ranks"] = figures.ranks_figure(d.ranks, d.stragglers, spread)
+    rank_view = None
+    if len(d.ranks) > 1:  # every rank, the metric the stragglers were judged by, the stragglers marked
+        places = {k: RankPlace(t, h) for k, (t, h) in runs.rank_places(session, run.id).items()}
+        rank_view = rank_figures.rank_section(d, places, ranks_page)
+        if rank_view is not None and rank_view.figure is not None:
+            figs["ranks"] = rank_view.figure
     others = runs.sibling_runs(session, run, 200)
     waiting = any(t.status in ("pending", "running") for t, _, _ in trace_rows)
     return _render(
@@ -300,6 +308,7 @@ def run_page(request: Request, run_id: int, viewer: Viewer, session: SessionDep)
         rep_trace=rep_id,
         collectives=_collectives(session, rep_id),
         refresh_s=REFRESH_S if waiting else None,
+        rank_view=rank_view,
     )
 
 
