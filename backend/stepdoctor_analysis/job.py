@@ -1,8 +1,10 @@
 """The limiter of a whole job (all ranks, all capture windows) from its per-trace reports.
 
 One definition for ``stepdoctor analyze DIR`` and the server's run diagnosis (both through
-``run_verdict.run_verdict``), so both name the same limiter for the same traces. Reports are typed
-(``contract.ReportDoc``): what the pipeline returns (``Report.typed``) or the server decodes.
+``run_verdict.run_verdict``), so both name the same limiter for the same traces. The per-report
+figures (step time, steps, span, removable shares) are read from typed reports
+(``contract.ReportDoc``) once, into each trace's ``trace_summary.TraceSummary``; the weighting reads
+those summaries.
 
 - A report's step time is its ``step_time_us``, else the sum of its breakdown (the parts partition
   each step); its weight is its step count (a report without ``steps`` counts once).
@@ -15,8 +17,9 @@ One definition for ``stepdoctor analyze DIR`` and the server's run diagnosis (bo
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from . import BOTTLENECK_KINDS
 from .contract import ReportDoc
@@ -72,7 +75,18 @@ def removable_shares(report: ReportDoc) -> dict[str, tuple[float, str]]:
     return out
 
 
-def job_limiter(reports: Sequence[ReportDoc]) -> JobLimiter:
+class Weighed(Protocol):
+    """What the run-level weighting reads of one trace (``trace_summary.TraceSummary``)."""
+
+    @property
+    def span_us(self) -> float: ...
+    @property
+    def shares(self) -> Mapping[str, float]: ...
+    @property
+    def removable(self) -> Mapping[str, tuple[float, str]]: ...
+
+
+def job_limiter(reports: Sequence[Weighed]) -> JobLimiter:
     """The job's limiter and the run-level shares and removable time it was chosen from."""
     shares = weighted_shares(reports)
     removable = weighted_removable(reports)
@@ -80,27 +94,27 @@ def job_limiter(reports: Sequence[ReportDoc]) -> JobLimiter:
     return JobLimiter(kind, reason, shares, removable)
 
 
-def weighted_shares(reports: Sequence[ReportDoc]) -> dict[str, float]:
+def weighted_shares(reports: Sequence[Weighed]) -> dict[str, float]:
     """Kind -> fraction of all profiled step time attributed to it, over every report."""
     owned: dict[str, float] = defaultdict(float)
     total = 0.0
     for report in reports:
-        span = span_us(report)
+        span = report.span_us
         total += span
-        for kind, share in kind_shares(report).items():
+        for kind, share in report.shares.items():
             owned[kind] += share * span
     return {k: v / total for k, v in owned.items()} if total else {}
 
 
-def weighted_removable(reports: Sequence[ReportDoc]) -> dict[str, tuple[float, str]]:
+def weighted_removable(reports: Sequence[Weighed]) -> dict[str, tuple[float, str]]:
     """Kind -> (run-level removable fraction, basis): each report's ``limiter``, time-weighted."""
     owned: dict[str, float] = defaultdict(float)
     estimated: set[str] = set()  # kinds some report's removable time is an estimate for
     total = 0.0
     for report in reports:
-        span = span_us(report)
+        span = report.span_us
         total += span
-        for kind, (frac, basis) in removable_shares(report).items():
+        for kind, (frac, basis) in report.removable.items():
             owned[kind] += frac * span
             if frac > 0 and basis == "estimate":
                 estimated.add(kind)

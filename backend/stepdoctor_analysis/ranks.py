@@ -21,40 +21,29 @@ from __future__ import annotations
 
 import re
 import statistics
+from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import PurePath
 from typing import TypeVar
 
 import msgspec
 
 from . import BOTTLENECK_KINDS, STRAGGLER_ID
-from .contract import Recommendation, ReportDoc
-from .job import job_limiter, step_count, step_time_us
+from .contract import Recommendation
+from .job import job_limiter
+from .trace_summary import TraceEntry, TraceSummary, rank_of, summary_of
+
+__all__ = ["TraceEntry", "rank_of"]  # where callers have always imported them from
 
 STRAGGLER = 0.10
+NAMED_RANKS = 3  # a sentence names at most this many ranks, then "and N more"
 T = TypeVar("T")
 _WORKER_RE = re.compile(r"^(.*?)(\.\d+)?\.pt\.trace\.json(\.gz)?$")  # TensorBoard's run-file pattern
 
 
-@dataclass(frozen=True)
-class TraceEntry:
-    """One analysed trace: its typed report and what the caller knows of where it came from.
-
-    ``rank``: from upload metadata, else the report's own (``distributedInfo``). ``worker``: the
-    process that wrote it when no rank is known (``host_pid``: the TensorBoard file name for the
-    CLI, the agent's host and pid for the server); never a name the server gave the file, so the
-    windows of one process stay windows of one worker.
-    """
-
-    report: ReportDoc
-    rank: int | None = None
-    window: int | None = None
-    worker: str | None = None
-    trace_id: int | None = None  # the server's id of the trace, when it has one
-
-
 class RankSummary(msgspec.Struct, kw_only=True):
+    """One rank (or worker): its windows' figures, step-weighted."""
+
     rank: int | None
     worker: str | None  # TensorBoard worker name when the rank is unknown
     traces: int  # capture windows of this rank
@@ -131,6 +120,20 @@ class RankVerdict(msgspec.Struct, kw_only=True):
         }
 
 
+def named_ranks(labels: Sequence[str], limit: int = NAMED_RANKS) -> str:
+    """``labels`` as a sentence's list, at most ``limit`` of them then "and N more": at 1,000 ranks
+    a verdict still reads as a sentence ("rank 613, rank 7, rank 9 and 41 more")."""
+    shown, rest = list(labels[:limit]), len(labels) - limit
+    if rest > 0:
+        return f"{', '.join(shown)} and {rest} more"
+    return shown[0] if len(shown) == 1 else f"{', '.join(shown[:-1])} and {shown[-1]}" if shown else ""
+
+
+def worst_first(stragglers: Sequence[Straggler]) -> list[Straggler]:
+    """The stragglers by how much longer they work than the others (the ones a sentence names first)."""
+    return sorted(stragglers, key=lambda st: (-st.over_median, st.rank if st.rank is not None else -1))
+
+
 # What to change on a straggler, by the kind of work it has too much of.
 _STRAGGLER_CHANGE = {
     "compute": "Give it the same work as the others: balance tokens per rank (length-grouped or token-count "
@@ -193,34 +196,44 @@ def worker_name(source: str) -> str | None:
     return m.group(1) if m else None
 
 
-def rank_of(entry: TraceEntry) -> tuple[int | None, str | None]:
-    """(rank, worker) of one trace: the caller's rank, else the report's, else the caller's worker."""
-    if entry.rank is not None:
-        return entry.rank, None
-    if entry.report.rank is not None:
-        return entry.report.rank, None
-    return None, entry.worker
-
-
 def rank_verdict(entries: Sequence[TraceEntry]) -> RankVerdict:
     """Group traces into ranks and windows, then find stragglers (module docstring)."""
-    groups: dict[tuple[int | None, str | None], list[ReportDoc]] = {}
-    for e in entries:
-        groups.setdefault(rank_of(e), []).append(e.report)
-    summaries = [
-        _summarise(rank, worker, reps)
-        for (rank, worker), reps in sorted(groups.items(), key=lambda kv: _order(kv[0]))
-    ]
-    known = [s for s in summaries if s.rank is not None or s.worker is not None]
-    has_comm = any(s.wait_us > 0 or s.arrival_us is not None for s in summaries)
+    return rank_verdict_of([summary_of(e, i) for i, e in enumerate(entries)])
+
+
+def rank_verdict_of(summaries: Sequence[TraceSummary]) -> RankVerdict:
+    """``rank_verdict`` over the traces' summaries, in their order."""
+    groups: dict[tuple[int | None, str | None], list[TraceSummary]] = {}
+    for s in summaries:
+        groups.setdefault((s.rank, s.worker), []).append(s)
+    ranks = [summarise_rank(rank, worker, group) for (rank, worker), group in sorted_groups(groups)]
+    return judge_ranks(ranks, windows=len(summaries))
+
+
+def sorted_groups(
+    groups: dict[tuple[int | None, str | None], T],
+) -> list[tuple[tuple[int | None, str | None], T]]:
+    """Ranks by number, then workers by name, then the unknown rank."""
+    return sorted(groups.items(), key=lambda kv: _order(kv[0]))
+
+
+def judge_ranks(ranks: list[RankSummary], *, windows: int) -> RankVerdict:
+    """The basis, busy-time spread and stragglers of ranks already summarised (in rank order).
+
+    Each rank is compared with the median of the *others*: one sorted list of every rank's value
+    gives that median without the rank in O(1) (``_MedianWithout``), so judging N ranks costs
+    O(N log N), not N medians of N - 1 values."""
+    known = [s for s in ranks if s.rank is not None or s.worker is not None]
+    has_comm = any(s.wait_us > 0 or s.arrival_us is not None for s in ranks)
     basis = "busy time before collectives" if has_comm else "step time"
     busy = [s.busy_us for s in known]
     median = statistics.median(busy) if busy else 0.0
     spread = (max(busy) - min(busy)) / median if len(busy) > 1 and median > 0 else 0.0
-    stragglers = [st for s in known if (st := _straggler(s, [o for o in known if o is not s]))]
+    others = _Others(known)
+    stragglers = [st for s in known if (st := _straggler(s, others))]
     return RankVerdict(
-        ranks=summaries,
-        windows=len(entries),
+        ranks=ranks,
+        windows=windows,
         basis=basis,
         median_busy_us=median,
         spread=spread,
@@ -233,27 +246,28 @@ def _order(key: tuple[int | None, str | None]) -> tuple[int, int, str]:
     return (0, rank, "") if rank is not None else (1, 0, worker or "~")
 
 
-def _summarise(rank: int | None, worker: str | None, reports: list[ReportDoc]) -> RankSummary:
-    weights = [step_count(r) for r in reports]
+def summarise_rank(rank: int | None, worker: str | None, traces: Sequence[TraceSummary]) -> RankSummary:
+    """One rank's windows as one row: step-weighted means, its limiter by the per-trace rule."""
+    weights = [t.steps for t in traces]
     total = sum(weights)
 
     def mean(values: list[float]) -> float:
         return sum(v * w for v, w in zip(values, weights, strict=True)) / total if total else 0.0
 
-    step = mean([step_time_us(r) for r in reports])
+    step = mean([t.step_time_us for t in traces])
     kinds: dict[str, float] = {}
     for k in (*BOTTLENECK_KINDS, "other"):
-        kinds[k] = mean([_kinds(r).get(k, 0.0) for r in reports])
+        kinds[k] = mean([t.kinds_us.get(k, 0.0) for t in traces])
     wait = kinds.get("communication", 0.0)
-    arrivals = [(a, w) for r, w in zip(reports, weights, strict=True) if (a := _arrival(r)) is not None]
+    arrivals = [(t.arrival_us, w) for t, w in zip(traces, weights, strict=True) if t.arrival_us is not None]
     arrival = sum(a * w for a, w in arrivals) / sum(w for _, w in arrivals) if arrivals else None
     shares = {k: v / step for k, v in kinds.items() if k in BOTTLENECK_KINDS} if step > 0 else {}
     # The rank's limiter by the same rule as the job's and each trace's (``diagnose.choose_limiter``).
-    primary = job_limiter(reports).kind if shares and max(shares.values()) > 0 else None
+    primary = job_limiter(traces).kind if shares and max(shares.values()) > 0 else None
     return RankSummary(
         rank=rank,
         worker=worker,
-        traces=len(reports),
+        traces=len(traces),
         steps=total,
         step_time_us=step,
         wait_us=wait,
@@ -265,19 +279,60 @@ def _summarise(rank: int | None, worker: str | None, reports: list[ReportDoc]) -
     )
 
 
-def _straggler(s: RankSummary, others: list[RankSummary]) -> Straggler | None:
-    if not others:
+class _MedianWithout:
+    """``statistics.median`` of a list with one of its values left out, in O(1) after one sort."""
+
+    def __init__(self, values: list[float]) -> None:
+        self.sorted = sorted(values)
+
+    def __call__(self, value: float) -> float:
+        data, n = self.sorted, len(self.sorted) - 1
+        p = bisect_left(data, value)
+
+        def at(j: int) -> float:
+            return data[j] if j < p else data[j + 1]
+
+        if n % 2 == 1:
+            return at(n // 2)
+        i = n // 2
+        return (at(i - 1) + at(i)) / 2
+
+
+class _Others:
+    """Medians of the other known ranks' figures (busy time, arrival, a kind's µs), each list sorted
+    once and only when some rank is asked about it."""
+
+    def __init__(self, known: list[RankSummary]) -> None:
+        self.known = known
+        self._cache: dict[str, _MedianWithout] = {}
+
+    def __len__(self) -> int:
+        return len(self.known) - 1
+
+    def values(self, name: str) -> list[float]:
+        if name == "busy":
+            return [o.busy_us for o in self.known]
+        if name == "arrival":
+            return [o.arrival_us for o in self.known if o.arrival_us is not None]
+        return [o.kinds_us.get(name, 0.0) for o in self.known]
+
+    def median(self, name: str, value: float) -> float:
+        """The median of the others' ``name`` figures, ``value`` being this rank's own."""
+        if name not in self._cache:
+            self._cache[name] = _MedianWithout(self.values(name))
+        return self._cache[name](value)
+
+
+def _straggler(s: RankSummary, others: _Others) -> Straggler | None:
+    if len(others) < 1:
         return None
-    ref = statistics.median(o.busy_us for o in others)
+    ref = others.median("busy", s.busy_us)
     if ref <= 0 or s.busy_us <= ref * (1 + STRAGGLER):
         return None
-    arrivals = [o.arrival_us for o in others if o.arrival_us is not None]
-    late = s.arrival_us - statistics.median(arrivals) if arrivals and s.arrival_us is not None else None
-    excess = {
-        k: v - statistics.median(o.kinds_us.get(k, 0.0) for o in others)
-        for k, v in s.kinds_us.items()
-        if k != "communication"
-    }
+    late = None
+    if s.arrival_us is not None and len(others.values("arrival")) > 1:  # its own is one of them
+        late = s.arrival_us - others.median("arrival", s.arrival_us)
+    excess = {k: v - others.median(k, v) for k, v in s.kinds_us.items() if k != "communication"}
     cause = max(excess, key=lambda k: excess[k]) if excess else None
     if cause is not None and excess[cause] <= 0:
         cause = None
@@ -292,16 +347,3 @@ def _straggler(s: RankSummary, others: list[RankSummary]) -> Straggler | None:
         cause=cause,
         cause_excess_us=excess[cause] if cause else 0.0,
     )
-
-
-def _kinds(report: ReportDoc) -> dict[str, float]:
-    """µs per step by kind: ``metrics.kinds_us``, else shares × step time."""
-    if report.metrics.kinds_us:
-        return dict(report.metrics.kinds_us)
-    step = step_time_us(report)
-    return {kind: v * step for kind, v in report.metrics.shares.items()}
-
-
-def _arrival(report: ReportDoc) -> float | None:
-    arrival = report.metrics.communication.arrival_ns_per_step
-    return arrival / 1e3 if arrival is not None else None

@@ -18,6 +18,8 @@ Conventions (every figure comes from one time-weighted aggregate over the run's 
   best card leads (the straggler card first when the run is communication-bound).
 - Ranks, windows and stragglers: ``ranks.rank_verdict``. Windows are never ranks: the traces of one
   process (same rank, or same worker, or no identity at all) are its windows, and have no straggler.
+- The verdict reads each trace's ``trace_summary.TraceSummary`` only, never its report, so the server
+  folds one more trace into a run (``run_aggregate.RunAggregate``) without re-reading the others.
 """
 
 from __future__ import annotations
@@ -31,20 +33,22 @@ import msgspec
 
 from . import BREAKDOWN_CATEGORIES
 from .consistency import consistent
-from .contract import Recommendation, ReportDoc
+from .contract import Recommendation
 from .diagnose import MIN_CARD_SPEEDUP, sure_share
-from .job import job_limiter, span_us, step_count, step_time_us
+from .job import job_limiter
 from .ranks import (
+    NAMED_RANKS,
     RankSummary,
     RankVerdict,
     Straggler,
-    TraceEntry,
-    rank_of,
-    rank_verdict,
+    named_ranks,
+    rank_verdict_of,
     straggler_advice,
     with_straggler_advice,
+    worst_first,
 )
 from .rules import declared
+from .trace_summary import TraceEntry, TraceSummary, summary_of
 
 DIAGNOSIS_VERSION = 2  # the layout of ``RunVerdict``: a stored one of another version is stale
 MAX_REMOVABLE = 0.95  # no change removes more than this fraction of a step (gains cap at 20×)
@@ -164,20 +168,37 @@ def run_verdict(
     entries: Sequence[TraceEntry], *, failed: int = 0, pending: int = 0, outdated: int = 0
 ) -> RunVerdict:
     """Combine every analysed trace of a run into one verdict (module docstring)."""
-    if not entries:
+    summaries = [summary_of(e, i) for i, e in enumerate(entries)]
+    return verdict_of(summaries, failed=failed, pending=pending, outdated=outdated)
+
+
+def verdict_of(
+    summaries: Sequence[TraceSummary],
+    *,
+    ranks: RankVerdict | None = None,
+    failed: int = 0,
+    pending: int = 0,
+    outdated: int = 0,
+) -> RunVerdict:
+    """The run's verdict from its traces' summaries, in run order (``TraceSummary.key``).
+
+    ``ranks``: the rank section when the caller keeps it up to date (``run_aggregate``), else it is
+    computed here (``ranks.rank_verdict_of``)."""
+    docs = summaries
+    if not docs:
         return RunVerdict(failed=failed, pending=pending, outdated=outdated)
-    docs = [e.report for e in entries]
-    weights = [step_count(d) for d in docs]
-    step = _weighted_mean([step_time_us(d) for d in docs], weights)
+    weights = [d.steps for d in docs]
+    step = _weighted_mean([d.step_time_us for d in docs], weights)
     limiter = job_limiter(docs)
     shares = limiter.shares
-    ranks = rank_verdict(entries)
-    cards = merge_recommendations(entries, step, limiter.kind)
+    if ranks is None:
+        ranks = rank_verdict_of(docs)
+    cards = merge_recommendations(docs, step, limiter.kind)
     findings = merge_findings(docs)
     if (straggler := straggler_advice(ranks)) is not None:  # the others wait: fix the straggler first
         card = _run_card(straggler, straggler.removable_us_per_step / step if step > 0 else 0.0, step)
         cards = with_straggler_advice(cards, card, limiter.kind)
-        finding = RunFinding(**(msgspec.structs.asdict(straggler) | {"traces": len(entries)}))
+        finding = RunFinding(**(msgspec.structs.asdict(straggler) | {"traces": len(docs)}))
         findings = with_straggler_advice(findings, finding, limiter.kind)
     # The run's cards join after each trace's consistency stage: held to the same rules.
     cards, findings = _consistent(cards), _consistent(findings)
@@ -200,7 +221,7 @@ def run_verdict(
     return RunVerdict(
         engine_version=_common(d.engine_version for d in docs),
         schema_version=_common(d.schema_version for d in docs),
-        traces=len(entries),
+        traces=len(docs),
         failed=failed,
         pending=pending,
         outdated=outdated,
@@ -222,29 +243,32 @@ def run_verdict(
         busy_spread=ranks.spread,
         stragglers=ranks.stragglers,
         warnings=_warnings(ranks),
-        lead=(lead := _lead(entries, ranks, limiter.kind)),
-        lead_trace_id=entries[lead].trace_id,
+        lead=(lead := _lead(docs, ranks, limiter.kind)),
+        lead_trace_id=docs[lead].trace_id,
     )
 
 
 def merge_recommendations(
-    entries: Sequence[TraceEntry], step_us: float, primary_kind: str | None
+    traces: Sequence[TraceSummary | TraceEntry], step_us: float, primary_kind: str | None
 ) -> list[RunCard]:
     """One card per recommendation id, its removable time averaged over the run's profiled time."""
-    total = sum(span_us(e.report) for e in entries) or 1.0
+    summaries = [t if isinstance(t, TraceSummary) else summary_of(t, i) for i, t in enumerate(traces)]
+    total = sum(s.span_us for s in summaries) or 1.0
     merged: dict[str, RunCard] = {}
+    seen: dict[str, set[int]] = defaultdict(set)  # ranks already on each card
     removable: dict[str, float] = defaultdict(float)
     ranges: dict[str, list[float]] = {}
-    for e in entries:
-        span, t = span_us(e.report), step_time_us(e.report)
-        rank = rank_of(e)[0]
-        for pos, rec in enumerate(e.report.recommendations):
+    for s in summaries:
+        span, t = s.span_us, s.step_time_us
+        rank = s.rank
+        for pos, rec in enumerate(s.recommendations):
             if not rec.id:
                 continue
             card = merged.setdefault(rec.id, _run_card(rec, 0.0, step_us))
             card.traces += 1
             card.first_in += pos == 0
-            if rank is not None and rank not in card.ranks:
+            if rank is not None and rank not in seen[rec.id]:
+                seen[rec.id].add(rank)
                 card.ranks.append(rank)
             frac = _removable_fraction(rec, t)
             removable[rec.id] += frac * span
@@ -304,7 +328,7 @@ def _recommendation(item: RunCard | RunFinding) -> Recommendation:
     return Recommendation(**{f: getattr(item, f) for f in Recommendation.__struct_fields__})
 
 
-def merge_findings(docs: Sequence[ReportDoc]) -> list[RunFinding]:
+def merge_findings(docs: Sequence[TraceSummary]) -> list[RunFinding]:
     """One entry per finding id (its rule id, else its title) with the number of traces that raised it."""
     merged: dict[str, RunFinding] = {}
     for doc in docs:
@@ -329,13 +353,13 @@ def _removable_fraction(rec: Recommendation, step_us: float) -> float:
     return _fraction_of(rec.expected_speedup)
 
 
-def _note(kind: str, cards: Sequence[RunCard], docs: Sequence[ReportDoc]) -> str:
+def _note(kind: str, cards: Sequence[RunCard], docs: Sequence[TraceSummary]) -> str:
     """Why the run's first recommendation is not about its primary kind ("" when it is)."""
     if cards and cards[0].kind == kind:
         return ""
     for doc in docs:
-        if doc.primary.kind == kind and doc.primary.note:
-            return doc.primary.note
+        if doc.primary_kind == kind and doc.primary_note:
+            return doc.primary_note
     nxt = f" The next optimization targets {cards[0].kind} instead." if cards else ""
     return f"No recommendation in this run's traces changes its {kind} time." + nxt
 
@@ -346,40 +370,45 @@ def _warnings(ranks: RankVerdict) -> list[str]:
         out.append(
             f"{ranks.windows} traces of one rank: these are capture windows, averaged by step, not ranks"
         )
-    out += [f"straggler: {st.why}; the other ranks wait for it in collectives" for st in ranks.stragglers]
+    # Each straggler's own sentence while they are few; at scale the worst few, then the rest counted.
+    named = ranks.stragglers if len(ranks.stragglers) <= NAMED_RANKS else worst_first(ranks.stragglers)
+    out += [f"straggler: {st.why}; the other ranks wait for it in collectives" for st in named[:NAMED_RANKS]]
+    if len(named) > NAMED_RANKS:
+        out.append(
+            f"{len(named)} stragglers by {ranks.basis}: "
+            f"{named_ranks([st.label for st in named])} (every rank in ranks.per_rank)"
+        )
     return out
 
 
-def _lead(entries: Sequence[TraceEntry], ranks: RankVerdict, kind: str | None) -> int:
+def _lead(docs: Sequence[TraceSummary], ranks: RankVerdict, kind: str | None) -> int:
     """The trace whose report stands for the run's details: one whose own verdict is the run's (a
     straggler's first), the slowest of those; the slowest trace when none is."""
     stragglers = {s.rank if s.rank is not None else s.worker for s in ranks.stragglers}
 
-    def who(e: TraceEntry) -> int | str | None:
-        rank, worker = rank_of(e)
-        return rank if rank is not None else worker
+    def who(d: TraceSummary) -> int | str | None:
+        return d.rank if d.rank is not None else d.worker
 
-    agreeing = [i for i, e in enumerate(entries) if e.report.primary.kind == kind]
-    pool = [i for i in agreeing if who(entries[i]) in stragglers] or agreeing or list(range(len(entries)))
-    return max(pool, key=lambda i: step_time_us(entries[i].report))
+    agreeing = [i for i, d in enumerate(docs) if d.primary_kind == kind]
+    pool = [i for i in agreeing if who(docs[i]) in stragglers] or agreeing or list(range(len(docs)))
+    return max(pool, key=lambda i: docs[i].step_time_us)
 
 
-def _weighted_utilization(docs: Sequence[ReportDoc]) -> float | None:
+def _weighted_utilization(docs: Sequence[TraceSummary]) -> float | None:
     """Run-level GPU utilization: each GPU report's ``metrics.gpu.utilization`` weighted by its time."""
     num = den = 0.0
     for doc in docs:
-        gpu = doc.metrics.gpu
-        if gpu is not None and gpu.utilization is not None:
-            span = span_us(doc)
-            num += gpu.utilization * span
+        if doc.gpu_utilization is not None:
+            span = doc.span_us
+            num += doc.gpu_utilization * span
             den += span
     return round(num / den, 6) if den else None
 
 
-def _weighted_breakdown(docs: Sequence[ReportDoc], weights: Sequence[int]) -> dict[str, float]:
+def _weighted_breakdown(docs: Sequence[TraceSummary], weights: Sequence[int]) -> dict[str, float]:
     sums: dict[str, float] = defaultdict(float)
     for doc, w in zip(docs, weights, strict=True):
-        for key, value in msgspec.structs.asdict(doc.breakdown).items():
+        for key, value in doc.breakdown.items():
             sums[key] += value * w
     total = sum(weights)
     keys = [k for k in BREAKDOWN_CATEGORIES if k in sums] + sorted(
