@@ -355,3 +355,30 @@ class WebhookDelivery(Base):
     delivered_at: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+CAPTURE_STATUSES = ("pending", "captured", "failed")
+
+
+class CaptureRequest(Base):
+    """A "Capture now" click on a live run's page, and the queue its agent polls (``runs.capture``).
+
+    ``pending_run_id`` is the run's id while the request is pending and NULL after: unique, so a run
+    has at most one pending request (NULLs never collide, on SQLite and PostgreSQL alike). The agent
+    acknowledges with the captured window's ``trace_key`` (its upload's Idempotency-Key), which
+    names the trace once it arrives; ``detail`` says why a window could not be captured.
+    """
+
+    __tablename__ = "capture_requests"
+    __table_args__ = (CheckConstraint(_in("status", CAPTURE_STATUSES), name="status"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    pending_run_id: Mapped[int | None] = mapped_column(unique=True)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    requested_at: Mapped[datetime] = mapped_column(default=utcnow)
+    requested_by: Mapped[int | None] = mapped_column(ForeignKey("tokens.id", ondelete="SET NULL"))
+    acknowledged_at: Mapped[datetime | None]
+    rank: Mapped[int | None]
+    trace_key: Mapped[str | None] = mapped_column(String(128))
+    detail: Mapped[str | None] = mapped_column(Text)
