@@ -22,9 +22,11 @@ from sqlalchemy.orm import Session
 ANALYZE = "stepdoctor.analyze_trace"
 DEEP = "stepdoctor.deep_analyses"
 AGGREGATE = "stepdoctor.aggregate_run"
+WEBHOOKS = "stepdoctor.webhooks"
 QUEUE_ANALYSIS = "analysis"
 QUEUE_AGGREGATION = "aggregation"
 QUEUE_DEEP = "deep"
+QUEUE_WEBHOOKS = "webhooks"
 
 _DEFER = text(
     "SELECT procrastinate_defer_jobs_v1(ARRAY[ROW(CAST(:queue AS varchar), CAST(:task AS varchar), "

@@ -19,6 +19,8 @@ holds each trace's user-facing state (pending/running/done/failed); procrastinat
   waiting job (written by an older version, or reset by hand) gets one, and a running trace whose
   job is gone for good (retries exhausted) is requeued, or failed after ``MAX_ATTEMPTS``.
 - ``stepdoctor.deep_analyses`` (every 5 s): drains the optional HTA jobs of ``deep_analyses``.
+- ``stepdoctor.webhooks`` (every 5 s): sends the due regression webhooks of ``webhook_deliveries``
+  (their backoff lives in the rows, so a worker never sleeps between tries).
 
 The analysis itself runs in a child process under the job's time and memory limits (``limits``).
 """
@@ -50,6 +52,8 @@ from stepdoctor_server.jobs.defer import (
     QUEUE_AGGREGATION,
     QUEUE_ANALYSIS,
     QUEUE_DEEP,
+    QUEUE_WEBHOOKS,
+    WEBHOOKS,
     TransientJobError,
     defer_analyses,
     retry_wait_s,
@@ -169,6 +173,13 @@ def _blueprint(settings: Settings) -> Any:
         """Optional HTA analyses stay rows of ``deep_analyses`` (claimed like the embedded pool
         does): whichever worker runs this tick drains them, one claim at a time."""
         HANDLERS[DEEP](context.additional_context["runtime"])
+
+    @bp.periodic(cron="* * * * * */5", periodic_id="webhooks")
+    @bp.task(name=WEBHOOKS, queue=QUEUE_WEBHOOKS, pass_context=True)
+    def webhooks(context: Any, timestamp: int) -> None:
+        """Regression webhooks stay rows of ``webhook_deliveries`` (claimed like the pool does)."""
+        if WEBHOOKS in HANDLERS:
+            HANDLERS[WEBHOOKS](context.additional_context["runtime"])
 
     return bp
 

@@ -10,32 +10,52 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stepdoctor_analysis import BREAKDOWN_CATEGORIES as CATEGORIES
+from stepdoctor_analysis.run_timeline import Comparison
 from stepdoctor_analysis.run_verdict import RunCard, RunFinding, RunVerdict
 
 Card = RunCard | RunFinding
 
 
-def compare_diagnoses(b: RunVerdict, o: RunVerdict) -> dict[str, Any]:
-    """Per-category deltas (µs and %), speedup, finding changes and primary-kind change."""
+def compare_diagnoses(b: RunVerdict, o: RunVerdict, step: Comparison | None = None) -> dict[str, Any]:
+    """Per-category deltas (µs and %), speedup, finding changes and primary-kind change.
+
+    ``step``: the engine's comparison of the two runs' step times (``run_timeline.compare``, other
+    against base; what ``stepdoctor check`` says): the unprofiled steady state when both runs have
+    a step series. The speedup and the measured side of "predicted vs measured" use its basis;
+    without it, the profiled step times of the diagnoses (basis "profiled").
+    """
+    basis = step_basis(b, o, step)
     return {
         "step_time_us": {
             "base": b.step_time_us,
             "other": o.step_time_us,
             **_delta(b.step_time_us, o.step_time_us),
         },
-        "speedup": _speedup(b, o),
+        "step": basis,
+        "speedup": basis["speedup"],
         "categories": category_deltas(b.breakdown, o.breakdown),
         "primary": _primary_change(b, o),
         "findings": finding_changes(b.findings, o.findings),
         "kinds": kind_deltas(b, o),
         "finding_titles": finding_titles(b.findings, o.findings),
-        "followed": followed_recommendation(b, o),
+        "followed": followed_recommendation(b, o, basis),
     }
 
 
-def _speedup(base: RunVerdict, other: RunVerdict) -> float | None:
-    b, o = base.step_time_us, other.step_time_us
-    return b / o if b > 0 and o > 0 else None
+def step_basis(base: RunVerdict, other: RunVerdict, step: Comparison | None) -> dict[str, Any]:
+    """The step times compared (ms), their basis, change (other / base - 1) and speedup (base / other)."""
+    if step is not None:
+        b_ms, o_ms, basis = step.baseline_ms, step.candidate_ms, step.basis
+    else:
+        b_ms, o_ms, basis = base.step_time_us / 1e3, other.step_time_us / 1e3, "profiled"
+    ok = b_ms > 0 and o_ms > 0
+    return {
+        "basis": basis,
+        "base_ms": b_ms,
+        "other_ms": o_ms,
+        "change": o_ms / b_ms - 1.0 if ok else None,
+        "speedup": b_ms / o_ms if ok else None,
+    }
 
 
 def kind_deltas(base: RunVerdict, other: RunVerdict) -> dict[str, dict[str, float]]:
@@ -57,12 +77,16 @@ def finding_titles(base: Sequence[Card], other: Sequence[Card]) -> dict[str, str
     return titles
 
 
-def followed_recommendation(base: RunVerdict, other: RunVerdict) -> dict[str, Any] | None:
+def followed_recommendation(
+    base: RunVerdict, other: RunVerdict, basis: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
     """The base run's next optimization, its predicted speedup, and what the other run measured.
 
     "Followed" means the recommendation no longer fires on the other run; either way the measured
-    speedup is shown next to the prediction, which closes the loop on the advice.
+    speedup is shown next to the prediction, which closes the loop on the advice. Measured on
+    ``basis`` (``step_basis``: the unprofiled steady state when both runs have a series).
     """
+    basis = basis if basis is not None else step_basis(base, other, None)
     recs = [r for r in base.recommendations if r.id]
     if not recs:
         return None
@@ -74,7 +98,8 @@ def followed_recommendation(base: RunVerdict, other: RunVerdict) -> dict[str, An
         "kind": rec.kind,
         "basis": rec.basis,
         "predicted_speedup": rec.expected_speedup,
-        "measured_speedup": _speedup(base, other),
+        "measured_speedup": basis["speedup"],
+        "measured_basis": basis["basis"],
         "followed": rec.id not in still,
     }
 

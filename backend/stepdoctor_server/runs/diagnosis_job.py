@@ -3,6 +3,12 @@ what another engine wrote (stale reports and diagnoses, ``traces.reports.is_stal
 
 Registered with the job engine (``jobs.defer``): ``AGGREGATE`` for procrastinate, a ``TRACE_DONE``
 hook for the embedded pool, and ``requeue_outdated`` as a sweep.
+
+A run's verdict is folded from its traces' compact summaries (``rank_summaries``, one per analysis,
+made once from the report: ``store_summaries``), never from every report. Each process keeps the
+aggregates of the runs it refreshed last (``_HELD``) and reads only the summaries of analyses it has
+not folded in yet; a re-analysed trace (a new analysis id) replaces its old summary, a deleted one
+leaves. All of it runs under the run's row lock, one writer per run.
 """
 
 from __future__ import annotations
@@ -10,26 +16,35 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 import msgspec
 from sqlalchemy import func, select, update
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
 from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
+from stepdoctor_analysis.run_aggregate import RunAggregate
 from stepdoctor_analysis.run_verdict import DIAGNOSIS_VERSION
+from stepdoctor_analysis.trace_summary import TraceSummary, decode, encode
 from stepdoctor_server.core.database import Database
-from stepdoctor_server.core.models import Analysis, Run, Trace
+from stepdoctor_server.core.models import Analysis, Run, Trace, TraceSummaryRecord
 from stepdoctor_server.jobs.claims import _now, reset_to_pending
 from stepdoctor_server.jobs.defer import AGGREGATE, SWEEPS, TRACE_DONE, handles
 from stepdoctor_server.jobs.pool import _observe, retry_db
-from stepdoctor_server.runs.diagnosis import StoredTrace, aggregate_run, read_verdict
+from stepdoctor_server.runs.diagnosis import StoredTrace, read_verdict, summary_of_stored
+from stepdoctor_server.runs.regressions import refresh_regression
 from stepdoctor_server.traces.reports import is_stale
 
 log = logging.getLogger("stepdoctor.worker")
 DIAGNOSIS_MIN_INTERVAL = timedelta(seconds=5)
+HELD_RUNS = 8  # runs whose aggregate a process keeps between refreshes
+BATCH = 256  # reports (or summaries) read at a time
 
 
 def requeue_outdated(session: Session) -> list[int]:
@@ -63,9 +78,9 @@ def diagnosis_stale(stored: dict[str, Any] | None) -> bool:
 def diagnosis_due(session: Session, run_id: int, *, min_interval: timedelta = DIAGNOSIS_MIN_INTERVAL) -> bool:
     """Whether to re-aggregate the run now.
 
-    Aggregating reads every report of the run, so redoing it after each of a 512-trace run's jobs
-    would be quadratic. While other traces of the run are still queued, refresh at most every
-    ``min_interval``; the run's last job always refreshes.
+    Each refresh judges every rank and stores a verdict that lists them, so redoing it after each
+    of a 1,000-trace run's jobs would be quadratic. While other traces of the run are still queued,
+    refresh at most every ``min_interval``; the run's last job always refreshes.
     """
     waiting = session.scalar(
         select(func.count(Trace.id)).where(Trace.run_id == run_id, Trace.status.in_(("pending", "running")))
@@ -89,27 +104,24 @@ def refresh_run_diagnosis(session: Session, run_id: int, *, force: bool = True) 
     The run row is locked first (``FOR UPDATE`` on PostgreSQL; SQLite serialises writers), so two
     aggregations of one run never interleave and the last one to commit saw every earlier commit:
     no lost update. Without ``force`` nothing is re-read when the inputs (analysis ids and trace
-    states) are the ones the stored diagnosis was built from; then None is returned.
+    states) are the ones the stored diagnosis was built from; then None is returned. The verdict
+    is folded from the traces' summaries (module docstring), not their reports.
     """
     session.execute(select(Run.id).where(Run.id == run_id).with_for_update())
     basis = _diagnosis_basis(session, run_id)
     if not force and session.scalar(select(Run.diagnosis_basis).where(Run.id == run_id)) == basis:
         return None
-    rows = session.execute(
-        select(Trace.id, Trace.rank, Trace.window_index, Trace.meta, Analysis.report)
-        .join(Analysis, Analysis.trace_id == Trace.id)
-        .where(Trace.run_id == run_id)
-        .order_by(Trace.id)
-    ).all()
+    store_summaries(session, run_id)
+    aggregate, outdated = _run_aggregate(session, run_id)
     counts = dict(
         session.execute(
             select(Trace.status, func.count()).where(Trace.run_id == run_id).group_by(Trace.status)
         ).all()
     )
-    verdict = aggregate_run(
-        [StoredTrace(*row) for row in rows],
+    verdict = aggregate.verdict(
         failed=int(counts.get("failed", 0)),
         pending=int(counts.get("pending", 0)) + int(counts.get("running", 0)),
+        outdated=outdated,
     )
     verdict.computed_at = _now().isoformat()
     diagnosis: dict[str, Any] = msgspec.to_builtins(verdict)
@@ -127,7 +139,126 @@ def refresh_run_diagnosis(session: Session, run_id: int, *, force: bool = True) 
         )
         .execution_options(synchronize_session=False)
     )
+    _refresh_regression(session, run_id)
     return diagnosis
+
+
+def _refresh_regression(session: Session, run_id: int) -> None:
+    """The run against its project's baseline (``regressions``; may queue its webhook), in a
+    savepoint: a failure there is logged and never costs the diagnosis just written."""
+    try:
+        with session.begin_nested():
+            refresh_regression(session, run_id)
+    except (OperationalError, InterfaceError):  # the database is away: the job retries as a whole
+        raise
+    except Exception:
+        log.exception("run %s: regression check failed", run_id)
+
+
+def store_summaries(session: Session, run_id: int) -> int:
+    """Give each analysis of the run without a stored summary one, made from its report (once per
+    analysis: reports of an older engine, or analyses stored before summaries existed). Reports are
+    read ``BATCH`` at a time. Returns how many were made."""
+    missing = session.scalars(
+        select(Analysis.id)
+        .join(Trace, Trace.id == Analysis.trace_id)
+        .outerjoin(TraceSummaryRecord, TraceSummaryRecord.analysis_id == Analysis.id)
+        .where(Trace.run_id == run_id, TraceSummaryRecord.analysis_id.is_(None))
+        .order_by(Analysis.id)
+    ).all()
+    for start in range(0, len(missing), BATCH):
+        rows = session.execute(
+            select(Analysis.id, Trace.id, Trace.rank, Trace.window_index, Trace.meta, Analysis.report)
+            .join(Trace, Trace.id == Analysis.trace_id)
+            .where(Analysis.id.in_(missing[start : start + BATCH]))
+        ).all()
+        for analysis_id, *stored in rows:
+            summary = summary_of_stored(StoredTrace(*stored))
+            session.add(
+                TraceSummaryRecord(
+                    analysis_id=analysis_id,
+                    trace_id=stored[0],
+                    run_id=run_id,
+                    summary=encode(summary) if summary is not None else None,
+                )
+            )
+        session.flush()
+    return len(missing)
+
+
+@dataclass
+class _Held:
+    """A run's aggregate and, per trace, the summary row folded into it (analysis id, row time)."""
+
+    aggregate: RunAggregate = field(default_factory=RunAggregate)
+    stamps: dict[int, tuple[int, datetime]] = field(default_factory=dict)
+
+
+_HELD: OrderedDict[tuple[str, int], _Held] = OrderedDict()  # (database, run id) -> its aggregate
+_HELD_LOCK = threading.Lock()
+
+
+def _run_aggregate(session: Session, run_id: int) -> tuple[RunAggregate, int]:
+    """The run's aggregate brought up to date with its stored summaries, and how many of its
+    analyses have none (their report does not decode: ``outdated``). Only summaries not folded in
+    before are read; the process keeps the last ``HELD_RUNS`` runs' aggregates."""
+    key = (session.get_bind().url.render_as_string(hide_password=True), run_id)
+    now: dict[int, tuple[int, datetime]] = {}
+    outdated = 0
+    for trace_id, analysis_id, created_at, empty in session.execute(
+        select(
+            TraceSummaryRecord.trace_id,
+            TraceSummaryRecord.analysis_id,
+            TraceSummaryRecord.created_at,
+            TraceSummaryRecord.summary.is_(None),
+        )
+        .join(Analysis, Analysis.id == TraceSummaryRecord.analysis_id)  # only current analyses
+        .where(TraceSummaryRecord.run_id == run_id)
+    ):
+        if empty:
+            outdated += 1
+        else:
+            now[trace_id] = (analysis_id, created_at)
+    with _HELD_LOCK:
+        held = _HELD.pop(key, None) or _Held()
+    for trace_id in [t for t, stamp in held.stamps.items() if now.get(t) != stamp]:
+        held.aggregate.remove(trace_id)
+        del held.stamps[trace_id]
+    wanted = sorted(aid for t, (aid, _) in now.items() if t not in held.stamps)
+    for start in range(0, len(wanted), BATCH):
+        for trace_id, analysis_id, data in session.execute(
+            select(
+                TraceSummaryRecord.trace_id, TraceSummaryRecord.analysis_id, TraceSummaryRecord.summary
+            ).where(TraceSummaryRecord.analysis_id.in_(wanted[start : start + BATCH]))
+        ):
+            summary = decode(data) if data is not None else None
+            if summary is None:  # another summary layout: made again from the report
+                summary = _remake_summary(session, analysis_id)
+            if summary is None:
+                outdated += 1
+                continue
+            held.aggregate.add(summary)
+            held.stamps[trace_id] = now[trace_id]
+    with _HELD_LOCK:
+        _HELD[key] = held
+        while len(_HELD) > HELD_RUNS:
+            _HELD.popitem(last=False)
+    return held.aggregate, outdated
+
+
+def _remake_summary(session: Session, analysis_id: int) -> TraceSummary | None:
+    row = session.execute(
+        select(Trace.id, Trace.rank, Trace.window_index, Trace.meta, Analysis.report)
+        .join(Trace, Trace.id == Analysis.trace_id)
+        .where(Analysis.id == analysis_id)
+    ).one()
+    summary = summary_of_stored(StoredTrace(*row))
+    session.execute(
+        update(TraceSummaryRecord)
+        .where(TraceSummaryRecord.analysis_id == analysis_id)
+        .values(summary=encode(summary) if summary is not None else None)
+    )
+    return summary
 
 
 def _diagnosis_basis(session: Session, run_id: int) -> str:

@@ -21,7 +21,7 @@ from stepdoctor_server.core.database import SessionDep
 from stepdoctor_server.core.models import DeepAnalysis, Trace
 from stepdoctor_server.deep import service as deep
 from stepdoctor_server.jobs.claims import reset_to_pending
-from stepdoctor_server.runs import compare
+from stepdoctor_server.runs import compare, regressions
 from stepdoctor_server.runs import service as runs
 from stepdoctor_server.traces import service as traces
 from stepdoctor_server.web.schemas import ErrorResponse, ReportJSON
@@ -130,7 +130,8 @@ def get_run_diagnosis(run_id: int, principal: ReadTeam, session: SessionDep) -> 
     "/compare",
     response_model=CompareOut,
     responses=_ERRORS,
-    summary="Compare two runs: per-category step-time deltas, speedup, findings resolved/appeared",
+    summary="Compare two runs: step times on a stated basis (`comparison.step.basis`: the unprofiled steady "
+    "state when both runs have a step series, else profiled), per-category deltas, speedup, findings",
 )
 def compare_runs(
     principal: ReadTeam,
@@ -155,7 +156,11 @@ def compare_runs(
             "name": other_run.name,
             "diagnosis": msgspec.to_builtins(other_diag),
         },
-        comparison=compare.compare_diagnoses(base_diag, other_diag),
+        comparison=compare.compare_diagnoses(
+            base_diag,
+            other_diag,
+            regressions.step_comparison(session, base_run, base_project, other_run, other_project),
+        ),
     )
 
 

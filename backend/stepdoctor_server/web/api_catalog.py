@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
+import msgspec
 from fastapi import APIRouter, Query
 from sqlalchemy import ColumnElement, Select, and_, or_
 from sqlalchemy.orm import InstrumentedAttribute, Session
@@ -23,7 +24,7 @@ from stepdoctor_server.auth.tokens import ReadTeam
 from stepdoctor_server.core.database import SessionDep, settings_of
 from stepdoctor_server.core.errors import MAX_ID, ApiError
 from stepdoctor_server.core.models import Project, Run, Trace
-from stepdoctor_server.runs import series
+from stepdoctor_server.runs import regressions, series
 from stepdoctor_server.runs import service as runs
 from stepdoctor_server.runs.series import Liveness
 from stepdoctor_server.traces.ingest import NAME_RE, check_tag, validate_name
@@ -148,6 +149,13 @@ def list_projects(
 # -- runs ----------------------------------------------------------------------------------------
 
 
+def regression_out(run: Run) -> dict[str, Any] | None:
+    """The stored regression status, typed and back (another layout reads as none)."""
+    status = regressions.read_regression(run.regression)
+    out: dict[str, Any] | None = msgspec.to_builtins(status) if status is not None else None
+    return out
+
+
 def _run_out(run: Run, project_name: str, trace_count: int, liveness: Liveness | None = None) -> RunOut:
     return RunOut(
         id=run.id,
@@ -159,6 +167,7 @@ def _run_out(run: Run, project_name: str, trace_count: int, liveness: Liveness |
         trace_count=trace_count,
         created_at=run.created_at,
         updated_at=run.updated_at,
+        regression=regression_out(run),
         liveness=liveness,
     )
 

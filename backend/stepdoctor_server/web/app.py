@@ -35,8 +35,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 try:  # the parts of the service: none is optional, so a missing one stops the server at start
     from stepdoctor_server import job_handlers
     from stepdoctor_server.jobs import pool as worker
-    from stepdoctor_server.web import api_analysis, api_catalog, api_docs, api_series, api_traces
-    from stepdoctor_server.web import api_regressions
+    from stepdoctor_server.web import (
+        api_analysis,
+        api_capture,
+        api_catalog,
+        api_docs,
+        api_regressions,
+        api_series,
+        api_traces,
+        capture_page,
+    )
     from stepdoctor_server.web import pages as dashboard
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by test_server_app
     # Same class (ModuleNotFoundError stays one), so the console script still answers a missing
@@ -351,6 +359,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(api_analysis.router)
     app.include_router(api_regressions.router)
     app.include_router(api_series.router)
+    app.include_router(api_capture.router)
+    app.include_router(capture_page.router)  # the run page's "Capture now" form
     _install_health(app)
     api_docs.install(app)
     dashboard.install(app)  # last: its HTML error pages wrap the JSON handlers installed above

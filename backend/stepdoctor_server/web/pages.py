@@ -32,8 +32,9 @@ from stepdoctor_server.core.database import DatabaseDep, SessionDep
 from stepdoctor_server.core.errors import ApiError, check_id, not_found
 from stepdoctor_server.core.models import Analysis, Project, Trace
 from stepdoctor_server.deep import service as deep
-from stepdoctor_server.runs import compare
+from stepdoctor_server.runs import compare, regressions
 from stepdoctor_server.runs import service as runs
+from stepdoctor_server.runs.capture import capture_view
 from stepdoctor_server.traces import service as traces
 from stepdoctor_server.traces.reports import ReportFacts, facts_of
 from stepdoctor_server.web import guide_page
@@ -255,7 +256,8 @@ def _paged_runs(session: Session, viewer: Principal, project_id: int | None, f: 
     listing = runs.page_of_runs(
         session, viewer, project_id, q=f.q, kind=f.kind, tag=f.tag, sort=f.sort, page=f.page
     )
-    return {**listing, "kinds": BOTTLENECK_KINDS}
+    statuses = {run.id: regressions.read_regression(run.regression) for run, _ in listing["runs"]}
+    return {**listing, "kinds": BOTTLENECK_KINDS, "regressions": statuses}
 
 
 # -- run -----------------------------------------------------------------------------------------
@@ -290,6 +292,7 @@ def run_page(
             figs["ranks"] = rank_view.figure
     others = runs.sibling_runs(session, run, 200)
     waiting = any(t.status in ("pending", "running") for t, _, _ in trace_rows)
+    capture = capture_view(session, viewer, run)  # "Capture now" while live, and the latest request
     return _render(
         request,
         "run.html",
@@ -307,7 +310,12 @@ def run_page(
         tables=(facts.tables if facts is not None else None) or {},
         rep_trace=rep_id,
         collectives=_collectives(session, rep_id),
-        refresh_s=REFRESH_S if waiting else None,
+        refresh_s=REFRESH_S if waiting or capture.waiting else None,
+        refresh_reason=None if waiting else "A capture was requested",
+        capture=capture,
+        regression=regressions.read_regression(run.regression),
+        baseline=regressions.chosen_baseline(session, project.id),
+        can_choose_baseline=viewer.allows("upload"),
         rank_view=rank_view,
     )
 
@@ -459,6 +467,24 @@ async def request_critical_path(trace_id: int, request: Request, viewer: Viewer,
     return RedirectResponse(f"/traces/{trace_id}#critical-path", status_code=303)
 
 
+@router.post("/runs/{run_id}/baseline")
+async def choose_baseline(run_id: int, request: Request, viewer: Viewer, db: DatabaseDep) -> Response:
+    """The run page's "Use as baseline" / "Back to the median" form (the API's service; the
+    same-origin check and the ``SameSite=Strict`` cookie keep other sites from submitting it)."""
+    form = parse_qs((await request.body()).decode("utf-8", "replace"))
+    action = (form.get("action") or [""])[0]
+    if action not in ("set", "clear"):
+        raise ApiError(422, "invalid_request", "action must be 'set' or 'clear'")
+
+    def choose() -> None:  # blocking database work: off the event loop
+        with db.session() as session:
+            run, project = runs.load_run(session, viewer, run_id)
+            regressions.set_baseline(session, viewer, project, run if action == "set" else None)
+
+    await run_in_threadpool(choose)
+    return RedirectResponse(f"/runs/{run_id}#regression", status_code=303)
+
+
 # -- compare -------------------------------------------------------------------------------------
 
 
@@ -471,7 +497,7 @@ def compare_page(
     other: Annotated[int, Query()],
 ) -> HTMLResponse:
     base_run, base_project = runs.load_run(session, viewer, base)
-    other_run, _ = runs.load_run(session, viewer, other)
+    other_run, other_project = runs.load_run(session, viewer, other)
     try:
         base_d = runs.run_diagnosis(base_run)
         other_d = runs.run_diagnosis(other_run)
@@ -486,7 +512,8 @@ def compare_page(
             c=None,
             error=exc.message,
         )
-    comparison = compare.compare_diagnoses(base_d, other_d)
+    step = regressions.step_comparison(session, base_run, base_project, other_run, other_project)
+    comparison = compare.compare_diagnoses(base_d, other_d, step)
     differences = compare.context_differences(
         runs.comparison_context(session, base_run), runs.comparison_context(session, other_run)
     )

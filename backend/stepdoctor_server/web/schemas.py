@@ -109,6 +109,13 @@ class RunOut(BaseModel):
         "or stopped (no heartbeat for 5 minutes, no clean exit); null for a run without a step series",
     )
 
+    regression: dict[str, Any] | None = Field(
+        default=None,
+        description="the run against its project's baseline (runs.regressions.RegressionStatus): regressed, "
+        "reasons (step_time, verdict), comparison (basis, candidate_ms, baseline_ms, change, verdicts), "
+        "baseline (chosen run or median of recent runs); null before its first diagnosis",
+    )
+
 
 class RunDetail(RunOut):
     diagnosis: dict[str, Any] | None
