@@ -109,7 +109,8 @@ def test_a_watched_loader_keeps_its_identity_and_type(tmp_path: Path) -> None:
 
 
 def test_sync_ships_the_traces_and_leaves_the_series_complete(tmp_path: Path) -> None:
-    """The server has no series endpoint yet: ``sync`` must leave the series whole in the spool."""
+    """A server without the series endpoint (an older one, answering 404): ``sync`` ships the
+    traces and leaves the series whole in the spool (tests/test_series_delivery.py: a server with one)."""
     from stepdoctor import sync
 
     run_loop(tmp_path, "later", 60, series_settings=SeriesSettings(chunk_steps=25, anomaly_capture=False))

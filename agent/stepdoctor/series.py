@@ -167,7 +167,10 @@ class SeriesRecorder:
         run_dir: Callable[[], Path | None],
         header: dict[str, Any],
         capture: Callable[[int, int, int], bool],
+        on_written: Callable[[], None] | None = None,
     ) -> None:
+        """``on_written`` runs on the writer thread after chunks reached the disk (the delivery
+        worker's ``notify``: chunks are the run's heartbeat, shipped as they come)."""
         self.settings = settings
         self._run_dir = run_dir
         self._header = dict(header)
@@ -201,7 +204,7 @@ class SeriesRecorder:
         self._quiet_until = -1  # steps up to here are right after a window: not checked
         self.anomaly_count = 0
         self.steps = 0  # steps handed to chunks so far
-        self._writer = _ChunkWriter(run_dir)
+        self._writer = _ChunkWriter(run_dir, on_written)
         self._limits()
 
     # --- training thread ------------------------------------------------------------------------
@@ -421,8 +424,11 @@ class _ChunkWriter:
     MAX_PENDING = 1000
     RETRY_S = 5.0
 
-    def __init__(self, run_dir: Callable[[], Path | None]) -> None:
+    def __init__(
+        self, run_dir: Callable[[], Path | None], on_written: Callable[[], None] | None = None
+    ) -> None:
         self._run_dir = run_dir
+        self._on_written = on_written
         self._queue: queue.SimpleQueue[tuple[str, dict[str, Any], list[tuple[str, array.array[int]]]] | None]
         self._queue = queue.SimpleQueue()
         self._pending: list[tuple[str, bytes]] = []
@@ -470,6 +476,15 @@ class _ChunkWriter:
     @guarded()
     def _write_pending(self) -> None:
         directory = self._run_dir()
+        written = 0
+        try:
+            written = self._write_some(directory)
+        finally:
+            if written and self._on_written is not None:
+                self._on_written()
+
+    def _write_some(self, directory: Path | None) -> int:
+        written = 0
         while self._pending and directory is not None:
             name, data = self._pending[0]
             try:
@@ -484,8 +499,10 @@ class _ChunkWriter:
                     "kept in memory and tried again, training continues",
                     key=f"spool-write:{directory}:{exc.errno}",  # the profiler's key: one line per folder
                 )
-                return
+                return written
             self._pending.pop(0)
+            written += 1
+        return written
 
 
 # --- the DataLoader's wait ----------------------------------------------------------------------

@@ -4,6 +4,8 @@ Layout (TensorBoard profiler plugin compatible, so ``tensorboard --logdir SPOOL`
 
     SPOOL/PROJECT/RUN/{host}_{pid}.{time_ns}.pt.trace.json.gz   compressed Chrome trace
     SPOOL/PROJECT/RUN/{host}_{pid}.{time_ns}.stepdoctor.meta     sidecar JSON (idempotency key, ...)
+    SPOOL/PROJECT/RUN/series-{stream}-{seq}.stepdoctor.series    step-series chunk (stepdoctor.series),
+                                                                 shipped like a trace, to uploaded/ or failed/
     SPOOL/failed/PROJECT/RUN/...                                 rejected by the server, with .reason.txt
                                                                  and .failure.json (where it was sent, how)
     SPOOL/uploaded/PROJECT/RUN/...                               local copies of delivered traces
@@ -39,7 +41,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 try:
     import fcntl
@@ -55,6 +57,10 @@ FAILURE_SUFFIX = ".failure.json"
 FAILED_DIR = "failed"
 UPLOADED_DIR = "uploaded"
 SIDECAR_FORMAT = 1
+#: Step-series chunks (``stepdoctor.series.SUFFIX``): shipped like traces, without a sidecar (each
+#: chunk's header says which process and steps it holds; the folder says project and run).
+SERIES_SUFFIX = ".stepdoctor.series"
+_SERIES_MAGIC = b"SDSERIES\x01"
 
 _STEM_RE = re.compile(r"^(?P<host>.+)_(?P<pid>\d+)\.(?P<ns>\d+)")
 _HOST_BAD = re.compile(r"[^A-Za-z0-9.-]+")
@@ -157,9 +163,10 @@ class Spool:
         return sorted(found, key=lambda p: (_stem_time(p.name), p.name))
 
     @contextlib.contextmanager
-    def claim(self, sidecar: Path) -> Iterator[Entry | None]:
-        """Exclusive handling of one trace across threads and processes; yields None when busy or gone."""
-        key = str(sidecar)
+    def _locked(self, path: Path) -> Iterator[BinaryIO | None]:
+        """Exclusive handling of one file across threads and processes (a POSIX record lock on it,
+        which dies with its holder); yields its open handle, or None when busy or gone."""
+        key = str(path)
         with _claimed_lock:
             if key in _claimed:
                 yield None
@@ -167,7 +174,7 @@ class Spool:
             _claimed.add(key)
         try:
             try:
-                fh = open(sidecar, "r+b")  # noqa: SIM115 - the lock must live on this very descriptor
+                fh = open(path, "r+b")  # noqa: SIM115 - the lock must live on this very descriptor
             except FileNotFoundError:
                 yield None
                 return
@@ -178,20 +185,29 @@ class Spool:
                     except OSError:
                         yield None
                         return
-                if not sidecar.exists():  # delivered by the previous holder while we waited
+                if not path.exists():  # delivered by the previous holder while we waited
                     yield None
                     return
-                try:
-                    meta = json.loads(fh.read().decode())
-                    if not isinstance(meta, dict):
-                        raise ValueError("sidecar is not a JSON object")
-                except ValueError as exc:
-                    meta = {"_unreadable": str(exc)}
-                stem = sidecar.name[: -len(META_SUFFIX)]
-                yield Entry(sidecar.parent, stem, meta)
+                yield fh
         finally:
             with _claimed_lock:
                 _claimed.discard(key)
+
+    @contextlib.contextmanager
+    def claim(self, sidecar: Path) -> Iterator[Entry | None]:
+        """Exclusive handling of one trace across threads and processes; yields None when busy or gone."""
+        with self._locked(sidecar) as fh:
+            if fh is None:
+                yield None
+                return
+            try:
+                meta = json.loads(fh.read().decode())
+                if not isinstance(meta, dict):
+                    raise ValueError("sidecar is not a JSON object")
+            except ValueError as exc:
+                meta = {"_unreadable": str(exc)}
+            stem = sidecar.name[: -len(META_SUFFIX)]
+            yield Entry(sidecar.parent, stem, meta)
 
     @staticmethod
     def compress(entry: Entry, level: int, deadline: float | None = None) -> None:
@@ -275,6 +291,13 @@ class Spool:
             trace.unlink(missing_ok=True)
             trace.with_name(stem + META_SUFFIX).unlink(missing_ok=True)
             deleted += 1
+        for chunk in self.series_copies() if unsent + copies > max_bytes else []:
+            if unsent + copies <= max_bytes:
+                break
+            with contextlib.suppress(OSError):
+                copies -= chunk.stat().st_size
+            chunk.unlink(missing_ok=True)
+            deleted += 1
         return deleted, max(0, unsent - max_bytes)
 
     def move_failed(
@@ -316,9 +339,14 @@ class Spool:
     def requeue(self, failed: Failed) -> None:
         """Move one trace parked in ``failed/`` back into the spool, to be sent again."""
         sidecar = failed.sidecar
-        stem = sidecar.name[: -len(META_SUFFIX)]
         dest = self.root / sidecar.parent.relative_to(self.root / FAILED_DIR)
         dest.mkdir(parents=True, exist_ok=True)
+        if sidecar.name.endswith(SERIES_SUFFIX):  # a step-series chunk: no sidecar of its own
+            os.replace(sidecar, dest / sidecar.name)
+            for suffix in (REASON_SUFFIX, FAILURE_SUFFIX):
+                sidecar.with_name(sidecar.name + suffix).unlink(missing_ok=True)
+            return
+        stem = sidecar.name[: -len(META_SUFFIX)]
         for suffix in (TRACE_SUFFIX, EXPORT_SUFFIX):
             source = sidecar.with_name(stem + suffix)
             if source.exists():
@@ -329,7 +357,7 @@ class Spool:
 
     def requeue_failed(self) -> int:
         """Move every trace parked in ``failed/`` back into the spool (``sync --retry-failed``)."""
-        parked = self.failed()
+        parked = self.failed() + self.failed_series()
         for failed in parked:
             self.requeue(failed)
         return len(parked)
@@ -350,6 +378,74 @@ class Spool:
                 path.unlink(missing_ok=True)
                 removed += 1
         return removed
+
+    # --- step series ----------------------------------------------------------------------------
+
+    def series_chunks(self) -> list[Path]:
+        """Step-series chunks not yet delivered, by folder, process and sequence (their names)."""
+        return sorted(self.root.glob(f"*/*/*{SERIES_SUFFIX}"))
+
+    @contextlib.contextmanager
+    def claim_series(self, chunk: Path) -> Iterator[bool]:
+        """Exclusive handling of one chunk (another rank's agent or ``sync`` may share the spool)."""
+        with self._locked(chunk) as fh:
+            yield fh is not None
+
+    @staticmethod
+    def series_meta(chunk: Path) -> dict[str, Any]:
+        """What routing a chunk needs: project and run (its folder), and the server and rank its
+        header names (read without decompressing; absent when the header cannot be read)."""
+        meta: dict[str, Any] = {"project": chunk.parent.parent.name, "run": chunk.parent.name}
+        try:
+            with open(chunk, "rb") as fh:
+                start = fh.read(len(_SERIES_MAGIC) + 4)
+                if start[: len(_SERIES_MAGIC)] == _SERIES_MAGIC and len(start) == len(_SERIES_MAGIC) + 4:
+                    length = int.from_bytes(start[len(_SERIES_MAGIC) :], "little")
+                    header = json.loads(fh.read(min(length, 1 << 20)))
+                    if isinstance(header, dict):
+                        meta.update({k: header.get(k) for k in ("server", "rank", "stream", "seq")})
+        except (OSError, ValueError):
+            pass
+        return meta
+
+    def keep_uploaded_series(self, chunk: Path) -> None:
+        """Keep a delivered chunk under ``uploaded/`` beside the run's trace copies, so
+        ``stepdoctor analyze SPOOL/uploaded/PROJECT/RUN`` still reads the whole series."""
+        dest = self.root / UPLOADED_DIR / chunk.parent.relative_to(self.root)
+        dest.mkdir(parents=True, exist_ok=True)
+        os.replace(chunk, dest / chunk.name)
+
+    def move_failed_series(
+        self, chunk: Path, reason: str, *, server: str | None = None, token: str | None = None
+    ) -> Path:
+        """Park a chunk the server refused for good, with the reason next to it (as a trace's)."""
+        dest = self.root / FAILED_DIR / chunk.parent.relative_to(self.root)
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / f"{chunk.name}{REASON_SUFFIX}").write_text(reason.rstrip() + "\n")
+        record = {"reason": reason, "server": server, "token": token_fingerprint(token), "at": time.time()}
+        (dest / f"{chunk.name}{FAILURE_SUFFIX}").write_text(json.dumps(record) + "\n")
+        os.replace(chunk, dest / chunk.name)
+        return dest
+
+    def failed_series(self) -> list[Failed]:
+        """Chunks parked in ``failed/``, each with why and where it was refused."""
+        found = []
+        for chunk in sorted(self.root.glob(f"{FAILED_DIR}/*/*/*{SERIES_SUFFIX}")):
+            record = _read_json(chunk.with_name(chunk.name + FAILURE_SUFFIX))
+            found.append(
+                Failed(
+                    chunk,
+                    self.series_meta(chunk),
+                    str(record.get("reason") or "no reason recorded"),
+                    record or None,
+                )
+            )
+        return found
+
+    def series_copies(self) -> list[Path]:
+        """Local copies of delivered chunks, oldest first."""
+        found = list(self.root.glob(f"{UPLOADED_DIR}/*/*/*{SERIES_SUFFIX}"))
+        return sorted(found, key=_mtime)
 
     def pending(self) -> tuple[int, int]:
         """(traces, bytes) waiting in the spool."""
@@ -377,7 +473,9 @@ class Failed:
     @property
     def name(self) -> str:
         """``PROJECT/RUN/STEM``, as a user finds it under ``failed/``."""
-        return f"{self.sidecar.parent.parent.name}/{self.sidecar.parent.name}/{self.sidecar.name[: -len(META_SUFFIX)]}"
+        name = self.sidecar.name
+        stem = name if name.endswith(SERIES_SUFFIX) else name[: -len(META_SUFFIX)]
+        return f"{self.sidecar.parent.parent.name}/{self.sidecar.parent.name}/{stem}"
 
 
 def token_fingerprint(token: str | None) -> str | None:
@@ -391,6 +489,13 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _stem_time(name: str) -> int:

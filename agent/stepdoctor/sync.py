@@ -1,4 +1,5 @@
-"""``stepdoctor sync``: upload every trace left in the spool (server down during training, offline runs).
+"""``stepdoctor sync``: upload every trace left in the spool (server down during training, offline runs),
+and the runs' step series (``stepdoctor.series`` chunks) with them, routed the same way.
 
 Each trace goes to ``--server`` (default ``$STEPDOCTOR_SERVER``) if set, else to the server recorded
 in its sidecar; traces captured without a server need one of the two. ``--spool`` and ``--token``
@@ -126,9 +127,11 @@ def _send_until(worker: DeliveryWorker, deadline: float, timeout: float) -> int:
     how many are left. A line says what is sent first (a hung server may hold that first request
     until the deadline) and what the trouble is before every wait."""
     waiting, size = worker.spool.pending()
-    if waiting:
+    chunks = len(worker.spool.series_chunks())
+    if waiting or chunks:
+        series = f" and {chunks} step-series chunk{'' if chunks == 1 else 's'}" if chunks else ""
         print(
-            f"stepdoctor sync: {waiting} trace{'' if waiting == 1 else 's'} ({size / 1e6:.1f} MB) waiting in "
+            f"stepdoctor sync: {waiting} trace{'' if waiting == 1 else 's'} ({size / 1e6:.1f} MB){series} waiting in "
             f"{worker.spool.root}; sending (giving up after {timeout:g} s, --timeout)",
             file=sys.stderr,
             flush=True,
@@ -144,7 +147,7 @@ def _send_until(worker: DeliveryWorker, deadline: float, timeout: float) -> int:
 
 def _review_failed(spool: Spool, route: Router, *, retry_all: bool) -> int:
     """Name every trace in ``failed/`` with its reason; requeue those worth another try."""
-    parked = spool.failed()
+    parked = spool.failed() + spool.failed_series()
     retried = 0
     for index, failed in enumerate(parked):
         retry, why = _worth_retrying(failed, route(failed.meta), retry_all)
@@ -205,12 +208,14 @@ def _report(spool: Spool, worker: DeliveryWorker, remaining: int, retried: int, 
     """The last line: what went, what is left in the spool and in ``failed/``; exit 1 unless all went."""
     stats = worker.stats
     unsent = sum(1 for sidecar in spool.sidecars() if _routable(sidecar, override))
-    parked = len(spool.failed())
+    parked = len(spool.failed()) + len(spool.failed_series())
     parts = [f"{stats.delivered} uploaded"]
+    if stats.series_delivered or stats.series_rejected:
+        parts.append(f"{stats.series_delivered} step-series chunk(s) uploaded")
     if retried:
         parts.append(f"{retried} sent again from {FAILED_DIR}/")
-    if stats.rejected:
-        parts.append(f"{stats.rejected} refused (moved to {spool.root / FAILED_DIR})")
+    if stats.rejected or stats.series_rejected:
+        parts.append(f"{stats.rejected + stats.series_rejected} refused (moved to {spool.root / FAILED_DIR})")
     parts.append(
         f"{remaining} left in {spool.root}"
         + (f" ({unsent} captured without a server: set STEPDOCTOR_SERVER or pass --server)" if unsent else "")
@@ -219,7 +224,7 @@ def _report(spool: Spool, worker: DeliveryWorker, remaining: int, retried: int, 
     if remaining and stats.last_error:
         parts.append(f"last error: {stats.last_error}")
     print("stepdoctor sync: " + ", ".join(parts))
-    return 1 if remaining or stats.rejected or parked else 0
+    return 1 if remaining or stats.rejected or stats.series_rejected or parked else 0
 
 
 def _routable(sidecar: Any, override: str | None) -> bool:

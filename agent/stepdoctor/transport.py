@@ -117,6 +117,49 @@ def upload(
         "X-Stepdoctor-Metadata": metadata_header(metadata),
         "User-Agent": f"stepdoctor-agent/{__version__}",
     }
+    return _post(url, path, headers, token, trace, timeout, connect_timeout, deadline)
+
+
+SERIES_CONTENT_TYPE = "application/octet-stream"
+
+
+def upload_series(
+    server: str,
+    token: str | None,
+    chunk: Path,
+    project: str,
+    run: str,
+    timeout: float,
+    *,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    deadline: float | None = None,
+) -> Result:
+    """POST one spooled step-series chunk (``stepdoctor.series``) to ``/api/v1/series``, classified
+    like a trace upload; the server stores a chunk sent twice once, so no Idempotency-Key."""
+    url = urllib.parse.urlsplit(server)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return Result("rejected", None, f"invalid server URL {server!r}")
+    query = urllib.parse.urlencode({"project": project, "run": run})
+    path = f"{url.path.rstrip('/')}/api/v1/series?{query}"
+    headers = {
+        "Content-Type": SERIES_CONTENT_TYPE,
+        "Content-Length": str(os.path.getsize(chunk)),
+        "User-Agent": f"stepdoctor-agent/{__version__}",
+    }
+    return _post(url, path, headers, token, chunk, timeout, connect_timeout, deadline)
+
+
+def _post(
+    url: urllib.parse.SplitResult,
+    path: str,
+    headers: dict[str, str],
+    token: str | None,
+    body_file: Path,
+    timeout: float,
+    connect_timeout: float,
+    deadline: float | None,
+) -> Result:
+    """One POST of ``body_file`` (streamed) under the connect timeout, socket timeout and deadline."""
     if token:
         headers["Authorization"] = f"Bearer {token}"
     if deadline is not None:
@@ -138,7 +181,7 @@ def upload(
         assert conn.sock is not None
         conn.sock.settimeout(timeout)
         try:
-            with open(trace, "rb") as body:
+            with open(body_file, "rb") as body:
                 conn.request("POST", target + path, body=body, headers=headers)
         except OSError as exc:
             # A server may answer (401, 413) and close before reading a large body: use its answer.

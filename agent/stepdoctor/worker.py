@@ -4,7 +4,8 @@ One daemon thread per process sleeps on an event; the training thread only sets 
 committing a capture, so ``prof.step()`` never waits on gzip or the network. The thread walks the
 spool on each wake-up, so leftovers of earlier runs (same server) are delivered too. Failures back
 off exponentially with jitter under one shared clock (a down server is down for every trace),
-``Retry-After`` is honoured, and a final rejection parks the trace in ``failed/``.
+``Retry-After`` is honoured, and a final rejection parks the trace in ``failed/``. The step
+series' chunks (``stepdoctor.series``, woken by its writer) go the same way after the traces.
 
 A flush (leaving ``profile()``) is a time budget, never a wait for the network: it ends as soon as
 the server cannot be reached (a refused connection is known at once) or its next try would fall
@@ -25,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import stepdoctor.transport as transport
@@ -46,6 +48,8 @@ class Stats:
     unreachable: bool = False  # the last try got no connection at all (refused, unreachable, DNS)
     sending: bool = False  # a request is in flight (at exit: cut off by the flush budget)
     delivered_keys: list[str] = field(default_factory=list)
+    series_delivered: int = 0  # step-series chunks (stepdoctor.series) the server stored
+    series_rejected: int = 0
 
 
 class Backoff:
@@ -80,6 +84,7 @@ class DeliveryWorker:
         self.delivery = delivery
         self.stats = Stats()
         self._backoff = Backoff(delivery.backoff_base, delivery.backoff_max, delivery.retry_after_max)
+        self._no_series: set[str] = set()  # servers without the series endpoint (older ones): chunks stay
         self._init_state()
 
     def _init_state(self) -> None:
@@ -222,8 +227,75 @@ class DeliveryWorker:
                 if entry is None:
                     continue  # another process (rank, sync) is handling it
                 remaining += int(not self._handle_safely(entry))
+        remaining += self._series_pass(deadline)
         self._enforce_cap()
         return remaining
+
+    def _series_pass(self, deadline: float | None) -> int:
+        """Ship the step-series chunks like the traces (same route, backoff and ``failed/``); returns
+        how many still await delivery. After the traces: a chunk is small and can wait a pass."""
+        remaining = 0
+        for chunk in self.spool.series_chunks():
+            if self._stopping and self._flush_deadline is None:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                remaining += 1
+                continue
+            with self.spool.claim_series(chunk) as mine:
+                if mine:
+                    remaining += int(not self._ship_series_safely(chunk))
+        return remaining
+
+    @guarded(default=False)
+    def _ship_series_safely(self, chunk: Path) -> bool:
+        return self._ship_series(chunk)
+
+    def _ship_series(self, chunk: Path) -> bool:
+        """Send one chunk if it has a route; True when it needs nothing more from us."""
+        meta = self.spool.series_meta(chunk)
+        route = self.router(meta) if self.router is not None else None
+        if route is None or route[0] in self._no_series:
+            return True  # stays in the spool: local-only, another server's, or a server without series
+        server, token = route
+        deadline = self._deadline()
+        now = time.monotonic()
+        if now < self._backoff.not_before or (deadline is not None and now >= deadline):
+            return False
+        result = self._attempt(
+            lambda limits: transport.upload_series(
+                server, token, chunk, meta["project"], meta["run"], **limits
+            )
+        )
+        if result.outcome == "delivered":
+            self._delivered(
+                lambda: self.spool.keep_uploaded_series(chunk), lambda: chunk.unlink(missing_ok=True)
+            )
+            self.stats.series_delivered += 1
+            return True
+        if result.outcome == "rejected" and result.status == 404:
+            self._no_series.add(server)
+            log_once(
+                f"no-series:{server}",
+                logging.WARNING,
+                "stepdoctor: %s has no step-series endpoint (an older server); the series stays in %s",
+                server,
+                self.spool.root,
+            )
+            return True
+        if result.outcome == "rejected":
+            dest = self.spool.move_failed_series(
+                chunk, f"{server} refused the step series: {result.detail}", server=server, token=token
+            )
+            self.stats.series_rejected += 1
+            logger.warning(
+                "stepdoctor: step-series chunk %s not uploaded, moved to %s: %s",
+                chunk.name,
+                dest,
+                result.detail,
+            )
+            return True
+        self._retry_later(server, result)
+        return False
 
     @guarded()
     def _enforce_cap(self) -> None:
@@ -286,32 +358,43 @@ class DeliveryWorker:
         deadline = self._deadline()
         if deadline is not None and time.monotonic() >= deadline:
             return False  # out of time: not a failure of the server's, so no backoff and no verdict
-        self.stats.sending = True
-        try:
-            result = transport.upload(
-                server,
-                token,
-                entry.trace,
-                entry.meta,
-                self.delivery.http_timeout,
-                connect_timeout=self.delivery.connect_timeout,
-                deadline=deadline,
-            )
-        finally:
-            self.stats.sending = False
-        self.stats.unreachable = not result.connected
+        result = self._attempt(
+            lambda limits: transport.upload(server, token, entry.trace, entry.meta, **limits)
+        )
         if result.outcome == "delivered":
-            if self.delivery.spool_max_bytes > 0:
-                self.spool.keep_uploaded(entry)  # a local copy, pruned oldest first under the cap
-            else:
-                Spool.remove(entry)
-            self._backoff.succeeded()
+            # a local copy, pruned oldest first under the cap
+            self._delivered(lambda: self.spool.keep_uploaded(entry), lambda: Spool.remove(entry))
             self.stats.delivered += 1
             self.stats.delivered_keys.append(entry.key)
             return True
         if result.outcome == "rejected":
             self._reject(entry, f"{server} refused the upload: {result.detail}", server, token)
             return True
+        self._retry_later(server, result)
+        return False
+
+    def _attempt(self, send: Callable[[dict[str, Any]], transport.Result]) -> transport.Result:
+        """One request under this worker's timeouts and deadline, marked in flight while it runs."""
+        limits = {
+            "timeout": self.delivery.http_timeout,
+            "connect_timeout": self.delivery.connect_timeout,
+            "deadline": self._deadline(),
+        }
+        self.stats.sending = True
+        try:
+            result = send(limits)
+        finally:
+            self.stats.sending = False
+        self.stats.unreachable = not result.connected
+        return result
+
+    def _delivered(self, keep: Callable[[], object], remove: Callable[[], object]) -> None:
+        """The server has it: keep a local copy when the spool has room for copies, else remove it."""
+        (keep if self.delivery.spool_max_bytes > 0 else remove)()
+        self._backoff.succeeded()
+
+    def _retry_later(self, server: str, result: transport.Result) -> None:
+        """A try that may work later (no connection, 5xx, 429): back off, say so once."""
         delay = self._backoff.failed(result.retry_after, time.monotonic())
         self.stats.retries += 1
         self.stats.last_error = result.detail
@@ -323,7 +406,6 @@ class DeliveryWorker:
             result.detail,
             delay,
         )
-        return False
 
     def _reject(self, entry: Entry, reason: str, server: str | None = None, token: str | None = None) -> None:
         dest = self.spool.move_failed(entry, reason, server=server, token=token)
