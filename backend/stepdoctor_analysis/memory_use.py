@@ -37,7 +37,7 @@ import numpy as np
 
 from . import intervals as iv
 from . import timeline as tl
-from .model import I64, NONE, HostKind, RankTrace, Step
+from .model import I64, NONE, HostKind, RankTrace, Step, TorchMemoryTimeline
 
 CATEGORIES: tuple[str, ...] = (
     "parameters",
@@ -192,8 +192,13 @@ def analyze_memory_use(
         tot = m.total_allocated[sel]
         ok = tot != NONE
         peak_i = int(sel[ok][int(np.argmax(tot[ok]))])
-        use.at_peak.append(_breakdown_at(trace, blocks, peak_i))
-        use.series.append(category_series(trace, blocks, sel, origin_ns=steps[0].start))
+        timeline = trace.memory_timeline
+        if timeline is not None and timeline.device == name:  # torch's own categories: no inference
+            use.at_peak.append(torch_breakdown(trace, timeline, blocks, sel, int(m.ts[peak_i])))
+            use.series.append(torch_series(timeline, origin_ns=steps[0].start))
+        else:
+            use.at_peak.append(_breakdown_at(trace, blocks, peak_i))
+            use.series.append(category_series(trace, blocks, sel, origin_ns=steps[0].start))
         use.leaks.append(_leak(trace, sel, blocks, steps))
         frag = _fragmentation(trace, sel, steps, name, capacities.get(name, 0))
         if frag is not None:
@@ -450,24 +455,103 @@ def category_series(
     each stretch's peak (the maximum total allocated of each time bucket)."""
     m = trace.memory
     ts = m.ts[sel]
-    tot = m.total_allocated[sel]
-    pick = np.arange(sel.size)
-    if sel.size > max_points:
-        span = max(1, int(ts[-1] - ts[0]))
-        bucket = ((ts - ts[0]) * (max_points - 1)) // span
-        first = np.flatnonzero(np.diff(bucket, prepend=-1))
-        # the instant of each bucket's maximum: its index offset within the bucket
-        arg = np.maximum.reduceat(np.where(tot == NONE, -1, tot), first)
-        is_max = tot == np.repeat(arg, np.diff(np.append(first, sel.size)))
-        pick = first + np.array(
-            [int(np.argmax(is_max[a:b])) for a, b in zip(first, np.append(first[1:], sel.size), strict=True)]
-        )
-    at = ts[pick]
+    at = ts[peak_keeping(ts, m.total_allocated[sel], max_points)]
     columns = _live_at(blocks, at)
     return {
         "device": blocks.device,
         "t_us": ((at - origin_ns) / 1000.0).round(1).tolist(),
         "categories": {c: columns[:, k].tolist() for k, c in enumerate(CATEGORIES) if columns[:, k].any()},
+    }
+
+
+def peak_keeping(ts: I64, tot: I64, max_points: int) -> I64:
+    """Indices of at most ``max_points`` instants of ``ts``: the highest ``tot`` of each of that many
+    equal stretches of time, so a plot keeps every stretch's peak."""
+    if ts.size <= max_points:
+        return np.arange(ts.size)
+    span = max(1, int(ts[-1] - ts[0]))
+    bucket = ((ts - ts[0]) * (max_points - 1)) // span
+    first = np.flatnonzero(np.diff(bucket, prepend=-1))
+    # the instant of each bucket's maximum: its index offset within the bucket
+    arg = np.maximum.reduceat(np.where(tot == NONE, -1, tot), first)
+    is_max = tot == np.repeat(arg, np.diff(np.append(first, ts.size)))
+    return first + np.array(
+        [int(np.argmax(is_max[a:b])) for a, b in zip(first, np.append(first[1:], ts.size), strict=True)],
+        np.int64,
+    )
+
+
+# torch's memory profiler categories (the agent's ``memory_timeline=True``) ------------------------
+
+#: torch's category -> ours. AUTOGRAD_DETAIL (autograd's own buffers in the backward) are short-lived
+#: temporaries; tensors torch leaves uncategorised join what was live all along (persistent).
+TORCH_CATEGORIES: dict[str, int] = {
+    "PARAMETER": PARAMETERS,
+    "OPTIMIZER_STATE": OPTIMIZER_STATE,
+    "INPUT": INPUTS,
+    "TEMPORARY": TEMPORARIES,
+    "ACTIVATION": ACTIVATIONS,
+    "GRADIENT": GRADIENTS,
+    "AUTOGRAD_DETAIL": TEMPORARIES,
+    "UNKNOWN": PERSISTENT,
+}
+TORCH_BASIS = (
+    "torch's memory profiler (the agent's memory_timeline=True): torch's own category of each tensor; "
+    "AUTOGRAD_DETAIL counted as temporaries, uncategorised tensors and bytes the allocator holds beyond "
+    "torch's tensors as persistent"
+)
+
+
+def _torch_columns(timeline: TorchMemoryTimeline) -> np.ndarray:
+    """torch's columns summed into ours: int64 [instants, len(CATEGORIES)]."""
+    out = np.zeros((timeline.ts.size, len(CATEGORIES)), np.int64)
+    for k, name in enumerate(timeline.categories):
+        out[:, TORCH_CATEGORIES.get(name, PERSISTENT)] += timeline.bytes[:, k]
+    return out
+
+
+def torch_breakdown(
+    trace: RankTrace, timeline: TorchMemoryTimeline, blocks: Blocks, sel: I64, t: int
+) -> CategoryBreakdown:
+    """torch's categories at the allocator's peak ``t`` (at the timeline's own peak when it does not
+    cover ``t``). ``allocated`` is the larger of torch's tensors and the allocator's total then: the
+    allocator's surplus (rounding, workspaces, blocks made before the capture) is persistent; on the
+    host, where torch counts only blocks made while recording, torch's sum is the larger."""
+    columns = _torch_columns(timeline)
+    j = int(timeline.ts.searchsorted(t, side="right")) - 1
+    if j < 0 or t > int(timeline.ts[-1]):
+        j = int(np.argmax(columns.sum(axis=1)))
+        t = int(timeline.ts[j])
+    by = columns[j].copy()
+    m = trace.memory
+    i = int(m.ts[sel].searchsorted(t, side="right")) - 1
+    allocated = int(m.total_allocated[sel][i]) if i >= 0 else 0
+    reserved = max(int(m.total_reserved[sel][i]), 0) if i >= 0 else 0
+    if allocated > int(by.sum()):
+        by[PERSISTENT] += allocated - int(by.sum())
+    return CategoryBreakdown(
+        device=blocks.device,
+        at_ns=t,
+        allocated=int(by.sum()),
+        reserved=reserved,
+        bytes={c: int(by[k]) for k, c in enumerate(CATEGORIES)},
+        basis=TORCH_BASIS,
+        largest=_largest_live(trace, blocks, t),
+    )
+
+
+def torch_series(
+    timeline: TorchMemoryTimeline, *, origin_ns: int, max_points: int = 400
+) -> dict[str, object]:
+    """``category_series`` from torch's timeline: bytes per category over time (µs from ``origin_ns``)."""
+    columns = _torch_columns(timeline)
+    pick = peak_keeping(timeline.ts, columns.sum(axis=1), max_points)
+    columns = columns[pick]
+    return {
+        "device": timeline.device,
+        "t_us": ((timeline.ts[pick] - origin_ns) / 1000.0).round(1).tolist(),
+        "categories": {c: columns[:, k].tolist() for k, c in enumerate(CATEGORIES) if columns[:, k].any()},
+        "basis": "torch",
     }
 
 

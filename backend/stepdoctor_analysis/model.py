@@ -156,6 +156,18 @@ class DeviceInfo:
 
 
 @dataclass(frozen=True)
+class TorchMemoryTimeline:
+    """torch's memory profiler timeline of one device, embedded by the agent (``memory_timeline=True``):
+    bytes per torch category (PARAMETER, OPTIMIZER_STATE, INPUT, TEMPORARY, ACTIVATION, GRADIENT,
+    AUTOGRAD_DETAIL, UNKNOWN) at each instant, on the trace's ns clock."""
+
+    device: str  # "cpu", "cuda:0"
+    ts: I64  # ns, increasing
+    categories: tuple[str, ...]
+    bytes: npt.NDArray[np.int64]  # [len(ts), len(categories)]
+
+
+@dataclass(frozen=True)
 class Step:
     """One training step window, as torch-tb-profiler defines it (anchors §2)."""
 
@@ -185,6 +197,8 @@ class RankTrace:
     # The run metadata our agent embeds as the top-level ``stepdoctor`` object (CPU count,
     # DataLoader settings, devices, torch version, host, tags): ``pipeline.run_metadata`` reads it.
     run_metadata: dict[str, Any] = field(default_factory=dict)
+    # torch's own memory categories over time, when the agent embedded them (``memory_use`` prefers them).
+    memory_timeline: TorchMemoryTimeline | None = None
     _cache: dict[Hashable, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def memo(self, key: Hashable, compute: Callable[[], T]) -> T:

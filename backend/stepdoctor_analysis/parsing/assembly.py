@@ -20,6 +20,8 @@ from ..model import (
     MemoryEvents,
     RankTrace,
 )
+from .memory_timeline import KEY as MEMORY_TIMELINE_KEY
+from .memory_timeline import read as read_memory_timeline
 from .schema import GPU, HOST, LEGACY_CATEGORIES, MEMORY, Table, to_int
 
 if TYPE_CHECKING:
@@ -76,6 +78,7 @@ def assemble(b: Builder) -> RankTrace:
         },
         distributed=dist,
         run_metadata=_run_metadata(top.get(RUN_METADATA_KEY)),
+        memory_timeline=read_memory_timeline(top.get(MEMORY_TIMELINE_KEY), top.get("baseTimeNanoseconds")),
     )
 
 
