@@ -61,7 +61,7 @@ def liveness_rule(
 ) -> Liveness | None:
     """The rule, over a run's processes: per rank the process heard from last decides (a restart
     replaces a killed one); the run is finished when each of those exited cleanly, else live while
-    any heartbeat is younger than ``stale_after_s``, else stopped. None without any process."""
+    one that did not is heard from within ``stale_after_s``, else stopped. None without any process."""
     latest: dict[int | None, StreamBeat] = {}
     for beat in streams:
         known = latest.get(beat.rank)
@@ -69,10 +69,11 @@ def liveness_rule(
             latest[beat.rank] = beat
     if not latest:
         return None
-    if all(beat.final for beat in latest.values()):
+    running = [beat for beat in latest.values() if not beat.final]
+    if not running:
         return "finished"
     now = now or datetime.now(timezone.utc)
-    newest = max(_utc(beat.heartbeat_at) for beat in latest.values())
+    newest = max(_utc(beat.heartbeat_at) for beat in running)
     return "live" if (now - newest).total_seconds() < stale_after_s else "stopped"
 
 
