@@ -277,6 +277,9 @@ class Display(msgspec.Struct, frozen=True):
     max_ms: list[float]
     data_ms: list[float] | None
     profiled: list[bool]
+    # Memory at each bucket's highest sample (``Memory.kind``'s: CUDA allocated, else process
+    # RSS), carried forward across buckets without a sample; None without memory samples.
+    memory_mib: list[float] | None = None
 
 
 class RunTimeline(msgspec.Struct, frozen=True):
@@ -645,7 +648,31 @@ def _display(parts: list[_Part], points: int) -> Display:
         max_ms=[round(float(v), 3) for v in mx],
         data_ms=None if dat is None else [round(max(0.0, float(v)), 3) for v in dat],
         profiled=[bool(v) for v in pro],
+        memory_mib=_display_memory(parts, n, bucket),
     )
+
+
+def _display_memory(parts: list[_Part], n: int, bucket: int) -> list[float] | None:
+    """Per display bucket, the highest memory sample in it (the last one before, where it has none)."""
+    kinds = [p.mem_kind for p in parts]
+    if not any(len(k) for k in kinds):
+        return None
+    which = MEM_CUDA if any((k == MEM_CUDA).any() for k in kinds) else MEM_RSS
+    dense = np.full(n, np.nan)
+    offset = 0
+    for p in parts:
+        sel = p.mem_kind == which
+        at = np.searchsorted(p.steps, p.mem_step[sel]) + offset
+        ok = at < offset + len(p.steps)
+        dense[at[ok]] = p.mem_a[sel][ok]
+        offset += len(p.steps)
+    seen = np.where(np.isnan(dense), 0, np.arange(n))
+    np.maximum.accumulate(seen, out=seen)
+    filled = dense[seen]  # carried forward; NaN before the first sample
+    starts = np.arange(0, n, bucket)
+    with np.errstate(invalid="ignore"):
+        peaks = np.fmax.reduceat(filled, starts)
+    return [round(float(v) / 2**20, 1) if np.isfinite(v) else 0.0 for v in peaks]
 
 
 def series_files(folder: Path) -> list[Path]:
