@@ -29,6 +29,7 @@ from typing import Any
 import stepdoctor.config as _config
 import stepdoctor.memory_snapshot as _memory_snapshot
 import stepdoctor.metadata as _metadata
+import stepdoctor.on_demand as _on_demand
 import stepdoctor.series as _series
 from stepdoctor.guard import guarded, log_once, raise_errors, say
 from stepdoctor.spool import FAILED_DIR, UPLOADED_DIR, Spool
@@ -100,6 +101,7 @@ class Profile:
         schedule: Callable[[int], Any] | None = None,
         profiler_kwargs: dict[str, Any] | None = None,
         series: _series.SeriesSettings | None = None,
+        on_demand_interval: float | None = None,
         memory_snapshot: bool = False,
     ) -> None:
         self.config = cfg
@@ -148,6 +150,10 @@ class Profile:
         self._forced: tuple[int, int] | None = None  # [first, end) of a window asked for off-schedule
         self._forced_capture: dict[str, Any] = {}
         self._window_capture: dict[str, Any] = {"reason": "schedule"}
+        # capture on demand (stepdoctor.on_demand): the polling thread, and a request it handed over
+        self._on_demand_interval = on_demand_interval  # None: off
+        self._poller: _on_demand.DemandPoller | None = None
+        self._demand: _on_demand.Demand | None = None
 
     @property
     def stats(self) -> Stats:
@@ -194,6 +200,7 @@ class Profile:
         self._start_series()
         self._state = "running"
         _live.add(self)
+        self._start_on_demand()
         if self._schedule_fn(0) != self._none:
             self._open_window(0)
         if self._series is not None:
@@ -218,8 +225,12 @@ class Profile:
             self._step_num += 1
             if self._step_num < self._next_window or self._state != "running" or self._pid != _PID:
                 return
+            if self._demand is not None:
+                self._take_demand(self._step_num)
             if self._schedule_fn(self._step_num) == self._none:
                 self._next_window = self._find_next_window(self._step_num + 1)
+                if self._demand is not None:  # handed over meanwhile by the polling thread
+                    self._next_window = self._step_num + 1
                 return
             self._open_window(self._step_num)
             if series is not None:
@@ -292,6 +303,57 @@ class Profile:
         }
         self._next_window = min(self._next_window, step + 1)
         return True
+
+    @guarded()
+    def _start_on_demand(self) -> None:
+        """With a server, poll it for "Capture now" requests while profiling runs (``stepdoctor.on_demand``)."""
+        cfg = self.config
+        if cfg.server is None or self._on_demand_interval is None:
+            return
+        self._poller = _on_demand.DemandPoller(
+            cfg.server,
+            cfg.token,
+            cfg.project,
+            cfg.run,
+            _metadata.rank_info()["rank"],
+            self._on_capture_request,
+            interval=self._on_demand_interval,
+            retry_after_max=cfg.delivery.retry_after_max,
+        )
+        self._poller.start()
+
+    def _on_capture_request(self, demand: _on_demand.Demand) -> bool:
+        """On the polling thread: hand a request to the training thread, which takes it at its next
+        step (``_take_demand``). ``_demand`` is set before ``_next_window``, and the training thread
+        writes ``_next_window`` before it looks at ``_demand``, so no request is missed."""
+        if self._state != "running" or self._pid != os.getpid():
+            return False
+        self._demand = demand
+        self._next_window = 0
+        return True
+
+    @guarded()
+    def _take_demand(self, step: int) -> None:
+        """A "Capture now" request: the window from ``step`` on, with the configured warm-up and active
+        steps, and the request in its metadata (after a window asked for that is still to come)."""
+        demand = self._demand
+        if demand is None or (self._forced is not None and self._forced[1] > step):
+            return
+        _, _, warmup, active, _ = self.config.schedule.resolved()
+        self._forced = (step, step + warmup + active)
+        self._forced_capture = {
+            "reason": "on_demand",
+            "request_id": demand.id,
+            "requested_at": demand.requested_at,
+        }
+        self._demand = None
+
+    def _answer_demand(self, trace_key: str | None, detail: str | None = None) -> None:
+        """The window of a "Capture now" request is in the spool (or lost): the polling thread says so."""
+        capture, poller = self._window_capture, self._poller
+        request_id = capture.get("request_id")
+        if poller is not None and capture.get("reason") == "on_demand" and isinstance(request_id, int):
+            poller.captured(request_id, trace_key, detail)
 
     @guarded()
     def _open_window(self, step: int) -> None:
@@ -376,8 +438,12 @@ class Profile:
             series, self._series = self._series, None
             if series is not None:  # local disk: a few ms, bounded in case it hangs
                 series.close(max(2.0, self.config.delivery.flush_timeout))
+            exit_by = time.monotonic() + self.config.delivery.flush_timeout
+            poller, self._poller = self._poller, None
+            if poller is not None:  # a last acknowledgement, within part of the exit budget
+                poller.close(min(1.0, self.config.delivery.flush_timeout / 4))
             if self._worker is not None:
-                self._worker.close(self.config.delivery.flush_timeout)
+                self._worker.close(max(0.0, exit_by - time.monotonic()))
                 self._report()
 
     # --- internals ----------------------------------------------------------------------------
@@ -450,13 +516,15 @@ class Profile:
             _memory_snapshot.dump(_memory_snapshot.snapshot_path(self.run_dir, stem))
         try:
             self._export(prof, stem)
-            self._commit(stem, window)
+            key = self._commit(stem, window)
         except OSError as exc:
             _discard(self.run_dir, stem)
             self.lost += 1
+            self._answer_demand(None, f"the window could not be written: {exc.strerror or exc}")
             self._cannot_write(exc, f"the trace of steps {window['first_step']}-{window['last_step']}")
             return
         self.captured += 1
+        self._answer_demand(key)
         if self._series is not None:
             self._series.window_saved(window)
         self._worker.notify()
@@ -472,7 +540,7 @@ class Profile:
                 errno.EIO, "torch.profiler wrote no complete trace file", str(partial)
             )
 
-    def _commit(self, stem: str, window: dict[str, Any]) -> None:
+    def _commit(self, stem: str, window: dict[str, Any]) -> str:
         assert self.run_dir is not None
         cfg = self.config
         ranks = _metadata.rank_info()
@@ -488,6 +556,7 @@ class Profile:
             "metadata": meta,
         }
         Spool.commit_capture(self.run_dir, stem, sidecar)
+        return str(sidecar["idempotency_key"])
 
     def _cannot_write(self, exc: OSError, what: str) -> None:
         """One line per folder and reason, however many windows it costs."""
@@ -633,6 +702,8 @@ def profile(
     anomaly_k: float | None = None,
     anomaly_interval: float | None = None,
     series_settings: _series.SeriesSettings | None = None,
+    on_demand: bool | None = None,
+    on_demand_interval: float | None = None,
     memory_snapshot: bool = False,
 ) -> Profile | NoopProfile:
     """Profile a training loop; call ``prof.step()`` once per step.
@@ -651,6 +722,12 @@ def profile(
     (1.5) times the rolling median of the last 50 steps captures the next window, at most once per
     ``anomaly_interval`` seconds (600); ``anomaly_capture=False`` or ``STEPDOCTOR_ANOMALY_CAPTURE=0``
     turns that off. ``series_settings`` sets every knob at once (tests, benchmarks).
+
+    With a server, a live run's "Capture now" button on the dashboard reaches the loop: a
+    background thread asks the server for requests at most every ``on_demand_interval``
+    seconds (``STEPDOCTOR_CAPTURE_POLL_S``, 30), backing off on errors, while profiling runs, and
+    the next window is captured with ``capture.reason = "on_demand"`` in its metadata.
+    ``on_demand=False`` or ``STEPDOCTOR_CAPTURE_ON_DEMAND=0`` turns that off.
 
     ``memory_snapshot=True`` records the CUDA allocator's history (every allocation and free with
     its stack) during each window and writes it beside the trace, in
@@ -688,6 +765,7 @@ def profile(
                 anomaly_k=anomaly_k,
                 anomaly_interval=anomaly_interval,
             )
+        on_demand_interval = _on_demand.settings_from_env(on_demand, on_demand_interval)
         if cfg.disabled:
             return NoopProfile()
         import torch.profiler  # noqa: F401 - a missing torch means a no-op agent, not a crash
@@ -712,6 +790,7 @@ def profile(
         schedule=schedule,
         profiler_kwargs=profiler_kwargs,
         series=series_settings,
+        on_demand_interval=on_demand_interval,
         memory_snapshot=memory_snapshot,
     )
 
