@@ -1,7 +1,7 @@
 """A run's memory leak: step-end memory that keeps rising from one capture window to the next.
 
 One window shows a few steps; a leak of a few MiB per step hides in its noise, or shows in one
-window and not the next. Over a run, the windows of one process (``ranks.rank_of``: same rank, or
+window and not the next. Over a run, the windows of one process (``trace_summary.rank_of``: same rank, or
 same worker) are read together, per device: each window's lowest step-end reading (the level memory
 returns to) at its step number. When those floors rise at every window, at least
 ``LEAK_MIN_MIB_PER_STEP`` per step (``memory_use.steady_growth``, the per-trace rule's test), the run
@@ -25,7 +25,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -33,11 +33,11 @@ import numpy as np
 from .contract import MemoryLeak, Recommendation, ReportDoc
 from .memory_rules import LEAK_CAVEATS, LEAK_TITLE, MIB, gib_text, leak_change, survivor_words
 from .memory_use import LEAK_MIN_MIB_PER_STEP, steady_growth
-from .ranks import TraceEntry, rank_of
 from .run_timeline import Memory as SeriesMemory
 
 MIN_WINDOWS = 3  # floors to call growth steady (``steady_growth`` needs three readings)
 RULE_ID = "memory.leak"
+F = TypeVar("F", bound=Recommendation)
 
 
 class WindowEnds(msgspec.Struct, frozen=True):
@@ -131,12 +131,9 @@ def window_ends(doc: ReportDoc) -> list[WindowEnds]:
     ]
 
 
-#: One trace of a run as ``run_leak`` reads it: (rank, worker) of its process, and its step ends.
+#: One trace of a run as ``run_leak`` reads it: (rank, worker) of its process (``trace_summary.rank_of``)
+#: and its step ends (``window_ends``, kept in ``TraceSummary.memory_ends``).
 Window = tuple[int | None, str | None, Sequence[WindowEnds]]
-
-
-def entry_window(entry: TraceEntry) -> Window:
-    return (*rank_of(entry), window_ends(entry.report))
 
 
 def run_leak(windows: Iterable[Window], *, series: SeriesMemory | None = None) -> RunLeak | None:
@@ -206,3 +203,10 @@ def _from_series(series: SeriesMemory, every: list[WindowEnds], found: list[RunL
     )
     growth = float(series.growth_per_step or 0.0)
     return RunLeak("", device, growth, basis, windows, _cause(windows), traces, from_series=True)
+
+
+def with_run_leak(findings: list[F], found: F) -> list[F]:
+    """The run's leak in place of the windows' merged ``memory.leak`` (added when no window had one)."""
+    if any(f.id == found.id for f in findings):
+        return [found if f.id == found.id else f for f in findings]
+    return [*findings, found]

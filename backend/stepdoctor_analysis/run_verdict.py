@@ -36,6 +36,7 @@ from .consistency import consistent
 from .contract import Recommendation
 from .diagnose import MIN_CARD_SPEEDUP, sure_share
 from .job import job_limiter
+from .memory_run import run_leak, with_run_leak
 from .ranks import (
     NAMED_RANKS,
     RankSummary,
@@ -195,6 +196,9 @@ def verdict_of(
         ranks = rank_verdict_of(docs)
     cards = merge_recommendations(docs, step, limiter.kind)
     findings = merge_findings(docs)
+    if (leak := run_leak((d.rank, d.worker, d.memory_ends) for d in docs)) is not None:  # across windows
+        found = RunFinding(**(msgspec.structs.asdict(leak.finding()) | {"traces": leak.traces}))
+        findings = with_run_leak(findings, found)
     if (straggler := straggler_advice(ranks)) is not None:  # the others wait: fix the straggler first
         card = _run_card(straggler, straggler.removable_us_per_step / step if step > 0 else 0.0, step)
         cards = with_straggler_advice(cards, card, limiter.kind)

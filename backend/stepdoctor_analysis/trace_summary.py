@@ -22,8 +22,9 @@ import msgspec
 
 from .contract import Recommendation, ReportDoc
 from .job import removable_shares, span_us, step_count, step_time_us
+from .memory_run import WindowEnds, window_ends
 
-SUMMARY_VERSION = 1  # the layout of ``TraceSummary``: a stored one of another version is rebuilt
+SUMMARY_VERSION = 2  # the layout of ``TraceSummary``: a stored one of another version is rebuilt
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ class TraceSummary(msgspec.Struct, kw_only=True):
     primary_note: str = ""
     recommendations: list[Recommendation] = msgspec.field(default_factory=list)  # best first
     findings: list[Recommendation] = msgspec.field(default_factory=list)
+    # step-end memory per device, for the run's leak across windows (``memory_run.run_leak``)
+    memory_ends: list[WindowEnds] = msgspec.field(default_factory=list)
 
     @property
     def wait_us(self) -> float:
@@ -131,6 +134,7 @@ def summary_of(entry: TraceEntry, key: int | None = None) -> TraceSummary:
         primary_note=doc.primary.note,
         recommendations=list(doc.recommendations),
         findings=list(doc.findings),
+        memory_ends=window_ends(doc),
     )
 
 

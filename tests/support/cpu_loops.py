@@ -184,19 +184,28 @@ def kept_graph_loop(path: Path, *, keep_graph: bool = True) -> Path:
     3 MB per step. Otherwise it keeps ``val_loss.item()`` (the fix) and memory returns to the
     same level at every step's end.
     """
+    return _record(path, _kept_graph_steps(keep_graph))
+
+
+def kept_graph_windows(directory: Path, *, keep_graph: bool = True, repeat: int = 3) -> list[Path]:
+    """``kept_graph_loop`` in one process over ``repeat`` capture windows (TensorBoard's file names,
+    so they read as windows of one worker): the leak goes on between windows too."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return _record_windows(
+        lambda i: directory / f"host_1234.{i + 1}.pt.trace.json", _kept_graph_steps(keep_graph), repeat=repeat
+    )
+
+
+def _kept_graph_steps(keep_graph: bool) -> Iterator[None]:
     model, opt = _mlp()
     x, y = torch.randn(64, 256), torch.randn(64, 256)
     x_val, y_val = torch.randn(1024, 256), torch.randn(1024, 256)
     history: list[object] = []
-
-    def steps() -> Iterator[None]:
-        while True:
-            _train_step(model, opt, x, y)
-            val_loss = torch.nn.functional.mse_loss(model(x_val), y_val)
-            history.append(val_loss if keep_graph else val_loss.item())
-            yield
-
-    return _record(path, steps())
+    while True:
+        _train_step(model, opt, x, y)
+        val_loss = torch.nn.functional.mse_loss(model(x_val), y_val)
+        history.append(val_loss if keep_graph else val_loss.item())
+        yield
 
 
 def activation_heavy_loop(path: Path) -> Path:
