@@ -382,3 +382,18 @@ class CaptureRequest(Base):
     rank: Mapped[int | None]
     trace_key: Mapped[str | None] = mapped_column(String(128))
     detail: Mapped[str | None] = mapped_column(Text)
+
+
+class TraceSummaryRecord(Base):
+    """One analysis's compact record for its run's verdict (``stepdoctor_analysis.trace_summary``,
+    msgspec JSON), built once per analysis so a run's verdict never re-reads every report
+    (``runs.diagnosis``). ``summary`` is NULL when the report does not decode (counted outdated).
+    Keyed by the analysis: a re-analysis deletes the old analysis, and with it this row."""
+
+    __tablename__ = "rank_summaries"
+
+    analysis_id: Mapped[int] = mapped_column(ForeignKey("analyses.id", ondelete="CASCADE"), primary_key=True)
+    trace_id: Mapped[int] = mapped_column(ForeignKey("traces.id", ondelete="CASCADE"), index=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    summary: Mapped[bytes | None] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

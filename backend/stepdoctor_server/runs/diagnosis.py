@@ -1,6 +1,7 @@
-"""A run's diagnosis on the server: its analysed traces as the engine's ``TraceEntry``, then the
-engine's ``run_verdict`` (the function ``stepdoctor analyze DIR`` calls), so the API, every page and
-the CLI show one verdict for the same traces.
+"""A run's diagnosis on the server: its analysed traces as the engine's ``TraceEntry``, each made
+once into its compact ``TraceSummary`` (stored per analysis, ``diagnosis_job``), then the engine's
+``run_verdict.verdict_of`` over those (the function ``stepdoctor analyze DIR`` calls), so the API,
+every page and the CLI show one verdict for the same traces.
 
 What the server adds is where each trace came from: the rank the upload gave, the capture window,
 and the process (the agent's host and pid) when no rank is known. The name the server gives a stored
@@ -16,8 +17,8 @@ from typing import Any
 
 import msgspec
 
-from stepdoctor_analysis.ranks import TraceEntry
-from stepdoctor_analysis.run_verdict import RunVerdict, run_verdict
+from stepdoctor_analysis.run_verdict import RunVerdict, verdict_of
+from stepdoctor_analysis.trace_summary import TraceEntry, TraceSummary, summary_of
 from stepdoctor_server.traces.reports import read_report
 
 
@@ -43,18 +44,32 @@ def worker_of(meta: Mapping[str, Any] | None) -> str | None:
     return f"{host or 'host'}_{pid if pid is not None else '?'}"
 
 
+def host_of(meta: Mapping[str, Any] | None) -> str | None:
+    """The machine a trace ran on, from the agent's metadata; None when unknown."""
+    host = (meta or {}).get("host") or (meta or {}).get("hostname")
+    return str(host) if host is not None else None
+
+
+def summary_of_stored(trace: StoredTrace) -> TraceSummary | None:
+    """A stored trace's summary (keyed by its trace id); None when its report does not decode."""
+    doc = read_report(trace.report)
+    if doc is None:
+        return None
+    entry = TraceEntry(
+        doc,
+        rank=trace.rank,
+        window=trace.window_index,
+        worker=worker_of(trace.meta),
+        trace_id=trace.trace_id,
+        host=host_of(trace.meta),
+    )
+    return summary_of(entry, key=trace.trace_id)
+
+
 def aggregate_run(traces: Sequence[StoredTrace], *, failed: int = 0, pending: int = 0) -> RunVerdict:
-    """The run's verdict over its readable reports (the others counted ``outdated``)."""
-    entries = []
-    for t in traces:
-        doc = read_report(t.report)
-        if doc is not None:
-            entries.append(
-                TraceEntry(
-                    doc, rank=t.rank, window=t.window_index, worker=worker_of(t.meta), trace_id=t.trace_id
-                )
-            )
-    return run_verdict(entries, failed=failed, pending=pending, outdated=len(traces) - len(entries))
+    """The run's verdict over its readable reports, in the order given (the others counted ``outdated``)."""
+    summaries = [s for t in traces if (s := summary_of_stored(t)) is not None]
+    return verdict_of(summaries, failed=failed, pending=pending, outdated=len(traces) - len(summaries))
 
 
 def read_verdict(stored: Mapping[str, Any] | None) -> RunVerdict | None:

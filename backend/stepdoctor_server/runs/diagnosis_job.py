@@ -202,7 +202,7 @@ def _run_aggregate(session: Session, run_id: int) -> tuple[RunAggregate, int]:
     """The run's aggregate brought up to date with its stored summaries, and how many of its
     analyses have none (their report does not decode: ``outdated``). Only summaries not folded in
     before are read; the process keeps the last ``HELD_RUNS`` runs' aggregates."""
-    key = (session.get_bind().url.render_as_string(hide_password=True), run_id)
+    key = (session.get_bind().engine.url.render_as_string(hide_password=True), run_id)
     now: dict[int, tuple[int, datetime]] = {}
     outdated = 0
     for trace_id, analysis_id, created_at, empty in session.execute(
@@ -226,11 +226,12 @@ def _run_aggregate(session: Session, run_id: int) -> tuple[RunAggregate, int]:
         del held.stamps[trace_id]
     wanted = sorted(aid for t, (aid, _) in now.items() if t not in held.stamps)
     for start in range(0, len(wanted), BATCH):
-        for trace_id, analysis_id, data in session.execute(
+        rows = session.execute(
             select(
                 TraceSummaryRecord.trace_id, TraceSummaryRecord.analysis_id, TraceSummaryRecord.summary
             ).where(TraceSummaryRecord.analysis_id.in_(wanted[start : start + BATCH]))
-        ):
+        ).all()
+        for trace_id, analysis_id, data in rows:
             summary = decode(data) if data is not None else None
             if summary is None:  # another summary layout: made again from the report
                 summary = _remake_summary(session, analysis_id)
