@@ -10,44 +10,27 @@ A run is made live by one step-series chunk sent the way the agent sends its ser
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import threading
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from support import series_chunks
-from support.server import bearer, cli_token, migrated_sqlite_env, serve_subprocess, small_trace_bytes, upload
-
-LOOP = Path(__file__).parent / "support" / "capture_loop.py"
-
-
-def make_live(
-    client: TestClient | httpx.Client, token: str, project: str, run: str, *, final: bool = False
-) -> int:
-    """One step-series chunk for ``project/run`` (a heartbeat now), as the agent's series sends it."""
-    data = series_chunks.chunk(uuid.uuid4().hex[:12], 0, 0, 5, final=final)
-    resp = client.post(
-        "/api/v1/series",
-        params={"project": project, "run": run},
-        content=data,
-        headers={**bearer(token), "Content-Type": "application/octet-stream"},
-    )
-    assert resp.status_code == 201, resp.text
-    return int(resp.json()["run_id"])
-
+from support.capture import cpu_loop, http_polls, make_live, wait_for
+from support.server import (
+    bearer,
+    cli_token,
+    logged_in,
+    migrated_sqlite_env,
+    serve_subprocess,
+    small_trace_bytes,
+    upload,
+)
 
 # -- the API -------------------------------------------------------------------------------------
 
@@ -155,96 +138,38 @@ def test_requests_are_refused_for_runs_that_are_not_live_or_not_ours(
     assert failed.json()["status"] == "failed" and "disk full" in failed.json()["detail"]
 
 
+def test_the_run_page_offers_capture_now_to_uploaders_while_the_run_is_live(
+    app: FastAPI, client: TestClient, upload_token: str, read_token: str, admin_token: str
+) -> None:
+    run_id = make_live(client, upload_token, "proj", "page")
+    admin = logged_in(app, admin_token)
+    assert 'id="capture-now"' in admin.get(f"/runs/{run_id}").text
+    reader = logged_in(app, read_token)
+    assert 'id="capture-now"' not in reader.get(f"/runs/{run_id}").text
+    assert reader.post(f"/runs/{run_id}/capture").status_code == 403
+    # the dashboard's CSRF defence: a cookie-borne POST from another origin is refused
+    forged = admin.post(f"/runs/{run_id}/capture", headers={"Origin": "https://evil.example"})
+    assert (
+        forged.status_code == 403
+        and client.get(f"/api/v1/runs/{run_id}/capture-requests").json()["items"] == []
+    )
+
+    clicked = admin.post(f"/runs/{run_id}/capture", follow_redirects=False)
+    assert clicked.status_code == 303 and clicked.headers["location"] == f"/runs/{run_id}#capture"
+    shown = admin.get(f"/runs/{run_id}").text
+    assert "Capture requested at <time" in shown and "already pending" not in shown
+    assert 'http-equiv="refresh"' in shown and "A capture was requested: this page reloads" in shown
+    again = admin.post(f"/runs/{run_id}/capture", follow_redirects=False)
+    assert again.headers["location"] == f"/runs/{run_id}?capture=pending#capture"
+    assert "A capture is already pending." in admin.get(again.headers["location"]).text
+    assert len(client.get(f"/api/v1/runs/{run_id}/capture-requests").json()["items"]) == 1
+
+    finished = make_live(client, upload_token, "proj", "page-done", final=True)
+    assert 'id="capture-now"' not in admin.get(f"/runs/{finished}").text
+    assert admin.post(f"/runs/{finished}/capture").status_code == 409
+
+
 # -- end to end: a real server, a real CPU loop --------------------------------------------------
-
-
-@dataclass
-class Loop:
-    process: subprocess.Popen[str]
-    stop_file: Path
-    out_path: Path
-    started: float
-
-    def stop(self, timeout: float = 180.0) -> tuple[dict[str, Any], float]:
-        """Ask the loop to finish; (what it printed, seconds it ran in all)."""
-        self.stop_file.touch()
-        try:
-            self.process.wait(timeout=timeout)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
-                self.process.wait()
-        elapsed = time.monotonic() - self.started
-        text = self.out_path.read_text()
-        assert self.process.returncode == 0, text[-3000:]
-        assert "Traceback" not in text and "internal error" not in text, text[-3000:]
-        summary = json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
-        return summary, elapsed
-
-
-@contextmanager
-def cpu_loop(
-    tmp_path: Path, server: str, token: str, run: str, *, poll_s: float, **env: str
-) -> Iterator[Loop]:
-    """``tests/support/capture_loop.py`` under ``stepdoctor.profile`` (no scheduled window), pointed at
-    ``server``, until the test stops it (at most 10 minutes)."""
-    stop_file = tmp_path / f"stop-{run}"
-    out_path = tmp_path / f"loop-{run}.log"
-    agent_env = {
-        "STEPDOCTOR_SERVER": server,
-        "STEPDOCTOR_TOKEN": token,
-        "STEPDOCTOR_SPOOL": str(tmp_path / f"spool-{run}"),
-        "STEPDOCTOR_FLUSH_TIMEOUT": "30",
-        "STEPDOCTOR_RAISE_ERRORS": "1",
-        **env,
-    }
-    cmd = [sys.executable, str(LOOP), "--project", "capture", "--run", run, "--poll-s", str(poll_s)]
-    cmd += ["--stop-file", str(stop_file)]
-    with out_path.open("w") as out:
-        process = subprocess.Popen(
-            cmd, env={**os.environ, **agent_env}, stdout=out, stderr=subprocess.STDOUT, text=True
-        )
-    loop = Loop(process, stop_file, out_path, time.monotonic())
-    try:
-        yield loop
-    finally:
-        if process.poll() is None:
-            stop_file.touch()
-            try:
-                process.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def wait_for(what: str, check: Any, loop: Loop, timeout: float = 240.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = check()
-        if found:
-            return found
-        if loop.process.poll() is not None:
-            raise AssertionError(
-                f"the loop exited while waiting for {what}:\n{loop.out_path.read_text()[-3000:]}"
-            )
-        assert time.monotonic() < deadline, (
-            f"no {what} after {timeout} s:\n{loop.out_path.read_text()[-3000:]}"
-        )
-        time.sleep(0.5)
-
-
-def http_polls(server: str, admin: str) -> int:
-    """GET /api/v1/capture-requests answered so far, from the server's own request counter."""
-    text = httpx.get(f"{server}/metrics", headers=bearer(admin), timeout=30).text
-    total = 0.0
-    for line in text.splitlines():
-        if (
-            line.startswith("stepdoctor_http_requests_total{")
-            and 'route="/api/v1/capture-requests"' in line
-            and 'method="GET"' in line
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return int(total)
 
 
 @pytest.mark.slow
