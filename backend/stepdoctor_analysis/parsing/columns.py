@@ -249,7 +249,10 @@ class Builder:
         self.n_events = 0
         self.top: dict[str, Any] = {}
         self.labels: dict[Any, int] = {}  # string pid/tid -> negative id
+        # Per table: its last chunk held a label pid/tid, so the next one is read the labelled way too.
+        self._labelled = {"host": False, "gpu": False}
         self.flows_skipped = False  # the last chunk needs flow events its lean decoding skipped
+        self._label_seen = False  # ``_ids`` met a label pid/tid in the column it just read
 
     def _label(self, v: Any) -> int:
         """Stable negative id for a non-integer pid/tid label."""
@@ -422,27 +425,33 @@ class Builder:
         for v in set(vals):
             if v.__class__ is not int:
                 self._label(v)
+                self._label_seen = True
         return np.fromiter(map(self.labels.get, vals, vals), np.int64, n)
 
     def _records(self, evs: Sequence[Event], table: Table) -> tuple[Any, np.ndarray, np.ndarray]:
         """The table's numeric record (``Table.fields``), then pid and tid.
 
         One structured ``fromiter`` (pid and tid included) is ~2x faster than one per field. Label
-        pids/tids (``"Spans"``) break it, so they are read apart: once one was seen (labels recur in
-        every chunk), and when the chunk's last event has one (Kineto writes its ``"Spans"`` span
-        last, so a failed attempt would have cost a whole pass). A chunk holding another odd value
-        (a hex-string stream) is redone field by field, coercing.
+        pids/tids (``"Spans"``) break it, so they are read apart: in a chunk that follows one holding
+        a label (where labels recur, they recur in every chunk), and when the chunk's last event has
+        one (Kineto writes its ``"Spans"`` span last, so a failed attempt would have cost a whole
+        pass). A chunk after a label-free one is tried the fast way again: a trace with one
+        ``"Spans"`` span per profiling window (or a file of several traces) was read the slow way
+        from the first span on, ~5% of parsing an 860 MB one. A chunk holding another odd value (a
+        hex-string stream) is redone field by field, coercing.
         """
         n = len(evs)
         last = evs[-1]
         labelled = last.pid.__class__ is not int or last.tid.__class__ is not int
-        if not self.labels and not labelled:
+        if not self._labelled[table.name] and not labelled:
             try:
                 cols = np.fromiter(map(attrgetter(*table.fields, "pid", "tid"), evs), table.record_ids, n)
                 return cols, cols["pid"], cols["tid"]
             except (TypeError, ValueError, OverflowError):
                 pass
+        self._label_seen = False
         pid, tid = self._ids(evs, _PID, labelled), self._ids(evs, _TID, labelled)
+        self._labelled[table.name] = self._label_seen
         try:
             return np.fromiter(map(attrgetter(*table.fields), evs), table.record, n), pid, tid
         except (TypeError, ValueError, OverflowError):
