@@ -6,6 +6,7 @@ import gzip
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
@@ -225,3 +226,38 @@ def test_a_report_that_does_not_decode_is_shown_as_stale(
         drain(app)
         again = browser.get(f"/traces/{made['id']}").text
     assert "Stale:" not in again and "Bound by" in again
+
+
+def test_compare_uses_the_unprofiled_steady_state_when_both_runs_have_a_series(
+    client: TestClient, app: FastAPI, read_token: str, team: Any
+) -> None:
+    """Profiled steps are the same (100 ms); the steady steps went from 60 to 40 ms: the page, its
+    JSON twin and predicted-vs-measured all say 1.50x on the unprofiled basis, and say so."""
+    from support.regressions import recorded_run
+    from support.reports import recommendation
+
+    rec = [recommendation("input.workers", title="More workers", change="x", removable_us_per_step=50_000.0)]
+    base = recorded_run(app, team.id, "p", "base", step_ms=100.0, series_ms=60.0, recommendations=rec)
+    other = recorded_run(app, team.id, "p", "other", step_ms=100.0, series_ms=40.0)
+    api = client.get(f"/api/v1/compare?base={base}&other={other}").json()["comparison"]
+    assert api["step"] == {
+        "basis": "unprofiled",
+        "base_ms": 60.0,
+        "other_ms": 40.0,
+        "change": pytest.approx(-1 / 3),
+        "speedup": 1.5,
+    }
+    assert api["speedup"] == 1.5 and api["step_time_us"]["base"] == api["step_time_us"]["other"] == 100_000.0
+    assert (api["followed"]["measured_speedup"], api["followed"]["measured_basis"]) == (1.5, "unprofiled")
+    with logged_in(app, read_token) as browser:
+        page = browser.get(f"/compare?base={base}&other={other}").text
+    assert 'class="factor">1.50× faster</strong>' in page
+    assert "Basis: unprofiled steady-state median step time" in page
+    assert "measured <strong>1.50× faster</strong> (unprofiled steady state)" in page
+    # Without a series on one side, both fall back to the profiled steps and say so.
+    plain = recorded_run(app, team.id, "p", "plain", step_ms=80.0)
+    api = client.get(f"/api/v1/compare?base={base}&other={plain}").json()["comparison"]
+    assert api["step"]["basis"] == "profiled" and api["speedup"] == 1.25
+    with logged_in(app, read_token) as browser:
+        page = browser.get(f"/compare?base={base}&other={plain}").text
+    assert "Basis: profiled step time (capture windows" in page and 'class="factor">1.25× faster' in page

@@ -6,6 +6,7 @@ from __future__ import annotations
 import array
 import time
 import uuid
+from typing import Any
 
 from fastapi import FastAPI
 from sqlalchemy import select
@@ -63,10 +64,12 @@ def recorded_run(
     kind: str = "compute",
     series_ms: float | None = None,
     pending: bool = False,
+    **report_over: Any,
 ) -> int:
     """A run with one analysed trace (``step_ms`` per profiled step, bound by ``kind``), and a step
     series of steady ``series_ms`` steps when given; its diagnosis (and regression status) is then
-    computed by the run-diagnosis job's own function. ``pending``: one more trace still waits."""
+    computed by the run-diagnosis job's own function. ``pending``: one more trace still waits;
+    ``report_over``: more fields of the trace's report (e.g. recommendations)."""
     with app.state.db.session() as session:
         proj = session.scalar(select(Project).where(Project.team_id == team_id, Project.name == project))
         if proj is None:
@@ -98,7 +101,7 @@ def recorded_run(
                         engine_version=ENGINE_VERSION,
                         schema_version=SCHEMA_VERSION,
                         primary_kind=kind,
-                        report=report(step_time_us=step_ms * 1e3, metrics={"shares": shares}),
+                        report=report(step_time_us=step_ms * 1e3, metrics={"shares": shares}, **report_over),
                     )
                 )
         if series_ms is not None:

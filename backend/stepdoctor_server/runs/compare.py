@@ -44,9 +44,9 @@ def compare_diagnoses(b: RunVerdict, o: RunVerdict, step: Comparison | None = No
 
 def step_basis(base: RunVerdict, other: RunVerdict, step: Comparison | None) -> dict[str, Any]:
     """The step times compared (ms), their basis, change (other / base - 1) and speedup (base / other)."""
-    if step is not None:
+    if step is not None and step.basis == "unprofiled":
         b_ms, o_ms, basis = step.baseline_ms, step.candidate_ms, step.basis
-    else:
+    else:  # the diagnoses' own (unrounded) profiled step times: the engine's basis, same numbers
         b_ms, o_ms, basis = base.step_time_us / 1e3, other.step_time_us / 1e3, "profiled"
     ok = b_ms > 0 and o_ms > 0
     return {
