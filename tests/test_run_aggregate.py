@@ -53,7 +53,7 @@ OPS = st.lists(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, failed=st.integers(0, 2))
 def test_incremental_aggregate_equals_from_scratch(ops: list[tuple[int, int, int]], failed: int) -> None:
-    agg, held = RunAggregate(), {}
+    agg, held = RunAggregate(), dict[int, int]()
     for slot, variant, roll in ops:
         if roll == 0 and held:  # a trace taken out (deleted, or its report unreadable)
             gone = sorted(held)[slot % len(held)]

@@ -89,7 +89,7 @@ def test_run_diagnosis_from_summaries_equals_the_verdict_over_every_report(
 
     # a late rank
     with app.state.db.session() as session:
-        team_id = session.get(Trace, run.trace_ids[0]).team_id  # type: ignore[union-attr]
+        team_id = session.scalar(select(Trace.team_id).where(Trace.id == run.trace_ids[0]))
         late = Trace(
             team_id=team_id,
             run_id=run.run_id,
