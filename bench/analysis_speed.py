@@ -13,13 +13,15 @@ imports included) and how far that peak rose above what the imports alone reache
 - stream: our own streaming decompress + chunked typed decode with the column building switched off
   (the lower bound of our design: ours/stream is what the columnar model costs).
 Targets: ≥ 10× faster than HTA at ≤ 1/4 of its memory; the large trace in ≤ 15 s under 1.5 GB.
+Times are medians over ``--repeat`` fresh runs; ours whole (cli) and HTA run alternately, round by
+round, and their ratio is the median of the per-round ratios (the machine's load drifts).
 
 ``--baseline REV`` adds our own engine at git revision REV (default ``86a9f11``, the engine before the
 verdict work of issue #9) as a contender: its ``pipeline`` runs alternate with ours in fresh processes,
 and the table gains the ratio of our time to its, for the analysis and for the whole process (imports
 included: what ``stepdoctor analyze`` makes a user wait). Issue #9 allows at most 10% slower.
 
-Run: ``.venv/bin/python bench/analysis_speed.py [--skip-large] [--only NAME] [--baseline [REV]]``.
+Run: ``.venv/bin/python bench/analysis_speed.py [--skip-large] [--only NAME] [--min-mb MB] [--baseline [REV]]``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import gzip
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -149,31 +152,48 @@ def run_child(
 
 
 def run_best(mode: str, path: Path, repeat: int, timeout: float = 900) -> dict[str, float] | None:
-    """Best (fastest) of ``repeat`` fresh runs, with the largest peak RSS seen: sub-second timings on a
-    shared 2-core machine vary by tens of percent from one run to the next."""
-    return _best([run_child(mode, path, timeout=timeout) for _ in range(repeat)])
+    """Median of ``repeat`` fresh runs (and the fastest), with the largest peak RSS seen: sub-second
+    timings on a shared 2-core machine vary by tens of percent from one run to the next."""
+    return _summary([run_child(mode, path, timeout=timeout) for _ in range(repeat)])
 
 
-def run_against(
-    path: Path, repeat: int, engine: Path
-) -> tuple[dict[str, float] | None, dict[str, float] | None]:
-    """(ours, baseline) pipelines, best of ``repeat`` each, run alternately so both see the same machine."""
-    ours, base = [], []
+def run_alternating(
+    contenders: list[tuple[str, Path, Path | None, float]], repeat: int
+) -> list[dict[str, float] | None]:
+    """Each contender ``(mode, path, engine, timeout)`` once per round, ``repeat`` rounds, so that all
+    see the same machine: on a shared machine the load drifts within minutes, and contenders run in
+    blocks one after the other would each see a different one. Their ``pair_ratios`` (against the
+    first contender, round by round) let a ratio's median be taken over rounds."""
+    runs: list[list[dict[str, float] | None]] = [[] for _ in contenders]
     for _ in range(repeat):
-        ours.append(run_child("pipeline", path))
-        base.append(run_child("pipeline", path, engine=engine))
-    return _best(ours), _best(base)
+        for got, (mode, path, engine, timeout) in zip(runs, contenders, strict=True):
+            got.append(run_child(mode, path, timeout=timeout, engine=engine))
+    out = [_summary(got) for got in runs]
+    for got, summary in zip(runs[1:], out[1:], strict=True):
+        if summary is not None:
+            pairs = [(a, b) for a, b in zip(runs[0], got, strict=True) if a is not None and b is not None]
+            summary["pair_process"] = _median([b["process_s"] / a["process_s"] for a, b in pairs])
+            summary["pair_seconds"] = _median([b["seconds"] / a["seconds"] for a, b in pairs])
+    return out
 
 
-def _best(runs: list[dict[str, float] | None]) -> dict[str, float] | None:
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _summary(runs: list[dict[str, float] | None]) -> dict[str, float] | None:
+    """Median times (``best_*``: the fastest) and the largest peak RSS of the runs that finished."""
     results = [r for r in runs if r is not None]
     if not results:
         return None
     return {
-        "seconds": min(r["seconds"] for r in results),
-        "process_s": min(r["process_s"] for r in results),
+        "seconds": _median([r["seconds"] for r in results]),
+        "process_s": _median([r["process_s"] for r in results]),
+        "best_seconds": min(r["seconds"] for r in results),
+        "best_process_s": min(r["process_s"] for r in results),
         "rss_mb": max(r["rss_mb"] for r in results),
         "import_mb": max(r["import_mb"] for r in results),
+        "runs": len(results),
     }
 
 
@@ -253,7 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-large", action="store_true")
     ap.add_argument("--only", help="substring of a fixture name")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per contender on the fixtures (best taken)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per contender on the fixtures (median taken)")
+    ap.add_argument(
+        "--large-repeat", type=int, default=1, help="runs of cli, HTA and pipelines on the large trace"
+    )
+    ap.add_argument(
+        "--min-mb", type=float, default=0.0, help="only traces of at least this many MB decompressed"
+    )
     ap.add_argument(
         "--baseline",
         nargs="?",
@@ -289,25 +315,33 @@ def main(argv: list[str] | None = None) -> int:
         hta_rate = None  # seconds per decompressed MB, to decide whether HTA can finish the large one
         for label, path, is_large in cases:
             mb = decompressed_size(path) / 2**20
-            repeat = 1 if is_large else max(1, args.repeat)
-            ours = run_best("ours", path, repeat)
+            if mb < args.min_mb:
+                continue
+            repeat = max(1, args.large_repeat if is_large else args.repeat)
+            ours = run_best("ours", path, 1 if is_large else repeat)
             base = None
             if engine is not None:
-                pipe, base = run_against(path, repeat, engine)
+                pipe, base = run_alternating(
+                    [("pipeline", path, None, 900), ("pipeline", path, engine, 900)], repeat
+                )
             else:
                 pipe = run_best("pipeline", path, repeat) if have_pipeline else None
-            cli = run_best("cli", path, repeat) if have_pipeline else None
-            floor = run_best("floor", path, repeat)
-            stream = run_best("stream", path, repeat)
+            floor = run_best("floor", path, 1 if is_large else repeat)
+            stream = run_best("stream", path, 1 if is_large else repeat)
+            cli: dict[str, float] | None = None
             hta: dict[str, float] | None = None
             note = ""
             if is_large and hta_rate is not None and hta_rate * mb > HTA_MAX_SECONDS:
                 note = f"HTA skipped: ~{hta_rate * mb:.0f} s expected (> {HTA_MAX_SECONDS} s)"
+                cli = run_best("cli", path, repeat) if have_pipeline else None
             else:
                 hdir = tmp / f"hta-{len(rows)}"
                 hdir.mkdir()
                 os.symlink(path, hdir / path.name)
-                hta = run_best("hta", hdir, repeat, timeout=HTA_MAX_SECONDS * 2)
+                # ours whole (cli) and HTA's, alternately: the "whole process" ratio is taken per round
+                cli, hta = run_alternating(
+                    [("cli", path, None, 900), ("hta", hdir, None, HTA_MAX_SECONDS * 2)], repeat
+                )
                 if hta is None:
                     note = "HTA failed or timed out"
                 elif label.startswith("df_index"):
@@ -339,6 +373,13 @@ def print_row(row: tuple[Any, ...]) -> None:
 
 def _ratio(a: float | None, b: float | None, unit: str = "") -> str:
     return "-" if a is None or b is None or b <= 0 else f"{a / b:.2f}{unit}"
+
+
+def _cli_ratio(cli: dict[str, float] | None, hta: dict[str, float] | None) -> str:
+    """HTA's whole process over ours: the median of the per-round ratios where both ran alternately."""
+    if hta is not None and "pair_process" in hta:
+        return f"{hta['pair_process']:.2f}x"
+    return _ratio(None if hta is None else hta["process_s"], None if cli is None else cli["process_s"], "x")
 
 
 def print_table(rows: list[tuple[Any, ...]]) -> None:
@@ -373,7 +414,7 @@ def print_table(rows: list[tuple[Any, ...]]) -> None:
             f"{num(extra[0], 6, 0)} {num(extra[1], 6, 0)} {_ratio(extra[0], extra[1]):>5} | "
             f"{num(g(pipe, 'process_s'), 6, 2)} {num(g(hta, 'process_s'), 6, 2)} "
             f"{_ratio(g(hta, 'process_s'), g(pipe, 'process_s'), 'x'):>6} | "
-            f"{num(g(cli, 'process_s'), 6, 2)} {_ratio(g(hta, 'process_s'), g(cli, 'process_s'), 'x'):>6} | "
+            f"{num(g(cli, 'process_s'), 6, 2)} {_cli_ratio(cli, hta):>6} | "
             f"{num(g(floor, 'seconds'), 7)} {num(g(floor, 'rss_mb'), 5, 0)} | {num(g(stream, 'seconds'), 6)}"
             + (f"  ({note})" if note else "")
         )
@@ -387,7 +428,10 @@ def print_against(
         f"{'trace':<34} {'MB':>5} | {'pipe s':>8} {rev + ' s':>12} {'ratio':>6} | "
         f"{'proc s':>6} {rev + ' s':>12} {'ratio':>6}"
     )
-    print(f"\nThis engine vs {rev} (best of fresh processes, run alternately; ratio > 1: slower now)")
+    print(
+        f"\nThis engine vs {rev} (median times of fresh processes run alternately; ratio: median of the "
+        "per-round ratios, > 1: slower now)"
+    )
     print(head)
     print("-" * len(head))
     worst: dict[str, tuple[float, str]] = {}
@@ -395,7 +439,8 @@ def print_against(
         if pipe is None or base is None:
             print(f"{label[-34:]:<34} {mb:>5.0f} | failed")
             continue
-        r_pipe, r_proc = pipe["seconds"] / base["seconds"], pipe["process_s"] / base["process_s"]
+        # Medians of the per-round ratios (the two ran alternately, round by round).
+        r_pipe, r_proc = 1 / base["pair_seconds"], 1 / base["pair_process"]
         for key, r in (("analysis", r_pipe), ("process", r_proc)):
             if r > worst.get(key, (0.0, ""))[0]:
                 worst[key] = (r, label)
