@@ -25,9 +25,13 @@ def chunk(
     profiled: list[list[int]] | None = None,
     windows: list[dict[str, Any]] | None = None,
     mem_steps: list[int] | None = None,
+    slow: dict[int, float] | None = None,
 ) -> bytes:
-    """One chunk of ``count`` steps from step ``first``, every step ``wall_ms`` long (a few slower)."""
+    """One chunk of ``count`` steps from step ``first``, every step ``wall_ms`` long (a few slower;
+    ``slow`` maps step numbers to their own length in ms)."""
     walls = [int(wall_ms * 1e6) + (i % 7) * 10_000 for i in range(count)]
+    for step, ms in (slow or {}).items():
+        walls[step - first] = int(ms * 1e6)
     mem = [first] if count and mem_steps is None else (mem_steps or [])
     header = {
         "project": "proj",

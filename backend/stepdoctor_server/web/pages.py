@@ -24,15 +24,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stepdoctor_analysis import BOTTLENECK_KINDS
 from stepdoctor_analysis.run_verdict import RunVerdict
-from stepdoctor_dashboard import assets, figures, memory_figures, rank_figures
+from stepdoctor_dashboard import assets, figures, memory_figures, rank_figures, timeline_figures
 from stepdoctor_dashboard.rank_figures import RankPlace
 from stepdoctor_server.auth import sessions
 from stepdoctor_server.auth.tokens import Principal, authenticate
-from stepdoctor_server.core.database import DatabaseDep, SessionDep
+from stepdoctor_server.core.database import DatabaseDep, SessionDep, settings_of
 from stepdoctor_server.core.errors import ApiError, check_id, not_found
 from stepdoctor_server.core.models import Analysis, Project, Trace
 from stepdoctor_server.deep import service as deep
-from stepdoctor_server.runs import compare, regressions
+from stepdoctor_server.runs import compare, regressions, series
 from stepdoctor_server.runs import service as runs
 from stepdoctor_server.runs.capture import capture_view
 from stepdoctor_server.traces import service as traces
@@ -200,9 +200,9 @@ def _safe_next(target: str) -> str:
 @router.get("/", response_class=HTMLResponse)
 def home(request: Request, viewer: Viewer, session: SessionDep) -> HTMLResponse:
     projects = runs.team_projects(session, viewer)
-    return _render(
-        request, "home.html", viewer, projects=projects, runs=runs.recent_runs(session, viewer, 20)
-    )
+    recent = runs.recent_runs(session, viewer, 20)
+    liveness = series.liveness_of_runs(session, [run.id for run, _ in recent])
+    return _render(request, "home.html", viewer, projects=projects, runs=recent, liveness=liveness)
 
 
 class RunFilter:
@@ -257,7 +257,8 @@ def _paged_runs(session: Session, viewer: Principal, project_id: int | None, f: 
         session, viewer, project_id, q=f.q, kind=f.kind, tag=f.tag, sort=f.sort, page=f.page
     )
     statuses = {run.id: regressions.read_regression(run.regression) for run, _ in listing["runs"]}
-    return {**listing, "kinds": BOTTLENECK_KINDS, "regressions": statuses}
+    liveness = series.liveness_of_runs(session, [run.id for run, _ in listing["runs"]])
+    return {**listing, "kinds": BOTTLENECK_KINDS, "regressions": statuses, "liveness": liveness}
 
 
 # -- run -----------------------------------------------------------------------------------------
@@ -290,6 +291,11 @@ def run_page(
         rank_view = rank_figures.rank_section(d, places, ranks_page)
         if rank_view is not None and rank_view.figure is not None:
             figs["ranks"] = rank_view.figure
+    timeline = series.run_timeline_of(
+        session, run.id, fresh_within_s=settings_of(session).run_timeline_refresh_s
+    )
+    if timeline is not None:  # every step the agent timed, downsampled for the plot
+        figs["timeline"] = timeline_figures.run_timeline_figure(timeline)
     others = runs.sibling_runs(session, run, 200)
     waiting = any(t.status in ("pending", "running") for t, _, _ in trace_rows)
     capture = capture_view(session, viewer, run)  # "Capture now" while live, and the latest request
@@ -317,6 +323,8 @@ def run_page(
         baseline=regressions.chosen_baseline(session, project.id),
         can_choose_baseline=viewer.allows("upload"),
         rank_view=rank_view,
+        timeline=timeline,
+        liveness=series.liveness_of(session, run.id),
     )
 
 
