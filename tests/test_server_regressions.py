@@ -203,3 +203,32 @@ def test_reading_pages_and_the_api_never_writes_a_status(
     client.get("/api/v1/runs")
     with app.state.db.session() as session:
         assert session.scalar(select(Run.regression).where(Run.id == run)) is None
+
+
+def test_a_series_that_changes_without_a_new_diagnosis_is_rechecked_by_the_sweep(
+    app: FastAPI, team: TeamInfo, client: TestClient
+) -> None:
+    """The run's status was computed on profiled steps (no series yet); its series arrives later:
+    the workers' sweep redoes it on the unprofiled basis, once."""
+    from stepdoctor_server.jobs.defer import SWEEPS
+    from stepdoctor_server.runs.regressions import recheck_series_now
+    from stepdoctor_server.runs.series import store_chunk
+    from support.regressions import series_chunk
+
+    assert recheck_series_now in SWEEPS
+    recorded_run(app, team.id, "proj", "base", step_ms=100.0, series_ms=50.0)
+    run = recorded_run(app, team.id, "proj", "new", step_ms=100.0)
+    assert regression(client, run)["comparison"]["basis"] == "profiled"
+    assert not regression(client, run)["regressed"]
+    with app.state.db.session() as session:
+        found = session.get(Run, run)
+        assert found is not None
+        store_chunk(session, found, series_chunk(200, 60.0))
+    assert recheck_series_now(app.state.db) == [run]
+    r = regression(client, run)
+    assert (r["comparison"]["basis"], r["comparison"]["candidate_ms"], r["regressed"]) == (
+        "unprofiled",
+        60.0,
+        True,
+    )
+    assert recheck_series_now(app.state.db) == []  # nothing new: nothing redone

@@ -19,18 +19,27 @@ import logging
 import statistics
 from collections import Counter
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any, Literal
 
 import msgspec
-from sqlalchemy import and_, or_, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from stepdoctor_analysis.run_timeline import Comparison, NothingComparable, Side, compare
 from stepdoctor_server.auth.tokens import Principal
-from stepdoctor_server.core.database import settings_of
+from stepdoctor_server.core.database import Database, settings_of
 from stepdoctor_server.core.errors import ApiError, check_id, not_found
-from stepdoctor_server.core.models import Project, ProjectBaseline, Run, Trace, WebhookDelivery, utcnow
+from stepdoctor_server.core.models import (
+    Project,
+    ProjectBaseline,
+    Run,
+    SeriesStream,
+    Trace,
+    WebhookDelivery,
+    utcnow,
+)
 from stepdoctor_server.core.settings import Settings
 from stepdoctor_server.runs.diagnosis import read_verdict
 from stepdoctor_server.runs.series import run_timeline_of
@@ -72,6 +81,7 @@ class RegressionStatus(msgspec.Struct, kw_only=True):
     reasons: list[str] = msgspec.field(default_factory=list)
     note: str | None = None
     computed_at: str | None = None
+    series_chunks: int = 0  # chunks of the run's step series it was computed from (``recheck_series``)
 
     @property
     def signature(self) -> str | None:
@@ -132,6 +142,45 @@ def run_side(session: Session, run: Run, project: Project) -> tuple[Side, bool]:
         waiting is None and (timeline is None or timeline.finished) and (analysed or timeline is not None)
     )
     return side, finished
+
+
+def series_chunks(session: Session, run_id: int) -> int:
+    """How many step-series chunks the run has (every process): a change means a new status."""
+    return int(
+        session.scalar(select(func.sum(SeriesStream.chunks)).where(SeriesStream.run_id == run_id)) or 0
+    )
+
+
+def recheck_series(session: Session, *, within: timedelta = timedelta(days=1)) -> list[int]:
+    """Redo the status of runs whose step series got chunks since it was computed (a run's series
+    changes without a new diagnosis: its steady step time, its end). The workers' sweep, with
+    webhooks; only runs heard from within ``within`` are looked at."""
+    recent = (
+        select(SeriesStream.run_id, func.sum(SeriesStream.chunks).label("chunks"))
+        .where(
+            SeriesStream.run_id.in_(
+                select(SeriesStream.run_id).where(SeriesStream.heartbeat_at >= utcnow() - within)
+            )
+        )
+        .group_by(SeriesStream.run_id)
+        .subquery()
+    )
+    rows = session.execute(
+        select(recent.c.run_id, recent.c.chunks, Run.regression).join(Run, Run.id == recent.c.run_id)
+    ).all()
+    redone = []
+    for run_id, chunks, stored in rows:
+        status = read_regression(stored)
+        if status is None or status.series_chunks != int(chunks or 0):
+            refresh_regression(session, run_id)
+            redone.append(int(run_id))
+    return redone
+
+
+def recheck_series_now(db: Database) -> list[int]:
+    """``recheck_series`` in its own transaction (the sweep's body)."""
+    with db.session() as session:
+        return recheck_series(session)
 
 
 def chosen_baseline(session: Session, project_id: int) -> Run | None:
@@ -203,7 +252,11 @@ def regression_status(session: Session, run: Run, project: Project, settings: Se
     side, finished = run_side(session, run, project)
     baseline = baseline_of(session, run, project, settings)
     status = RegressionStatus(
-        side=side, finished=finished, baseline=baseline, computed_at=utcnow().isoformat()
+        side=side,
+        finished=finished,
+        baseline=baseline,
+        computed_at=utcnow().isoformat(),
+        series_chunks=series_chunks(session, run.id),
     )
     if baseline is None:
         status.note = "no baseline yet: no finished earlier run in this project, and none chosen"

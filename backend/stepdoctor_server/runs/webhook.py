@@ -10,7 +10,8 @@ a time (the claim), and marked delivered right after its 2xx: only a worker kill
 two sends it twice.
 
 Registered with the job engine (``jobs.defer``): ``WEBHOOKS`` for procrastinate's periodic drain
-and a claimer for the embedded pool. The URL is a secret: logs show its scheme and host only.
+and a claimer for the embedded pool; and ``regressions.recheck_series_now`` as a sweep (a run's
+status redone when its step series changed). The URL is a secret: logs show its scheme and host only.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from sqlalchemy import or_, select, update
 from stepdoctor_server.core.database import Database
 from stepdoctor_server.core.models import WebhookDelivery, utcnow
 from stepdoctor_server.core.settings import Settings
-from stepdoctor_server.jobs.defer import CLAIMERS, WEBHOOKS, JobContext, handles
+from stepdoctor_server.jobs.defer import CLAIMERS, SWEEPS, WEBHOOKS, JobContext, handles
 from stepdoctor_server.jobs.pool import retry_db
+from stepdoctor_server.runs.regressions import recheck_series_now
 
 log = logging.getLogger("stepdoctor.webhook")
 MAX_WAIT_S = 3600.0
@@ -162,3 +164,5 @@ def claim_webhook(job: JobContext) -> bool:
 
 
 CLAIMERS.append(claim_webhook)
+# A run's series changes without a new diagnosis: the sweep redoes its status (and may queue a webhook).
+SWEEPS.append(recheck_series_now)
