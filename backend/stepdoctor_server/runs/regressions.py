@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import msgspec
-from sqlalchemy import and_, func, or_, select
+from sqlalchemy import and_, case, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -151,12 +151,22 @@ def series_chunks(session: Session, run_id: int) -> int:
     )
 
 
+#: A live run's status is redone at most this often (each redo reads its whole series once).
+LIVE_RECHECK = timedelta(minutes=10)
+
+
 def recheck_series(session: Session, *, within: timedelta = timedelta(days=1)) -> list[int]:
     """Redo the status of runs whose step series got chunks since it was computed (a run's series
     changes without a new diagnosis: its steady step time, its end). The workers' sweep, with
-    webhooks; only runs heard from within ``within`` are looked at."""
+    webhooks; only runs heard from within ``within`` are looked at, and a run whose processes
+    have not all ended at most every ``LIVE_RECHECK``."""
+    open_streams = func.sum(case((SeriesStream.final.is_(False), 1), else_=0))
     recent = (
-        select(SeriesStream.run_id, func.sum(SeriesStream.chunks).label("chunks"))
+        select(
+            SeriesStream.run_id,
+            func.sum(SeriesStream.chunks).label("chunks"),
+            open_streams.label("open"),
+        )
         .where(
             SeriesStream.run_id.in_(
                 select(SeriesStream.run_id).where(SeriesStream.heartbeat_at >= utcnow() - within)
@@ -166,11 +176,16 @@ def recheck_series(session: Session, *, within: timedelta = timedelta(days=1)) -
         .subquery()
     )
     rows = session.execute(
-        select(recent.c.run_id, recent.c.chunks, Run.regression).join(Run, Run.id == recent.c.run_id)
+        select(recent.c.run_id, recent.c.chunks, recent.c.open, Run.regression).join(
+            Run, Run.id == recent.c.run_id
+        )
     ).all()
     redone = []
-    for run_id, chunks, stored in rows:
+    soon = (utcnow() - LIVE_RECHECK).isoformat()
+    for run_id, chunks, still_open, stored in rows:
         status = read_regression(stored)
+        if status is not None and still_open and (status.computed_at or "") > soon:
+            continue  # live: its status is at most LIVE_RECHECK old
         if status is None or status.series_chunks != int(chunks or 0):
             refresh_regression(session, run_id)
             redone.append(int(run_id))
