@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from stepdoctor_analysis import advice, ops, rules
-from stepdoctor_analysis.rules import Rule, rule
-from stepdoctor_analysis.rules_doc import documented_rules, rules_markdown
+from stepdoctor_analysis import ops, rules
+from stepdoctor_analysis.rules import catalog, documented_rules, rule
+from stepdoctor_analysis.rules.record import Rule
+from stepdoctor_analysis.rules_doc import rules_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,14 +42,43 @@ def test_table_has_one_row_per_rule_with_its_limits() -> None:
 def test_rules_are_keyword_only_records() -> None:
     with pytest.raises(TypeError):
         Rule("x", "sync", "t", "w", 0.1, lambda c, t: None, "c", "w")  # type: ignore[misc]
-    for module in (rules, advice):
-        tree = ast.parse(inspect.getsource(module))
-        positional = [
-            n.lineno
-            for n in ast.walk(tree)
-            if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Rule" and n.args
-        ]
-        assert positional == [], f"{module.__name__}: positional Rule(...) at lines {positional}"
+
+
+def test_the_catalog_record_is_the_rule_that_runs() -> None:
+    """Every rule is one keyword ``Rule(...)`` in ``catalog.RULES`` or ``catalog.JOB_RULES``, in
+    order, and the record that runs is that one: its query is the function the record names (no
+    wrapper added at import), its scope the fields the record states."""
+    tree = ast.parse(inspect.getsource(catalog))
+    lists = {
+        n.target.id: n.value
+        for n in tree.body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and isinstance(n.value, ast.List)
+    }
+    assert set(lists) == {"RULES", "JOB_RULES"}
+    records = [
+        n
+        for name in ("RULES", "JOB_RULES")
+        for n in lists[name].elts
+        if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "Rule"
+    ]
+    running_rules = documented_rules()
+    assert running_rules == [*rules.RULES, *catalog.JOB_RULES]
+    assert len(records) == sum(len(v.elts) for v in lists.values()) == len(running_rules)
+    for node, running in zip(records, running_rules, strict=True):
+        assert not node.args, f"positional Rule(...) at line {node.lineno}"
+        fields = {k.arg: k.value for k in node.keywords}
+        rid = fields["id"]
+        assert (
+            getattr(catalog, rid.id) if isinstance(rid, ast.Name) else ast.literal_eval(rid)
+        ) == running.id
+        query = fields["query"]
+        if isinstance(query, ast.Name):  # a query function, named: it is the one that runs
+            assert running.query is getattr(catalog, query.id), running.id
+        for scope in ("collectives", "allocator", "yields_to"):
+            if scope in fields:
+                assert getattr(running, scope) == ast.literal_eval(fields[scope]), (running.id, scope)
+    overlap = rule("communication.overlap")
+    assert overlap.workloads == ("training",) and None in (overlap.collectives or ())
 
 
 def test_queries_read_limits_from_their_rule_not_module_constants() -> None:
@@ -74,7 +104,7 @@ def test_pattern_thresholds_come_from_the_rules() -> None:
 def test_a_rule_with_a_changed_limit_decides_differently() -> None:
     import dataclasses
 
-    from stepdoctor_analysis.rules import Hit
+    from stepdoctor_analysis.rules.record import Hit
 
     seen: list[float] = []
 

@@ -13,7 +13,8 @@ from stepdoctor_analysis.inputs import loader_settings, suggested_workers
 from stepdoctor_analysis.pipeline import analyze_path
 from stepdoctor_analysis.ranks import TraceEntry, rank_verdict
 from stepdoctor_analysis.report import plain
-from stepdoctor_analysis.rules import KINDS, RULES, Hit, Rule, speedup
+from stepdoctor_analysis.rules import KINDS, RULES
+from stepdoctor_analysis.rules.record import Hit, Rule, speedup
 from support import synthetic
 from support.reports import typed
 

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from stepdoctor_analysis import BOTTLENECK_KINDS, guide
 from stepdoctor_analysis.cli import main as analyze_main
-from stepdoctor_analysis.rules_doc import documented_rules
+from stepdoctor_analysis.rules import documented_rules
 from support.reports import recommendation
 from support.server import drain, logged_in, upload
 from support.synthetic import sync_bound_trace

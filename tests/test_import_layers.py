@@ -34,12 +34,7 @@ ALLOWED = {
 # ``jobs`` runs what the domains register with it (``jobs.defer``), so it sits below them.
 LAYERS = ["core", "jobs", "auth", "traces", "runs", "deep", "web"]
 KNOWN_UPWARD_LAYERS: set[tuple[str, str]] = set()
-KNOWN_CIRCLES = {
-    # The engine's rule records: advice and memory_rules build on rules, which lists them (engine team's).
-    frozenset(
-        {"stepdoctor_analysis.advice", "stepdoctor_analysis.memory_rules", "stepdoctor_analysis.rules"}
-    ),
-}
+KNOWN_CIRCLES: set[frozenset[str]] = set()
 
 
 def _module_name(path: Path, root: Path) -> str:

@@ -1,5 +1,5 @@
 """What holds the memory, leaks, fragmentation, near capacity and out-of-memory forensics (``memory_use``,
-``memory_rules``): real CPU loops recorded here, synthetic CUDA traces whose memory is made of known parts,
+``rules.memory_advice``): real CPU loops recorded here, synthetic CUDA traces whose memory is made of known parts,
 and the real CUDA fixtures."""
 
 from __future__ import annotations

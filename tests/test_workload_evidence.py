@@ -18,17 +18,18 @@ from typing import Any
 
 import pytest
 
-from stepdoctor_analysis import advice, contract, parse
+from stepdoctor_analysis import contract, parse
 from stepdoctor_analysis.parsing.schema import MATMUL_OPS
 from stepdoctor_analysis.pipeline import analyze_path
-from stepdoctor_analysis.rules import RULES, Hit
+from stepdoctor_analysis.rules import RULES
+from stepdoctor_analysis.rules.record import Hit
 from stepdoctor_analysis.workload import KINDS, Workload, detect_workload
 from support.fixtures import HTA_TRACES, TRACELENS_TRACES
 from support.synthetic import TraceBuilder
 
 CUDA = Path(__file__).parent / "fixtures" / "traces" / "cuda"
 RULES_BY_ID = {r.id: r for r in RULES}
-TRAINING_ONLY = {r.id for r in RULES if "inference" not in r.workloads}  # advice.TRAINING_ONLY and more
+TRAINING_ONLY = {r.id for r in RULES if "inference" not in r.workloads}
 INFERENCE_ONLY = {r.id for r in RULES if "training" not in r.workloads}
 
 
@@ -249,8 +250,9 @@ def test_unknown_workload_gets_only_the_rules_that_fit_both_kinds() -> None:
             fired = probe.evaluate(SimpleNamespace(workload=Workload(kind))) is not None  # type: ignore[arg-type]
             fits = set(KINDS) <= set(rule.workloads) if kind == "unknown" else kind in rule.workloads
             assert fired is fits, (rule.id, kind)
-    assert set(advice.TRAINING_ONLY) <= TRAINING_ONLY and {"inference.host_sync"} <= INFERENCE_ONLY
-    # advice.py's own specs too; "unknown" is decided in Rule.evaluate, never listed by a rule
+    assert {"launch.foreach_optimizer", "sync.host_sync", "compute.mixed_precision"} <= TRAINING_ONLY
+    assert {"inference.host_sync"} <= INFERENCE_ONLY
+    # "unknown" is decided in Rule.evaluate, never listed by a rule
     assert all("unknown" not in rule.workloads for rule in RULES)
     assert set(KINDS) <= set(RULES_BY_ID["communication.all_to_all"].workloads)
 

@@ -50,7 +50,8 @@ from .memory import MemoryStats
 from .model import INT64_MIN, HostKind, RankTrace, Step
 from .ops import COMPUTE_OP_RE, MEMORY_OP_RE, median_dur_by_name
 from .recurrence import TOP_FEW, PassWaits
-from .rules import KINDS, NO_COMPUTE_RATIO, RULES, Context, Hit, Rule, declared, speedup
+from .rules import KINDS, NO_COMPUTE_RATIO, declared, fired
+from .rules.record import Context, Hit, Rule, speedup
 from .steps import device_op_mask, launching_call
 from .sync import SyncStats
 from .timeline import Accounting
@@ -349,7 +350,7 @@ def basis_of(kind: str) -> str:
 
 def classify(ctx: Context) -> Diagnosis:
     shares = {k: ctx.accounting.share(k) for k in KINDS}
-    hits = [(rule, hit) for rule in RULES if (hit := rule.evaluate(ctx)) is not None]
+    hits = fired(ctx)
     recs = sorted(
         (_render(rule, hit, ctx) for rule, hit in hits),
         key=lambda r: (-rank_key(r, ctx.step_ns), -r.confidence, r.id),

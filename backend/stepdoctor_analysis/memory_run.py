@@ -31,12 +31,13 @@ import msgspec
 import numpy as np
 
 from .contract import MemoryLeak, Recommendation, ReportDoc
-from .memory_rules import LEAK_CAVEATS, LEAK_TITLE, MIB, gib_text, leak_change, survivor_words
 from .memory_use import LEAK_MIN_MIB_PER_STEP, steady_growth
+from .rules import rule
+from .rules.memory_advice import MIB, gib_text, leak_change, survivor_words
 from .run_timeline import Memory as SeriesMemory
 
 MIN_WINDOWS = 3  # floors to call growth steady (``steady_growth`` needs three readings)
-RULE_ID = "memory.leak"
+RULE_ID = "memory.leak"  # the per-trace card's rule: this card shares its title and caveats
 F = TypeVar("F", bound=Recommendation)
 
 
@@ -105,14 +106,14 @@ class RunLeak:
             evidence["process"] = self.process
         return Recommendation(
             id=RULE_ID,
-            title=LEAK_TITLE,
+            title=rule(RULE_ID).title,
             kind="memory",
             change=leak_change(top),
             why=why,
             expected_speedup=1.0,
             removable_us_per_step=0.0,
             confidence=0.85 if top is not None else 0.6,
-            caveats=list(LEAK_CAVEATS),
+            caveats=list(rule(RULE_ID).caveats),
             evidence=evidence,
         )
 

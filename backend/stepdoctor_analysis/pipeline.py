@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 
 from . import breakdown as bd
-from . import diagnose, gpu_metrics, memory_rules, parse, step_timeline, steps, tables
+from . import diagnose, gpu_metrics, parse, step_timeline, steps, tables
 from . import hta_metrics as hta
 from . import timeline as tl
 from .comm import analyze_comm
@@ -28,7 +28,9 @@ from .ops import analyze_ops
 from .precision import DeviceCaps, trace_caps
 from .recurrence import pass_waits
 from .report import Report, StepRow, field_dict, plain
-from .rules import KINDS, Context, pattern_minimums
+from .rules import KINDS, pattern_minimums
+from .rules.memory_advice import report_section as memory_section
+from .rules.record import Context
 from .sync import analyze_sync
 from .transfers import analyze_transfers
 from .workload import detect_workload
@@ -207,7 +209,7 @@ def _metrics(trace: RankTrace, ctx: Context, step_list: list[Any]) -> dict[str, 
                 "curves": memory_curves(trace, origin_ns=step_list[0].start),
                 "categories": ctx.memory.use.series,  # bytes by category over time (``memory_use``)
             },
-            **memory_rules.report_section(ctx.memory.use, step_list[0].start, ctx.workload),
+            **memory_section(ctx.memory.use, step_list[0].start, ctx.workload),
         },
         "communication": ctx.comm,
         "input": {k: v for k, v in field_dict(ctx.inputs).items() if k != "intervals"},

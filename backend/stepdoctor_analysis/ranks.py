@@ -31,11 +31,12 @@ import msgspec
 from . import BOTTLENECK_KINDS, STRAGGLER_ID
 from .contract import Recommendation
 from .job import job_limiter
+from .rules import rule
 from .trace_summary import TraceEntry, TraceSummary, rank_of, summary_of
 
 __all__ = ["TraceEntry", "rank_of"]  # where callers have always imported them from
 
-STRAGGLER = 0.10
+STRAGGLER = rule(STRAGGLER_ID).threshold  # the straggler card's record (``rules.catalog.JOB_RULES``)
 NAMED_RANKS = 3  # a sentence names at most this many ranks, then "and N more"
 T = TypeVar("T")
 _WORKER_RE = re.compile(r"^(.*?)(\.\d+)?\.pt\.trace\.json(\.gz)?$")  # TensorBoard's run-file pattern

@@ -1,41 +1,14 @@
-"""The documented rule table: every card the engine can give, for docs/rules.md and the verdict guide.
-
-``rules.RULES`` holds the per-trace rules; the straggler card is decided per job
-(``ranks.straggler_advice``), so it is not in that table, yet users see it like any other card. Here
-it is described as a rule record too (its threshold is ``ranks.STRAGGLER``), so the docs table,
-docs/verdicts.md's coverage test and anything else that lists "every rule" read one list.
+"""The documented rule table, docs/rules.md: every card the engine can give (``rules.documented_rules``:
+the per-trace rules, then the job-level straggler card), so the docs table, docs/verdicts.md's
+coverage test and anything else that lists "every rule" read one list.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-from . import ranks
-from .rules import RULES, Context, Hit, Rule
-
-
-def _per_job(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
-    """Never fires on one trace: ``ranks.straggler_advice`` gives the card for a job's ranks."""
-    return None
-
-
-STRAGGLER_RULE = Rule(
-    id=ranks.STRAGGLER_ID,
-    kind="communication",
-    title="Even out the ranks: one rank holds the others back",
-    trigger=f"a rank's busy time before its collectives exceeds the other ranks' median by "
-    f"> {100 * ranks.STRAGGLER:g}% of it (per job)",
-    threshold=ranks.STRAGGLER,
-    query=_per_job,
-    change="by the straggler's cause: balance its work, feed it faster, free its host CPU, or drop its own syncs",
-    why="{rank} works longer before its collectives than the others; every other rank waits for it.",
-    caveats=("DDP bucket sizes or compression do not help while the others are waiting, not sending.",),
-)
-
-
-def documented_rules() -> list[Rule]:
-    """Every card the engine can give: the per-trace rules, then the job-level straggler card."""
-    return [*RULES, STRAGGLER_RULE]
+from .rules import documented_rules
+from .rules.record import Rule
 
 
 def _cell(text: object) -> str:

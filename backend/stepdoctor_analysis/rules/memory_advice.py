@@ -1,9 +1,9 @@
 """Memory advice as data: leaks, fragmentation, and what to do near capacity or after an OOM.
 
-Keyword specs of ``rules.Rule`` (``rules.py`` appends them to ``RULES``), whose queries read
-``Context.memory.use`` (``memory_use.MemoryUse``). None of them claims a speedup: each averts an
-out-of-memory error or a slow death by growth, so their findings state the memory a change frees
-and on what basis, never a step-time gain.
+The queries of the memory rules (their records are in ``catalog``), which read
+``Context.memory.use`` (``memory_use.MemoryUse``), and the report's memory section. None of them
+claims a speedup: each averts an out-of-memory error or a slow death by growth, so their findings
+state the memory a change frees and on what basis, never a step-time gain.
 
 Near capacity, the change follows what dominates the memory at the peak (or when the OOM struck):
 activations → checkpointing or a smaller micro-batch; optimizer state → 8-bit state or sharding;
@@ -17,25 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from . import memory_use
-from .memory_use import CategoryBreakdown, MemoryUse
-
-if TYPE_CHECKING:
-    from .rules import Context, Hit
-    from .workload import Workload
+from .. import memory_use
+from ..memory_use import CategoryBreakdown, MemoryUse
+from ..workload import Workload
+from .record import Context, Hit
 
 GIB = 2**30
 MIB = 2**20
 CHECKPOINT_FREES = 2 / 3  # of the activations: a block keeps its input and recomputes the rest
 EIGHT_BIT_FREES = 0.75  # of the optimizer state: 1 byte per value instead of 4
-
-
-def _hit(*args: Any, **kwargs: Any) -> Hit:
-    from .rules import Hit  # rules.py imports this module: resolve at call time
-
-    return Hit(*args, **kwargs)
 
 
 def gib_text(n: float) -> str:
@@ -46,7 +38,7 @@ def gib_text(n: float) -> str:
 # --- leaks -----------------------------------------------------------------------------------------
 
 
-def _leak(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
+def leak(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     steady = [x for x in ctx.memory.use.leaks if x.steady]
     if not steady:
         return None
@@ -68,7 +60,7 @@ def _leak(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
         "change": leak_change(top),
     }
     conf = 0.85 if top is not None else 0.6
-    return _hit(worst.growth_per_step / MIB, 0.0, evidence, params, conf)
+    return Hit(worst.growth_per_step / MIB, 0.0, evidence, params, conf)
 
 
 def survivor_words(top: dict[str, object] | None) -> str:
@@ -94,34 +86,10 @@ def leak_change(top: dict[str, object] | None) -> str:
     )
 
 
-LEAK_TITLE = "Memory grows every step"
-LEAK_CAVEATS = (
-    "Growth that levels off (a cache filling, optimizer state created in the first steps) is not a leak: "
-    "profile more steps to tell.",
-)
-
-
-def _leak_spec() -> dict[str, Any]:
-    return {
-        "id": "memory.leak",
-        "kind": "memory",
-        "title": LEAK_TITLE,
-        "trigger": "allocated memory at the ends of >= 3 consecutive steps rises every step, by >= 1 MiB per "
-        "step on average, no step by less than half the mean rise",
-        "threshold": memory_use.LEAK_MIN_MIB_PER_STEP,
-        "query": _leak,
-        "change": "{change}",
-        "why": "Allocated memory on {device} ends each of {steps} steps {growth} higher ({first} to {last}): "
-        "{who}. At this rate the run runs out of memory however large the device.",
-        "caveats": LEAK_CAVEATS,
-        "claims_speedup": False,
-    }
-
-
 # --- fragmentation ---------------------------------------------------------------------------------
 
 
-def _fragmentation(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
+def fragmentation(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     found = [
         f
         for f in ctx.memory.use.fragmentation
@@ -151,37 +119,13 @@ def _fragmentation(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
         "gap_pct": 100 * f.gap_share,
         "time_pct": 100 * f.gap_time_share,
     }
-    return _hit(f.gap_share, 0.0, evidence, params, 0.8)
-
-
-def _fragmentation_spec() -> dict[str, Any]:
-    return {
-        "id": "memory.fragmentation",
-        "kind": "memory",
-        "title": "The allocator's cache is fragmented",
-        "trigger": "at the allocated peak, reserved exceeds allocated by >= 25% of reserved and >= 1 GiB, "
-        "with reserved >= 50% of device memory",
-        "threshold": 0.25,
-        "query": _fragmentation,
-        "thresholds": {"min_gap_gib": 1.0, "min_reserved_share": 0.5},
-        "change": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before the first CUDA allocation)",
-        "why": "When allocated memory on {device} peaks at {alloc}, the allocator holds {reserved}: {gap} "
-        "({gap_pct:.0f}% of what it reserved) is cached in blocks the requests do not fit, and reserved stays "
-        "that far above allocated for {time_pct:.0f}% of the steps' time. Expandable segments grow one "
-        "segment instead of caching blocks of fixed sizes.",
-        "caveats": (
-            "It does not help when the gap is memory an earlier, larger phase left cached (evaluation, a "
-            "bigger first batch: call torch.cuda.empty_cache() once after it), inside CUDA graphs' private "
-            "pools, with the cudaMallocAsync backend, or before PyTorch 2.1 (the option does not exist there).",
-        ),
-        "claims_speedup": False,
-    }
+    return Hit(f.gap_share, 0.0, evidence, params, 0.8)
 
 
 # --- near capacity / out of memory -----------------------------------------------------------------
 
 
-def _pressure(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
+def pressure(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     m = ctx.memory
     worst = m.worst()
     if worst is None and m.out_of_memory == 0:
@@ -219,7 +163,7 @@ def _pressure(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
     change, why, caveat = capacity_advice(at, when, ctx.workload)
     params = {"where": where, "change": change, "advice": why, "caveat": caveat}
     metric = 1.0 if m.out_of_memory else frac
-    return _hit(metric, 0.0, evidence, params, 0.9)
+    return Hit(metric, 0.0, evidence, params, 0.9)
 
 
 def capacity_advice(
@@ -320,21 +264,6 @@ def capacity_advice(
     )
 
 
-def _pressure_spec() -> dict[str, Any]:
-    return {
-        "id": "memory.pressure",
-        "kind": "memory",
-        "title": "Memory is nearly full",
-        "trigger": "peak > 90% of device memory, or any out-of-memory event",
-        "threshold": 0.90,
-        "query": _pressure,
-        "change": "{change}",
-        "why": "{where}; {advice}",
-        "caveats": ("{caveat}",),
-        "claims_speedup": False,
-    }
-
-
 # Report ------------------------------------------------------------------------------------------
 
 
@@ -377,6 +306,3 @@ def report_section(use: MemoryUse, origin_ns: int, workload: Workload | None) ->
             for o in use.out_of_memory
         ],
     }
-
-
-RULE_SPECS: list[dict[str, Any]] = [_pressure_spec(), _leak_spec(), _fragmentation_spec()]
