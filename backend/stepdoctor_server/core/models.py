@@ -397,3 +397,20 @@ class TraceSummaryRecord(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     summary: Mapped[bytes | None] = mapped_column(LargeBinary)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class MemorySnapshot(Base):
+    """A CUDA allocator snapshot stored beside its trace (the agent's ``memory_snapshot=True``): torch's
+    ``torch.cuda.memory._snapshot()`` pickled, for https://pytorch.org/memory_viz. Stored and served as
+    bytes, never unpickled (``traces.snapshots``); one per trace."""
+
+    __tablename__ = "memory_snapshots"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    trace_id: Mapped[int] = mapped_column(ForeignKey("traces.id", ondelete="CASCADE"), unique=True)
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    protocol: Mapped[int]  # the pickle protocol its header names
+    storage_key: Mapped[str] = mapped_column(String(255), unique=True)
+    filename: Mapped[str] = mapped_column(String(255))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

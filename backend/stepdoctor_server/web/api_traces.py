@@ -33,6 +33,7 @@ from stepdoctor_server.traces.ingest import (
     validate_idempotency_key,
     validate_name,
 )
+from stepdoctor_server.traces.snapshots import snapshot_of
 from stepdoctor_server.traces.storage import StagedFile, TraceStore, too_large
 from stepdoctor_server.web.api_catalog import trace_summary
 from stepdoctor_server.web.schemas import AnalysisOut, ErrorResponse, TraceOut, UploadResult
@@ -304,6 +305,9 @@ def get_trace(trace_id: int, principal: ReadTeam, session: SessionDep) -> TraceO
         download_url=f"/api/v1/traces/{trace.id}/download",
         analysis=_analysis_out(analysis, trace.filename) if analysis is not None else None,
         stale=stale,
+        memory_snapshot_url=f"/api/v1/traces/{trace.id}/memory-snapshot"
+        if snapshot_of(session, trace.id) is not None
+        else None,
     )
 
 

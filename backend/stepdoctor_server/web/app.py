@@ -42,6 +42,7 @@ try:  # the parts of the service: none is optional, so a missing one stops the s
         api_docs,
         api_regressions,
         api_series,
+        api_snapshots,
         api_traces,
         capture_page,
     )
@@ -361,6 +362,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(api_series.router)
     app.include_router(api_capture.router)
     app.include_router(capture_page.router)  # the run page's "Capture now" form
+    app.include_router(api_snapshots.router)  # a trace's memory snapshot
+    app.include_router(api_snapshots.page_router)
     _install_health(app)
     api_docs.install(app)
     dashboard.install(app)  # last: its HTML error pages wrap the JSON handlers installed above

@@ -37,6 +37,7 @@ from stepdoctor_server.runs import service as runs
 from stepdoctor_server.runs.capture import capture_view
 from stepdoctor_server.traces import service as traces
 from stepdoctor_server.traces.reports import ReportFacts, facts_of
+from stepdoctor_server.traces.snapshots import snapshot_of
 from stepdoctor_server.web import guide_page
 from stepdoctor_server.web.render import HERE, templates
 from stepdoctor_server.web.render import render as _render
@@ -434,6 +435,7 @@ def trace_page(
         step_numbers=step_numbers,
         cp_latest=latest,
         cp=shown.result if shown is not None else None,
+        snapshot=snapshot_of(session, trace.id),  # the window's CUDA memory snapshot, if the agent sent one
         can_request=viewer.allows("upload") and _hta_available(),
         hta=_hta_available(),
         refresh_s=REFRESH_S

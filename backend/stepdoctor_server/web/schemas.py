@@ -84,6 +84,8 @@ class TraceOut(TraceSummary):
     download_url: str
     analysis: AnalysisOut | None
     stale: bool = False  # the analysis is from an older engine; a re-analysis is queued
+    # the window's CUDA memory snapshot (agent ``memory_snapshot=True``), for https://pytorch.org/memory_viz
+    memory_snapshot_url: str | None = None
 
 
 class ProjectOut(BaseModel):
