@@ -66,6 +66,12 @@ BAD = {
     "steps go back": (lambda: chunk("c1", 0, 0, 10, mem_steps=[5, 3]), 422, "increasing steps"),
     "ranges go back": (lambda: chunk("c1", 0, 0, 10, profiled=[[6, 7], [2, 3]]), 422, "increasing order"),
     "not a chunk": (lambda: b"{}", 422, "bad magic bytes"),
+    # a column entry without its length (the engine unpacked it and raised ValueError: a 500)
+    "short column": (
+        lambda: with_header(chunk("c1", 0, 0, 10), columns=[["wall_ns", "<i8"]]),
+        422,
+        "[name, dtype, length]",
+    ),
     "oversized": (lambda: padded(chunk("c1", 0, 0, 10), 5000), 413, "size limit of 4096 bytes"),
 }
 

@@ -205,9 +205,11 @@ def _columns(header: dict[str, Any], body: bytes, count: int) -> dict[str, np.nd
     declared = header.get("columns")
     names = STEP_COLUMNS + MEMORY_COLUMNS
     if not isinstance(declared, list) or [
-        c[0] if isinstance(c, list) and c else None for c in declared
+        c[0] if isinstance(c, list) and len(c) == 3 else None for c in declared
     ] != list(names):
-        raise SeriesError(f"series chunk columns must be {', '.join(names)} in that order")
+        raise SeriesError(
+            f"series chunk columns must be [name, dtype, length] for {', '.join(names)} in that order"
+        )
     lengths = []
     for name, dtype, length in declared:
         if dtype != "<i8" or type(length) is not int or not 0 <= length <= MAX_CHUNK_STEPS:
