@@ -8,6 +8,10 @@ from the optional ``stepdoctor[hta]`` extra, after the report; JSON puts it unde
 
 Bad input exits with status 2 and one line on stderr, never a traceback: users feed this
 arbitrary files. A progress line appears on stderr only once the analysis has taken over a second.
+
+A directory of more than two traces is analysed by a process pool over every core (``--jobs``),
+each rank's summary streamed back (``rank_pool``); ``analysed 412/1000 ranks`` is shown while it
+runs when stderr is a terminal or with ``--progress``.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ class _Progress:
         self.shown = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        self._tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
 
     def __call__(self, stage: str) -> None:
         self.stage = stage
@@ -51,7 +55,7 @@ class _Progress:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        if self.shown and self._tty:
+        if self.shown and self.tty:
             self.stream.write("\n")
             self.stream.flush()
 
@@ -60,7 +64,7 @@ class _Progress:
             return
         while True:
             line = f"stepdoctor: {self.stage}… {time.monotonic() - self.t0:.0f}s"
-            if self._tty:
+            if self.tty:
                 self.stream.write("\r" + line.ljust(len(self.shown)))
                 self.stream.flush()
                 self.shown = line
@@ -125,6 +129,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--deep", choices=("critical-path",), default=None, help="add HTA's critical path")
     p.add_argument("--diff", metavar="OTHER", default=None, help="add HTA's kernel-level diff PATH → OTHER")
     p.add_argument("--step", type=int, default=None, help="ProfilerStep number for --deep/--diff")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes for a directory of many traces (default: every core; 1: in this process)",
+    )
+    p.add_argument(
+        "--progress",
+        action="store_true",
+        help="show 'analysed N/M ranks' on stderr even when it is not a terminal",
+    )
     return p
 
 
@@ -276,6 +292,11 @@ def _timeline_only(args: argparse.Namespace, timeline: dict[str, Any]) -> int:
     return 0
 
 
+def _cores() -> int:
+    count = getattr(os, "process_cpu_count", None)  # Python 3.13: the cores this process may use
+    return (count() if count is not None else None) or os.cpu_count() or 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -303,7 +324,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             require_hta()  # fail before the long part, not after it
         with _Progress(sys.stderr) as progress:
-            report = analyze_path(args.path, rank=args.rank, max_bytes=args.max_bytes, progress=progress)
+            counts = args.progress or progress.tty
+            report = analyze_path(
+                args.path,
+                rank=args.rank,
+                max_bytes=args.max_bytes,
+                progress=progress,
+                workers=args.jobs if args.jobs is not None else _cores(),
+                done=(lambda n, total: progress(f"analysed {n}/{total} ranks")) if counts else None,
+            )
             deep_result = _deep(args, progress)
     except TraceError as exc:
         print(f"stepdoctor analyze: {exc}", file=sys.stderr)

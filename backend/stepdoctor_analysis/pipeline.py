@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -25,6 +25,7 @@ from .inputs import analyze_inputs, loader_settings
 from .memory import analyze_memory, memory_curves
 from .model import RankTrace
 from .ops import analyze_ops
+from .parsing import job_files
 from .precision import DeviceCaps, trace_caps
 from .recurrence import pass_waits
 from .report import Report, StepRow, field_dict, plain
@@ -34,6 +35,9 @@ from .rules.record import Context
 from .sync import analyze_sync
 from .transfers import analyze_transfers
 from .workload import detect_workload
+
+if TYPE_CHECKING:
+    from .run_verdict import RunVerdict
 
 Progress = Callable[[str], None]
 
@@ -45,10 +49,23 @@ def analyze_path(
     max_bytes: int | None = None,
     progress: Progress | None = None,
     metadata: dict[str, Any] | None = None,
+    workers: int = 1,
+    done: Callable[[int, int], None] | None = None,
 ) -> Report:
-    """Diagnose a trace file, or a directory of per-rank traces (adds the ``ranks`` section)."""
+    """Diagnose a trace file, or a directory of per-rank traces (adds the ``ranks`` section).
+
+    ``workers`` > 1: a directory of more than two files is analysed by that many processes
+    (``rank_pool``), each file's summary streamed back, ``done(analysed, total)`` after each."""
     say = progress or (lambda _msg: None)
     p = Path(path)
+    if rank is None and workers > 1 and p.is_dir() and len(files := job_files(p)) > 2:
+        from . import rank_pool  # many files: a process pool, summaries only
+
+        say(f"analyzing {len(files)} traces in {min(workers, len(files))} processes")
+        verdict, top = rank_pool.analyze_files(
+            files, analyze_trace, workers=workers, max_bytes=max_bytes, metadata=metadata, done=done
+        )
+        return _with_verdict(p, top, verdict)
     say(f"loading {p.name}")
     traces = parse.load_job(p, max_bytes=max_bytes)
     if rank is not None:
@@ -314,7 +331,11 @@ def _job_report(path: Path, traces: list[RankTrace], reports: list[Report]) -> R
         for i, (t, r) in enumerate(zip(traces, reports, strict=True))
     ]
     verdict = run_verdict.run_verdict(entries)
-    top = reports[verdict.lead if verdict.lead is not None else 0]
+    return _with_verdict(path, reports[verdict.lead if verdict.lead is not None else 0], verdict)
+
+
+def _with_verdict(path: Path, top: Report, verdict: RunVerdict) -> Report:
+    """The lead trace's report with the run's verdict's figures (``_job_report``; ``rank_pool``)."""
     step = verdict.step_time_us
     if verdict.primary is not None:
         p = verdict.primary

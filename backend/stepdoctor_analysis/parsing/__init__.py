@@ -30,7 +30,7 @@ from .columns import Builder
 from .reading import DEFAULT_MAX_BYTES, decompressed_blocks
 from .splitting import StreamParser
 
-__all__ = ["DEFAULT_MAX_BYTES", "load_job", "load_trace"]
+__all__ = ["DEFAULT_MAX_BYTES", "job_files", "job_order", "load_job", "load_trace"]
 
 
 def load_trace(
@@ -70,12 +70,22 @@ def load_job(path: str | Path, *, max_bytes: int | None = None) -> list[RankTrac
     p = Path(path)
     if p.is_file():
         return [load_trace(p, max_bytes=max_bytes)]
+    traces = [load_trace(f, max_bytes=max_bytes) for f in job_files(p)]
+    order = job_order([t.rank for t in traces])
+    return [traces[i] for i in order]
+
+
+def job_files(p: Path) -> list[Path]:
+    """A directory's trace files, in name order (``load_job``; ``rank_pool`` reads them one each)."""
     if not p.is_dir():
         raise TraceError(f"{p.name}: no such trace file or directory")
     files = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith((".json", ".json.gz")))
     if not files:
         raise TraceError(f"{p.name}: directory holds no .json or .json.gz trace files")
-    traces = [load_trace(f, max_bytes=max_bytes) for f in files]
-    # Rank from distributedInfo; traces without one keep their file order after ranked ones.
-    order = sorted(range(len(traces)), key=lambda i: (traces[i].rank is None, traces[i].rank or 0, i))
-    return [traces[i] for i in order]
+    return files
+
+
+def job_order(ranks: list[int | None]) -> list[int]:
+    """The job's traces in rank order (``distributedInfo``); traces without one keep their file order
+    after ranked ones. ``ranks``: each file's rank, in file order; returns file indexes."""
+    return sorted(range(len(ranks)), key=lambda i: (ranks[i] is None, ranks[i] or 0, i))
