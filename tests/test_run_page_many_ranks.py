@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from stepdoctor_analysis.ranks import NAMED_RANKS, TraceEntry, named_ranks
 from stepdoctor_analysis.run_verdict import run_verdict
-from stepdoctor_dashboard.rank_figures import TOP_NODES, TOP_RANKS
+from stepdoctor_dashboard.rank_figures import TOP_NODES, TOP_RANKS, RankPlace, heatmap_figure
 from support.dashboard import page_plots
 from support.many_ranks import many_rank_run, rank_report
 from support.reports import typed
@@ -111,3 +111,14 @@ def test_a_small_run_keeps_one_bar_per_rank(app: FastAPI, client: TestClient, re
     assert [row[2] for row in bar["customdata"]] == [made.trace_ids[r] for r in range(8)]
     assert 'id="rank-table"' not in html and 'id="rank-nodes"' in html and "more nodes" not in html
     assert "8 ranks" in html and re.search(r"rank 4 \(1\.[23]\d×\)", html)  # int(0.613 * 8)
+
+
+def test_the_heatmap_carries_host_names_as_text_not_markup() -> None:
+    hostile = '<a href="javascript:alert(1)">node</a>'
+    verdict = run_verdict(_job(40, {7: 0.3}))
+    places = {r: RankPlace(1000 + r, hostile if r < 20 else "node-b") for r in range(40)}
+    fig = heatmap_figure(verdict, places, "busy_us")
+    heat = fig["data"][0]
+    cell = heat["customdata"][0][0]
+    assert cell[:3] == [1000, "0", '&lt;a href="javascript:alert(1)"&gt;node&lt;/a&gt;']
+    assert "&lt;a href" in fig["layout"]["xaxis"]["ticktext"][0]  # the node's name on the axis

@@ -24,7 +24,7 @@ from typing import Any
 from stepdoctor_analysis.ranks import RankSummary, Straggler, named_ranks, worst_first
 from stepdoctor_analysis.run_verdict import RunVerdict
 
-from .figures import STRAGGLER_COLOR, Fig, figure, ranks_figure
+from .figures import STRAGGLER_COLOR, Fig, figure, plotly_text, ranks_figure
 
 SMALL_RUN = 32  # up to this many ranks, one bar per rank
 TOP_RANKS = 10  # rows of the worst-ranks table
@@ -261,23 +261,23 @@ def heatmap_figure(verdict: RunVerdict, places: Mapping[int | str, RankPlace], j
     ranks = [verdict.ranks[i] for i in order]
     labels = [rank_label(r) for r in ranks]
     names = [f"{name} *" if key == judged else name for key, name in METRICS]
+    # Each column's trace id, rank and host, escaped for plotly's markup once per column, not per
+    # cell: ``figure`` would walk all 3 x N cells (most of this figure's cost at 1,000 ranks).
+    columns = [
+        [_trace_id(places, r), plotly_text(label), plotly_text(hosts[place_key(r)] or "")]
+        for r, label in zip(ranks, labels, strict=True)
+    ]
     z, custom = [], []
     for key, _ in METRICS:
         values = [float(getattr(r, key)) for r in ranks]
         med = statistics.median(values)
-        z.append([round(v / med, 4) if med > 0 else (1.0 if v == 0 else None) for v in values])
-        custom.append(
-            [
-                [_trace_id(places, r), label, hosts[place_key(r)] or "", round(v / 1000.0, 4)]
-                for r, label, v in zip(ranks, labels, values, strict=True)
-            ]
-        )
+        z.append([round(v / med, 3) if med > 0 else (1.0 if v == 0 else None) for v in values])
+        custom.append([[*c, round(v / 1000.0, 3)] for c, v in zip(columns, values, strict=True)])
     heat = {
         "type": "heatmap",
         "x": list(range(len(ranks))),
         "y": names,
         "z": z,
-        "customdata": custom,
         "meta": {"trace_at": 0},
         "zmin": 0.5,
         "zmid": 1.0,
@@ -314,7 +314,7 @@ def heatmap_figure(verdict: RunVerdict, places: Mapping[int | str, RankPlace], j
         for s in late[:3]
     ]  # fmt: skip
     shapes, ticks = _node_marks([hosts[place_key(r)] for r in ranks], labels)
-    return figure(
+    fig = figure(
         [heat, marks],
         f"{len(ranks)} ranks × metric, colour: × the row's median; * stragglers judged by {verdict.rank_basis}",
         xaxis=_xaxis(ticks, len(ranks)),
@@ -324,6 +324,8 @@ def heatmap_figure(verdict: RunVerdict, places: Mapping[int | str, RankPlace], j
         height=300,
         margin={"l": 10, "r": 10, "t": 60, "b": 60},
     )
+    fig["data"][0]["customdata"] = custom  # escaped above
+    return fig
 
 
 def _node_marks(
