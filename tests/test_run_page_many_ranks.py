@@ -116,7 +116,9 @@ def test_a_small_run_keeps_one_bar_per_rank(app: FastAPI, client: TestClient, re
 def test_the_heatmap_carries_host_names_as_text_not_markup() -> None:
     hostile = '<a href="javascript:alert(1)">node</a>'
     verdict = run_verdict(_job(40, {7: 0.3}))
-    places = {r: RankPlace(1000 + r, hostile if r < 20 else "node-b") for r in range(40)}
+    places: dict[int | str, RankPlace] = {
+        r: RankPlace(1000 + r, hostile if r < 20 else "node-b") for r in range(40)
+    }
     fig = heatmap_figure(verdict, places, "busy_us")
     heat = fig["data"][0]
     cell = heat["customdata"][0][0]
