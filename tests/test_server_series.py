@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from stepdoctor_analysis.run_timeline import run_timeline
+from stepdoctor_analysis.run_timeline import MEMORY_COLUMNS, run_timeline
 from support.series_chunks import chunk, padded, with_header
 from support.server import bearer, row_counts
 
@@ -68,7 +68,10 @@ BAD = {
     "not a chunk": (lambda: b"{}", 422, "bad magic bytes"),
     # a column entry without its length (the engine unpacked it and raised ValueError: a 500)
     "short column": (
-        lambda: with_header(chunk("c1", 0, 0, 10), columns=[["wall_ns", "<i8"]]),
+        lambda: with_header(
+            chunk("c1", 0, 0, 10),
+            columns=[["wall_ns", "<i8"], ["data_ns", "<i8", 10]] + [[c, "<i8", 1] for c in MEMORY_COLUMNS],
+        ),
         422,
         "[name, dtype, length]",
     ),
