@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -23,7 +24,7 @@ from stepdoctor_server.core.settings import Settings
 from stepdoctor_server.runs.diagnosis_job import refresh_run_diagnosis
 from stepdoctor_server.runs.webhook import retry_after_s
 from support.regressions import recorded_run
-from support.server import TeamInfo, drain
+from support.server import TeamInfo, drain, worker_subprocess
 
 SECRET_PATH = "/hooks/T000/B000/s3cr3t-token"
 
@@ -176,3 +177,27 @@ def test_no_webhook_url_means_no_delivery_row(app: FastAPI, team: TeamInfo, rece
     recorded_run(app, team.id, "proj", "slow", step_ms=150.0)
     drain(app)
     assert deliveries(app) == [] and receiver.bodies == []
+
+
+def test_a_stepdoctor_worker_process_delivers_it_once_after_a_500(
+    app: FastAPI,
+    team: TeamInfo,
+    receiver: Receiver,
+    server_settings: Settings,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The real ``stepdoctor worker`` (the embedded pool on SQLite, procrastinate's periodic
+    ``stepdoctor.webhooks`` on PostgreSQL) sends the queued delivery, retried after a 500."""
+    receiver.statuses = [500]
+    recorded_run(app, team.id, "proj", "base", step_ms=100.0)
+    slow = recorded_run(app, team.id, "proj", "slow", step_ms=150.0)
+    monkeypatch.setenv("STEPDOCTOR_WEBHOOK_URL", receiver.url)
+    monkeypatch.setenv("STEPDOCTOR_WEBHOOK_RETRY_WAIT_S", "0")
+    url = server_settings.database_url.get_secret_value()
+    with worker_subprocess(url, server_settings.data_dir, "--workers", "1") as worker:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and [r.status for r in deliveries(app)] != ["delivered"]:
+            time.sleep(0.5)
+    assert [r.status for r in deliveries(app)] == ["delivered"], worker.output
+    assert receiver.answered == [500, 200] and receiver.delivered()[0]["run"]["id"] == slow
+    assert "s3cr3t" not in worker.output

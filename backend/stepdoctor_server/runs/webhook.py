@@ -16,11 +16,14 @@ status redone when its step series changed). The URL is a secret: logs show its 
 
 from __future__ import annotations
 
+import http.client
+import json
 import logging
+import urllib.error
+import urllib.request
 from datetime import timedelta
 from typing import Any
 
-import httpx
 from sqlalchemy import or_, select, update
 
 from stepdoctor_server.core.database import Database
@@ -83,21 +86,39 @@ def claim(db: Database, settings: Settings, worker_id: str) -> tuple[int, dict[s
     return None
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is an answer, not a delivery: it is never followed (the body is not re-sent)."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
 def post(settings: Settings, payload: dict[str, Any]) -> tuple[bool, bool, str]:
-    """(delivered, worth retrying, what happened) for one POST of ``payload``; TLS is verified."""
+    """(delivered, worth retrying, what happened) for one POST of ``payload``; TLS is verified.
+
+    The standard library's client, which logs nothing (httpx logs every request's full URL, and
+    the URL is the secret)."""
+    request = urllib.request.Request(
+        settings.webhook_url.get_secret_value(),
+        data=json.dumps(payload).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "User-Agent": "stepdoctor-webhook"},
+    )
     try:
-        response = httpx.post(
-            settings.webhook_url.get_secret_value(),
-            json=payload,
-            timeout=settings.webhook_timeout_s,
-            follow_redirects=False,
-            headers={"User-Agent": "stepdoctor-webhook"},
-        )
-    except httpx.TimeoutException:
+        with _OPENER.open(request, timeout=settings.webhook_timeout_s) as response:
+            response.read(65536)
+            code = int(response.status)
+    except urllib.error.HTTPError as exc:
+        code = int(exc.code)
+        exc.close()
+    except TimeoutError:
         return False, True, "timed out"
-    except httpx.HTTPError as exc:  # connection refused, DNS, TLS: str(exc) may hold the URL
-        return False, True, f"{type(exc).__name__}"
-    code = response.status_code
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # refused, DNS, TLS
+        reason = getattr(exc, "reason", exc)
+        return False, True, "timed out" if isinstance(reason, TimeoutError) else type(reason).__name__
     if 200 <= code < 300:
         return True, False, f"HTTP {code}"
     return False, code >= 500 or code in RETRY_STATUSES, f"HTTP {code}"
