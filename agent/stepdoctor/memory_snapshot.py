@@ -4,8 +4,10 @@ While ``torch.cuda.memory._record_memory_history`` is on, the caching allocator 
 allocation and free with the Python and C++ stack that made it; ``torch.cuda.memory._snapshot()``
 returns that history with the allocator's segments, the data torch's memory visualizer
 (https://pytorch.org/memory_viz) reads. Each window's snapshot is pickled to
-``SPOOL/<project>/<run>/memory_snapshots/<trace stem>.pickle``, beside the window's trace (kept
-locally; it counts toward the spool's size and is not uploaded).
+``SPOOL/<project>/<run>/memory_snapshots/<trace stem>.pickle``, beside the window's trace; the
+delivery worker (and ``stepdoctor sync``) uploads it right after its trace, and the server keeps it
+beside the trace for download (never unpickled there). It follows its trace into ``uploaded/``
+(pruned with it under the spool cap) or ``failed/``.
 
 Cost, which is why it is off by default and on only inside capture windows: every CUDA allocation
 and free in the window captures its stack (a few µs each; a step making thousands of allocations
@@ -22,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from stepdoctor.guard import guarded, log_once
+from stepdoctor.spool import SNAPSHOT_DIR, snapshot_path
+
+__all__ = ["SNAPSHOT_DIR", "dump", "snapshot_path", "start", "stop"]
 
 MAX_ENTRIES = 100_000  # events kept (torch's own visualizer examples use 100k)
-SNAPSHOT_DIR = "memory_snapshots"
 
 
 def _memory_module() -> Any | None:
@@ -79,7 +83,3 @@ def stop() -> None:
     mem = _memory_module()
     if mem is not None:
         mem._record_memory_history(enabled=None)
-
-
-def snapshot_path(run_dir: Path, stem: str) -> Path:
-    return run_dir / SNAPSHOT_DIR / f"{stem}.pickle"

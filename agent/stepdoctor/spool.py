@@ -4,6 +4,7 @@ Layout (TensorBoard profiler plugin compatible, so ``tensorboard --logdir SPOOL`
 
     SPOOL/PROJECT/RUN/{host}_{pid}.{time_ns}.pt.trace.json.gz   compressed Chrome trace
     SPOOL/PROJECT/RUN/{host}_{pid}.{time_ns}.stepdoctor.meta     sidecar JSON (idempotency key, ...)
+    SPOOL/PROJECT/RUN/memory_snapshots/{stem}.pickle              CUDA allocator snapshot (memory_snapshot=True)
     SPOOL/PROJECT/RUN/series-{stream}-{seq}.stepdoctor.series    step-series chunk (stepdoctor.series),
                                                                  shipped like a trace, to uploaded/ or failed/
     SPOOL/failed/PROJECT/RUN/...                                 rejected by the server, with .reason.txt
@@ -60,6 +61,8 @@ SIDECAR_FORMAT = 1
 #: Step-series chunks (``stepdoctor.series.SUFFIX``): shipped like traces, without a sidecar (each
 #: chunk's header says which process and steps it holds; the folder says project and run).
 SERIES_SUFFIX = ".stepdoctor.series"
+SNAPSHOT_DIR = "memory_snapshots"  # CUDA allocator snapshots (``stepdoctor.memory_snapshot``), shipped
+SNAPSHOT_SUFFIX = ".pickle"  # after their trace, named after it
 _SERIES_MAGIC = b"SDSERIES\x01"
 
 _STEM_RE = re.compile(r"^(?P<host>.+)_(?P<pid>\d+)\.(?P<ns>\d+)")
@@ -123,6 +126,24 @@ class Entry:
     @property
     def key(self) -> str:
         return str(self.meta.get("idempotency_key", ""))
+
+    @property
+    def memory_snapshot(self) -> Path:
+        """The window's CUDA allocator snapshot (``memory_snapshot=True``), shipped after the trace."""
+        return snapshot_path(self.directory, self.stem)
+
+
+def snapshot_path(directory: Path, stem: str) -> Path:
+    return directory / SNAPSHOT_DIR / f"{stem}{SNAPSHOT_SUFFIX}"
+
+
+def _move_snapshot(source_dir: Path, stem: str, dest_dir: Path) -> None:
+    """A trace's snapshot follows it (uploaded/, failed/, back), when it has one."""
+    source = snapshot_path(source_dir, stem)
+    if source.exists():
+        target = snapshot_path(dest_dir, stem)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(source, target)
 
 
 class Spool:
@@ -240,6 +261,7 @@ class Spool:
         sidecar with nothing to send (cleaned up as an orphan), never a trace without its key."""
         entry.trace.unlink(missing_ok=True)
         entry.export.unlink(missing_ok=True)
+        entry.memory_snapshot.unlink(missing_ok=True)
         entry.sidecar.unlink(missing_ok=True)
 
     def keep_uploaded(self, entry: Entry) -> Path:
@@ -251,6 +273,7 @@ class Spool:
         dest.mkdir(parents=True, exist_ok=True)
         os.replace(entry.trace, dest / entry.trace.name)
         entry.export.unlink(missing_ok=True)
+        _move_snapshot(entry.directory, entry.stem, dest)
         os.replace(entry.sidecar, dest / entry.sidecar.name)
         return dest
 
@@ -289,6 +312,10 @@ class Spool:
                 copies -= trace.stat().st_size
             stem = trace.name[: -len(TRACE_SUFFIX)]
             trace.unlink(missing_ok=True)
+            copy = snapshot_path(trace.parent, stem)
+            with contextlib.suppress(OSError):
+                copies -= copy.stat().st_size
+            copy.unlink(missing_ok=True)
             trace.with_name(stem + META_SUFFIX).unlink(missing_ok=True)
             deleted += 1
         for chunk in self.series_copies() if unsent + copies > max_bytes else []:
@@ -319,8 +346,18 @@ class Spool:
         for path in (entry.trace, entry.export):
             if path.exists():
                 os.replace(path, dest / path.name)
+        _move_snapshot(entry.directory, entry.stem, dest)
         os.replace(entry.sidecar, dest / entry.sidecar.name)
         return dest
+
+    def park_snapshot(self, entry: Entry, reason: str) -> Path:
+        """A snapshot the server refused while it took the trace: kept under ``failed/`` with the
+        reason beside it (``<stem>.pickle.reason.txt``), the trace delivered as usual."""
+        dest = self.root / FAILED_DIR / entry.directory.relative_to(self.root)
+        _move_snapshot(entry.directory, entry.stem, dest)
+        parked = snapshot_path(dest, entry.stem)
+        parked.with_name(parked.name + REASON_SUFFIX).write_text(reason.rstrip() + "\n")
+        return parked
 
     def failed(self) -> list[Failed]:
         """Traces parked in ``failed/``, oldest capture first, each with why and where it was refused."""
@@ -351,6 +388,7 @@ class Spool:
             source = sidecar.with_name(stem + suffix)
             if source.exists():
                 os.replace(source, dest / source.name)
+        _move_snapshot(sidecar.parent, stem, dest)
         os.replace(sidecar, dest / sidecar.name)  # the sidecar last: it commits the trace again
         for suffix in (REASON_SUFFIX, FAILURE_SUFFIX):
             sidecar.with_name(stem + suffix).unlink(missing_ok=True)

@@ -49,6 +49,15 @@ class Result:
     detail: str
     retry_after: float | None = None
     connected: bool = True  # False: no connection at all (refused, unreachable, DNS): the server is down
+    body: str = ""  # the answer's first 4 KiB (a trace upload's answers with the trace's id)
+
+    def created_id(self) -> int | None:
+        """The ``id`` of a delivered upload's JSON answer (the server's trace id), or None."""
+        try:
+            found = json.loads(self.body).get("id") if self.outcome == "delivered" else None
+        except (ValueError, AttributeError):
+            return None
+        return found if isinstance(found, int) and not isinstance(found, bool) else None
 
 
 def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
@@ -147,6 +156,31 @@ def upload_series(
         "User-Agent": f"stepdoctor-agent/{__version__}",
     }
     return _post(url, path, headers, token, chunk, timeout, connect_timeout, deadline)
+
+
+def upload_snapshot(
+    server: str,
+    token: str | None,
+    trace_id: int,
+    snapshot: Path,
+    timeout: float,
+    *,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    deadline: float | None = None,
+) -> Result:
+    """POST a window's CUDA memory snapshot (``stepdoctor.memory_snapshot``) to its trace, once the
+    trace is delivered (``trace_id`` from its answer); classified like a trace upload. Sending the
+    same bytes again is a replay, so no Idempotency-Key."""
+    url = urllib.parse.urlsplit(server)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return Result("rejected", None, f"invalid server URL {server!r}")
+    path = f"{url.path.rstrip('/')}/api/v1/traces/{trace_id}/memory-snapshot"
+    headers = {
+        "Content-Type": SERIES_CONTENT_TYPE,  # application/octet-stream, like the series chunks
+        "Content-Length": str(os.path.getsize(snapshot)),
+        "User-Agent": f"stepdoctor-agent/{__version__}",
+    }
+    return _post(url, path, headers, token, snapshot, timeout, connect_timeout, deadline)
 
 
 def _post(
@@ -312,7 +346,7 @@ def classify(status: int, body: str, retry_after: str | None) -> Result:
     """2xx delivered; 408/429/5xx retried (honouring Retry-After); any other answer is final."""
     detail = f"HTTP {status}: {_one_line(body)}"
     if 200 <= status < 300:
-        return Result("delivered", status, detail)
+        return Result("delivered", status, detail, body=body)
     if status in RETRYABLE_4XX or status >= 500:
         return Result("retry", status, detail, parse_retry_after(retry_after))
     return Result("rejected", status, detail)

@@ -50,6 +50,7 @@ class Stats:
     delivered_keys: list[str] = field(default_factory=list)
     series_delivered: int = 0  # step-series chunks (stepdoctor.series) the server stored
     series_rejected: int = 0
+    snapshots: int = 0  # memory snapshots (stepdoctor.memory_snapshot) sent after their traces
 
 
 class Backoff:
@@ -362,6 +363,8 @@ class DeliveryWorker:
             lambda limits: transport.upload(server, token, entry.trace, entry.meta, **limits)
         )
         if result.outcome == "delivered":
+            if not self._send_snapshot(entry, server, token, result.created_id()):
+                return False  # next pass: the trace again (a replay, answered with its id), then this
             # a local copy, pruned oldest first under the cap
             self._delivered(lambda: self.spool.keep_uploaded(entry), lambda: Spool.remove(entry))
             self.stats.delivered += 1
@@ -369,6 +372,38 @@ class DeliveryWorker:
             return True
         if result.outcome == "rejected":
             self._reject(entry, f"{server} refused the upload: {result.detail}", server, token)
+            return True
+        self._retry_later(server, result)
+        return False
+
+    def _send_snapshot(self, entry: Entry, server: str, token: str | None, trace_id: int | None) -> bool:
+        """The window's memory snapshot (``memory_snapshot=True``), right after its trace; True when
+        nothing more is to be done for it (sent, or refused and parked in ``failed/``)."""
+        snapshot = entry.memory_snapshot
+        if not snapshot.exists():
+            return True
+        if trace_id is None:
+            self.spool.park_snapshot(
+                entry, f"{server} took the trace without naming its id: snapshot not sent"
+            )
+            return True
+        deadline = self._deadline()
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        result = self._attempt(
+            lambda limits: transport.upload_snapshot(server, token, trace_id, snapshot, **limits)
+        )
+        if result.outcome == "delivered":
+            self.stats.snapshots += 1
+            return True
+        if result.outcome == "rejected":
+            parked = self.spool.park_snapshot(entry, f"{server} refused the memory snapshot: {result.detail}")
+            logger.warning(
+                "stepdoctor: memory snapshot of %s not uploaded, moved to %s: %s",
+                entry.stem,
+                parked,
+                result.detail,
+            )
             return True
         self._retry_later(server, result)
         return False
