@@ -35,6 +35,7 @@ class Receiver:
 
     url: str = ""
     statuses: list[int] = field(default_factory=list)
+    delays: list[float] = field(default_factory=list)  # seconds to stall before answering, per POST
     bodies: list[dict[str, Any]] = field(default_factory=list)
     answered: list[int] = field(default_factory=list)
 
@@ -50,6 +51,10 @@ def receiver() -> Iterator[Receiver]:
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            with lock:
+                delay = got.delays.pop(0) if got.delays else 0.0
+            if delay:
+                time.sleep(delay)
             with lock:
                 code = got.statuses.pop(0) if got.statuses else 200
                 got.bodies.append(json.loads(body))
@@ -201,3 +206,14 @@ def test_a_stepdoctor_worker_process_delivers_it_once_after_a_500(
     assert [r.status for r in deliveries(app)] == ["delivered"], worker.output
     assert receiver.answered == [500, 200] and receiver.delivered()[0]["run"]["id"] == slow
     assert "s3cr3t" not in worker.output
+
+
+def test_a_receiver_that_times_out_is_tried_again(app: FastAPI, team: TeamInfo, receiver: Receiver) -> None:
+    app.state.settings.webhook_timeout_s = 1.0
+    receiver.delays = [4.0]  # the first POST gets no answer within the timeout
+    recorded_run(app, team.id, "proj", "base", step_ms=100.0)
+    recorded_run(app, team.id, "proj", "slow", step_ms=150.0)
+    drain(app)
+    [row] = deliveries(app)
+    assert (row.status, row.attempts) == ("delivered", 2)
+    assert receiver.answered[-1] == 200
