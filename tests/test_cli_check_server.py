@@ -146,3 +146,33 @@ def test_bad_token_unknown_run_nothing_comparable_and_no_server_are_one_line_and
     # Without --server, project/run is a local path as before.
     code, _, err = check(capsys, "proj/slow", "--baseline", "proj/fast")
     assert code == 2 and "proj/slow: no such trace file or run directory" in err
+
+
+def test_check_and_the_servers_regression_flag_agree(
+    served: Served, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``slow``'s baseline on the server is the median of the runs before it (``fast`` alone): the
+    server's stored comparison and ``check``'s are the engine's one answer."""
+    import httpx
+
+    runs = httpx.get(
+        f"{served.url}/api/v1/runs",
+        params={"project": "proj"},
+        headers={"Authorization": f"Bearer {served.token}"},
+    ).json()["items"]
+    server = next(r for r in runs if r["name"] == "slow")["regression"]
+    assert server["baseline"]["names"] == ["fast"] and server["regressed"]
+    args = ("proj/slow", "--baseline", "proj/fast", "--server", served.url, "--token", served.token)
+    code, out, _ = check(capsys, *args, "--format", "json")
+    result = json.loads(out)
+    keys = (
+        "basis",
+        "candidate_ms",
+        "baseline_ms",
+        "change",
+        "max_regression",
+        "regression",
+        "verdict_changed",
+    )
+    assert {k: result[k] for k in keys} == {k: server["comparison"][k] for k in keys}
+    assert code == 1
