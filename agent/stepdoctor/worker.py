@@ -34,6 +34,8 @@ from stepdoctor.config import Delivery
 from stepdoctor.guard import guarded, log_once, logger, say
 from stepdoctor.spool import Entry, Spool
 
+#: A pass without a trace to handle checks the spool cap at most this often (seconds).
+CAP_EVERY_S = 30.0
 #: Maps a trace's sidecar to (server, token) to send it to, or None to leave it in the spool.
 Router = Callable[[dict[str, Any]], tuple[str, str | None] | None]
 
@@ -85,6 +87,7 @@ class DeliveryWorker:
         self.delivery = delivery
         self.stats = Stats()
         self._backoff = Backoff(delivery.backoff_base, delivery.backoff_max, delivery.retry_after_max)
+        self._cap_checked = -float("inf")
         self._no_series: set[str] = set()  # servers without the series endpoint (older ones): chunks stay
         self._init_state()
 
@@ -217,7 +220,7 @@ class DeliveryWorker:
         With ``deadline`` (``time.monotonic()``, ``stepdoctor sync --timeout``), no request runs past it
         and none starts after it."""
         self._pass_deadline = deadline
-        remaining = 0
+        remaining = handled = 0
         for sidecar in self.spool.sidecars():
             if self._stopping and self._flush_deadline is None:
                 break
@@ -227,9 +230,14 @@ class DeliveryWorker:
             with self.spool.claim(sidecar) as entry:
                 if entry is None:
                     continue  # another process (rank, sync) is handling it
+                handled += 1
                 remaining += int(not self._handle_safely(entry))
         remaining += self._series_pass(deadline)
-        self._enforce_cap()
+        # Walking the spool costs a stat per file: a pass woken only by a series chunk (every few
+        # seconds, all run long) checks the cap at most every CAP_EVERY_S.
+        if handled or time.monotonic() - self._cap_checked >= CAP_EVERY_S:
+            self._cap_checked = time.monotonic()
+            self._enforce_cap()
         return remaining
 
     def _series_pass(self, deadline: float | None) -> int:
