@@ -10,7 +10,7 @@ few chunks of text, whatever the trace's size.
 
 from __future__ import annotations
 
-from .assembly import no_events
+from .assembly import _int_or_none, no_events
 from .columns import Builder
 from .schema import Event
 from .splitting import StreamParser
@@ -56,3 +56,9 @@ class TraceCheck:
         self._builder._drop()
         if not self._builder.had_rows:
             raise no_events(self._builder.source)
+
+    def distributed(self) -> tuple[int | None, int | None]:
+        """(rank, world size) from the trace's ``distributedInfo``, read as ``load_trace`` reads them."""
+        dist = self._builder.top.get("distributedInfo")
+        dist = dist if isinstance(dist, dict) else {}
+        return _int_or_none(dist.get("rank")), _int_or_none(dist.get("world_size"))

@@ -28,6 +28,10 @@ class Settings(BaseSettings):
     max_upload_bytes: int = Field(default=2 * GiB, gt=0)
     max_decompressed_bytes: int = Field(default=8 * GiB, gt=0)
     max_metadata_bytes: int = Field(default=8 * 1024, gt=0)
+    # A run accepts at most this many distinct ranks, and this many traces (capture windows) per rank;
+    # and (ranks × windows) traces in all. Past a limit an upload is refused with 409 naming it.
+    max_run_ranks: int = Field(default=4096, gt=0)
+    max_run_windows: int = Field(default=16, gt=0)
     # Analysis worker processes started by ``serve``; 0 leaves analysis to ``stepdoctor worker``.
     workers: int = Field(default=1, ge=0)
     host: str = "127.0.0.1"

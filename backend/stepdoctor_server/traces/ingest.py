@@ -106,6 +106,7 @@ class UploadMetadata:
     first_step: int | None = None
     last_step: int | None = None
     tags: list[str] = field(default_factory=list)
+    world_size: int | None = None  # the agent's; only a positive integer counts
 
 
 def parse_metadata(text: str | None, *, max_bytes: int) -> UploadMetadata:
@@ -135,6 +136,9 @@ def parse_metadata(text: str | None, *, max_bytes: int) -> UploadMetadata:
         first_step=_optional_int(window, "first_step", label="window.first_step"),
         last_step=_optional_int(window, "last_step", label="window.last_step"),
         tags=normalize_tags(raw.get("tags")),
+        world_size=ws
+        if isinstance(ws := raw.get("world_size"), int) and not isinstance(ws, bool) and ws > 0
+        else None,
     )
 
 
@@ -421,6 +425,20 @@ class BodyInspector:
             )
         with _as_api_error():
             self._parse_check.finish()
+
+    def distributed(self) -> tuple[int | None, int | None]:
+        """(rank, world size) the trace's ``distributedInfo`` gives; after ``finish``."""
+        return self._parse_check.distributed()
+
+
+def check_rank(rank: int | None, world_size: int | None, *, source: str) -> None:
+    """Refuse a rank outside ``[0, world_size)`` (422): the run's ranks index its processes."""
+    if rank is not None and world_size is not None and not 0 <= rank < world_size:
+        raise ApiError(
+            422,
+            "rank_out_of_range",
+            f"rank {rank} is outside [0, {world_size}): the world size {world_size} is {source}",
+        )
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from typing import Annotated
 import anyio.to_thread
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import FileResponse, JSONResponse
-from sqlalchemy import select
+from sqlalchemy import distinct, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -29,6 +29,7 @@ from stepdoctor_server.traces.ingest import (
     BodyInspector,
     UploadMetadata,
     check_content_type,
+    check_rank,
     parse_metadata,
     validate_idempotency_key,
     validate_name,
@@ -41,7 +42,7 @@ from stepdoctor_server.web.schemas import AnalysisOut, ErrorResponse, TraceOut, 
 router = APIRouter(prefix="/api/v1/traces", tags=["traces"])
 
 _ERRORS: dict[int | str, dict[str, object]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 413, 415, 422)
+    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 415, 422)
 }
 
 
@@ -108,12 +109,60 @@ async def upload_trace(
     )
     try:
         await anyio.to_thread.run_sync(inspector.finish)
+        _check_rank_in_world(upload, inspector)
         trace, replay = await anyio.to_thread.run_sync(
-            _record_upload, session, store, principal, upload, staged, bool(inspector.gzipped)
+            _record_upload, session, store, principal, upload, staged, bool(inspector.gzipped), settings
         )
     finally:
         store.discard(staged)  # no-op once renamed into the store
     return _upload_response(trace, replay=replay)
+
+
+def _check_rank_in_world(upload: UploadRequest, inspector: BodyInspector) -> None:
+    """The upload's rank (else the trace's) within ``[0, world size)`` (the metadata's, else the trace's)."""
+    trace_rank, trace_world = inspector.distributed()
+    rank = upload.rank if upload.rank is not None else upload.metadata.rank
+    world: int | None = upload.metadata.world_size
+    source = "the upload's metadata.world_size"
+    if world is None:
+        world, source = trace_world, "the trace's distributedInfo.world_size"
+    check_rank(rank if rank is not None else trace_rank, world, source=source)
+
+
+def check_run_limits(session: Session, run_id: int, rank: int | None, settings: Settings) -> None:
+    """409 when the run already holds the most traces, ranks, or windows of this rank it accepts
+    (``STEPDOCTOR_MAX_RUN_RANKS``, ``STEPDOCTOR_MAX_RUN_WINDOWS``). Checked as the trace row is
+    inserted: uploads in flight at once may pass together, by at most their number."""
+    ranks, windows = settings.max_run_ranks, settings.max_run_windows
+    in_run = select(func.count()).select_from(Trace).where(Trace.run_id == run_id)
+    total = session.scalar(in_run) or 0
+    if total >= ranks * windows:
+        raise ApiError(
+            409,
+            "run_trace_limit",
+            f"this run already holds {total} traces, the most a run accepts: STEPDOCTOR_MAX_RUN_RANKS={ranks} "
+            f"ranks × STEPDOCTOR_MAX_RUN_WINDOWS={windows} windows",
+        )
+    if rank is None:
+        return
+    mine = session.scalar(in_run.where(Trace.rank == rank)) or 0
+    if mine >= windows:
+        raise ApiError(
+            409,
+            "run_window_limit",
+            f"rank {rank} of this run already has {mine} traces (capture windows), the most a rank may "
+            f"have: STEPDOCTOR_MAX_RUN_WINDOWS={windows}",
+        )
+    if mine == 0:
+        known = select(func.count(distinct(Trace.rank))).where(
+            Trace.run_id == run_id, Trace.rank.is_not(None)
+        )
+        if (count := session.scalar(known) or 0) >= ranks:
+            raise ApiError(
+                409,
+                "run_rank_limit",
+                f"this run already has {count} ranks, the most a run accepts: STEPDOCTOR_MAX_RUN_RANKS={ranks}",
+            )
 
 
 def _check_declared_length(content_length: str | None, max_bytes: int) -> None:
@@ -197,6 +246,7 @@ def _record_upload(
     upload: UploadRequest,
     staged: StagedFile,
     gzipped: bool,
+    settings: Settings,
 ) -> tuple[Trace, bool]:
     """Insert the trace row (creating project and run on first use), then move the file in.
 
@@ -214,6 +264,7 @@ def _record_upload(
             run.tags = merged
     meta = upload.metadata
     rank = upload.rank if upload.rank is not None else meta.rank
+    check_run_limits(session, run.id, rank, settings)
     trace = Trace(
         team_id=principal.team_id,
         run_id=run.id,
