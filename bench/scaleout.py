@@ -13,14 +13,22 @@ directory, and ``stepdoctor serve --workers 0`` as the API.
    (SQLite, ``traces.updated_at`` -> ``claimed_at``).
 3. Upload -> analysis stored for the 34.8 MB ``trace_diff/control`` trace through the HTTP API,
    traces in a local directory shared by API and worker vs in S3.
+4. A job of N ranks end to end (``--ranks 8,128,1000``): N traces made from one real trace by
+   rewriting its rank fields, one straggler injected, uploaded through the API to S3 while 2 worker
+   processes analyse them; upload, analysis, aggregate and page times, their growth from one N to
+   the next, and checks: every trace analysed exactly once, one final aggregate, the straggler found.
 
     .venv/bin/python bench/scaleout.py [--copies 1] [--repeat 3]
+    .venv/bin/python bench/scaleout.py --parts 4 [--ranks 8,128,1000]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gzip
+import itertools
+import json
 import os
 import signal
 import statistics
@@ -29,19 +37,23 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests")]
 
 import httpx  # noqa: E402
-from sqlalchemy import select, text  # noqa: E402
+from sqlalchemy import func, select, text  # noqa: E402
 
 from stepdoctor_server.auth import tokens as auth  # noqa: E402
 from stepdoctor_server.core import migrate  # noqa: E402
 from stepdoctor_server.core.database import Database  # noqa: E402
-from stepdoctor_server.core.models import Analysis, Trace  # noqa: E402
+from stepdoctor_server.core.models import Analysis, Run, Trace  # noqa: E402
 from stepdoctor_server.core.settings import Settings  # noqa: E402
 from stepdoctor_server.jobs.claims import reset_to_pending  # noqa: E402
 from support.fixtures import GPU_FIXTURES, HTA_TRACES  # noqa: E402
@@ -49,6 +61,12 @@ from support.s3 import S3Server, running_weed  # noqa: E402
 from support.server import _fresh_postgres_database, serve_subprocess, upload  # noqa: E402
 
 BIG = HTA_TRACES / "trace_diff" / "control" / "control.json.gz"
+# Part 4's rank trace: a real 128-rank NCCL job's rank 0 (2 profiled steps, 4,855 events,
+# 124 KB gzip, 1.8 MB of JSON), its ``distributedInfo`` rank and world size rewritten per rank.
+RANK_TRACE = HTA_TRACES / "trace_filter" / "sampled_rank-0.json.gz"
+SLOWDOWN = 1.3
+RANKS_PER_HOST = 8
+PAGE_TARGET_MS = 300.0
 
 
 @contextmanager
@@ -252,6 +270,222 @@ def measure_queue(
     print(f"   embedded pool (SQLite, polls every 0.2 s): {fmt(embedded_latency(tmp, 10))}")
 
 
+# -- part 4: a job of N ranks -------------------------------------------------------------------
+
+
+def slowed(doc: dict[str, Any], factor: float) -> dict[str, Any]:
+    """The trace of a rank ``factor`` times slower at everything but its collectives: every event's
+    start and length stretched from the trace's first timestamp (kernels, CPU ops, its steps), the
+    NCCL kernels kept at their length. Its work before each collective grows by ``factor``."""
+    events = doc["traceEvents"]
+    t0 = min(e["ts"] for e in events if isinstance(e.get("ts"), int | float))
+    out = []
+    for e in events:
+        if isinstance(e.get("ts"), int | float):
+            e = dict(e)
+            e["ts"] = t0 + (e["ts"] - t0) * factor
+            nccl = e.get("cat") == "kernel" and "nccl" in str(e.get("name", "")).lower()
+            if isinstance(e.get("dur"), int | float) and not nccl:
+                e["dur"] = e["dur"] * factor
+        out.append(e)
+    return {**doc, "traceEvents": out}
+
+
+def rank_job(ranks: int, slow: int) -> list[bytes]:
+    """``ranks`` gzipped traces of one job, rank ``slow`` slowed (``slowed``); the others differ from
+    the real trace only in ``distributedInfo`` (dumped once, the rank written into the text)."""
+    doc = json.loads(gzip.decompress(RANK_TRACE.read_bytes()))
+    marker = 987_654_321
+
+    def text(d: dict[str, Any]) -> str:
+        info = {**d["distributedInfo"], "rank": marker, "world_size": ranks}
+        return json.dumps({**d, "distributedInfo": info})
+
+    plain, late = text(doc), text(slowed(doc, SLOWDOWN))
+    return [
+        gzip.compress(
+            (late if r == slow else plain).replace(str(marker), str(r), 1).encode(), compresslevel=1
+        )
+        for r in range(ranks)
+    ]
+
+
+@dataclass
+class JobFigures:
+    ranks: int
+    upload_s: float  # first POST -> last 201
+    analysed_s: float  # first POST -> every trace done
+    after_upload_s: float  # last 201 -> every trace done
+    aggregate_s: float  # last analysis stored -> the final diagnosis computed (database clocks)
+    page_ms: float  # run page, median server round trip
+    twin_ms: float  # its JSON twin, /api/v1/runs/{id}/diagnosis
+    engine_ms: float  # median analysis time of one trace, in the worker
+    aggregations: int  # times the run's diagnosis was computed in all
+    checks: dict[str, bool]
+
+
+def run_job(
+    ranks: int, db: Database, s3_env: dict[str, str], tmp: Path, token: str, reader: str
+) -> JobFigures:
+    """Part 4 for one N: upload (4 client threads) while 2 ``stepdoctor worker`` processes analyse."""
+    slow = min(ranks - 1, int(0.613 * ranks))  # rank 613 of 1,000, at the same place for fewer
+    bodies = rank_job(ranks, slow)
+    run = f"ranks-{ranks}-{time.monotonic_ns()}"
+    api_env = {**s3_env, "STEPDOCTOR_DATA_DIR": str(tmp / f"api-{ranks}"), "STEPDOCTOR_WORKERS": "0"}
+    with ExitStack() as stack:
+        stack.enter_context(workers(2, s3_env, tmp))
+        api = stack.enter_context(serve_subprocess(api_env))
+        wait_for(lambda: live_workers(db) >= 2, 120, 0.1)
+        client = stack.enter_context(
+            httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {token}"}, timeout=300)
+        )
+
+        def send(rank: int) -> int:
+            meta = {"host": f"node-{rank // RANKS_PER_HOST:03d}", "pid": 1000 + rank % RANKS_PER_HOST}
+            resp = upload(client, bodies[rank], project="scale", run=run, rank=rank, metadata=meta)
+            assert resp.status_code == 201, (rank, resp.status_code, resp.text[:300])
+            return int(resp.json()["id"])
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(4) as pool:
+            ids = list(pool.map(send, range(ranks)))
+        uploaded = time.perf_counter()
+        wait_for(functools.partial(all_done, db, ids), 3600, 0.2)
+        analysed = time.perf_counter()
+        with db.session() as s:
+            run_id = int(s.scalar(select(Trace.run_id).where(Trace.id == ids[0])) or 0)
+        wait_for(lambda: _final(db, run_id, ranks), 600, 0.2)
+        time.sleep(3.0)  # anything still to come (a late aggregation) would show now
+        page_ms, twin_ms = _page_times(api.url, run_id, reader)
+        with db.session() as s:
+            run_row = s.get(Run, run_id)
+            assert run_row is not None
+            diagnosis, aggregations = dict(run_row.diagnosis or {}), int(run_row.aggregations)
+            last_stored = s.scalar(
+                select(func.max(Analysis.created_at)).join(Trace).where(Trace.run_id == run_id)
+            )
+            engine = s.scalars(select(Analysis.duration_ms).join(Trace).where(Trace.run_id == run_id)).all()
+            checks = _checks(s, run_id, ids, diagnosis, slow)
+    computed = datetime.fromisoformat(str(diagnosis["computed_at"]))
+    assert last_stored is not None
+    if last_stored.tzinfo is None:
+        last_stored = last_stored.replace(tzinfo=computed.tzinfo)
+    return JobFigures(
+        ranks=ranks,
+        upload_s=uploaded - start,
+        analysed_s=analysed - start,
+        after_upload_s=analysed - uploaded,
+        aggregate_s=max(0.0, (computed - last_stored).total_seconds()),
+        page_ms=page_ms,
+        twin_ms=twin_ms,
+        engine_ms=statistics.median(e or 0 for e in engine),
+        aggregations=aggregations,
+        checks=checks,
+    )
+
+
+def _final(db: Database, run_id: int, ranks: int) -> bool:
+    """The run's stored diagnosis covers every trace and no aggregation is queued or running."""
+    with db.session() as s:
+        diagnosis = s.scalar(select(Run.diagnosis).where(Run.id == run_id)) or {}
+        queued = s.scalar(
+            text("SELECT count(*) FROM procrastinate_jobs WHERE lock = :l AND status IN ('todo', 'doing')"),
+            {"l": f"run:{run_id}"},
+        )
+    return diagnosis.get("traces") == ranks and not diagnosis.get("pending") and not queued
+
+
+def _checks(s: Any, run_id: int, ids: list[int], diagnosis: dict[str, Any], slow: int) -> dict[str, bool]:
+    from stepdoctor_server.runs.diagnosis_job import refresh_run_diagnosis
+
+    jobs = dict(
+        s.execute(
+            text(
+                "SELECT lock, count(*) FILTER (WHERE status = 'succeeded') FROM procrastinate_jobs "
+                "WHERE lock = ANY(:locks) GROUP BY lock"
+            ),
+            {"locks": [f"trace:{i}" for i in ids]},
+        ).all()
+    )
+    attempts = s.scalars(select(Trace.attempts).where(Trace.run_id == run_id)).all()
+    analyses = s.scalar(select(func.count(Analysis.id)).join(Trace).where(Trace.run_id == run_id))
+    late = [st.get("rank") for st in diagnosis.get("stragglers", [])]
+    return {
+        "every trace analysed exactly once": len(jobs) == len(ids)
+        and set(jobs.values()) == {1}
+        and set(attempts) == {1}
+        and analyses == len(ids),
+        "one final aggregate (up to date, nothing new to fold)": diagnosis.get("traces") == len(ids)
+        and refresh_run_diagnosis(s, run_id, force=False) is None,
+        f"straggler found (rank {slow}, and only it)": late == [slow],
+    }
+
+
+def _page_times(url: str, run_id: int, reader: str, repeat: int = 7) -> tuple[float, float]:
+    """Median round trip of the run page (logged in) and of its JSON twin, after one warm-up each."""
+    out = []
+    with httpx.Client(base_url=url, timeout=120) as browser:
+        login = browser.post(
+            "/login",
+            content=f"token={reader}&next=/",
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+            follow_redirects=False,
+        )
+        assert login.status_code == 303, login.text[:300]
+        for path, headers in (
+            (f"/runs/{run_id}", {}),
+            (f"/api/v1/runs/{run_id}/diagnosis", {"Authorization": f"Bearer {reader}"}),
+        ):
+            times = []
+            for _ in range(repeat + 1):
+                t = time.perf_counter()
+                resp = browser.get(path, headers=headers)
+                times.append((time.perf_counter() - t) * 1000.0)
+                assert resp.status_code == 200, (path, resp.status_code, resp.text[:300])
+            out.append(statistics.median(times[1:]))
+    return out[0], out[1]
+
+
+def measure_ranks(
+    sizes: list[int], db: Database, s3_env: dict[str, str], tmp: Path, token: str, reader: str
+) -> None:
+    print(
+        f"4. a job of N ranks: {RANK_TRACE.relative_to(HTA_TRACES)} ({RANK_TRACE.stat().st_size / 1e3:.0f} KB gzip) "
+        f"per rank, rank 0.613 N slowed {SLOWDOWN:.1f}x; PostgreSQL + S3 (weed mini), API "
+        f"(serve --workers 0) + 2 worker processes, 4 upload threads, on {os.cpu_count()} CPU(s)"
+    )
+    rows = []
+    for n in sizes:
+        figures = run_job(n, db, s3_env, tmp, token, reader)
+        rows.append(figures)
+        status = ", ".join(f"{k}: {'ok' if v else 'FAILED'}" for k, v in figures.checks.items())
+        print(
+            f"   {n:>5} ranks: upload {figures.upload_s:6.1f} s, analysed {figures.analysed_s:6.1f} s after the "
+            f"first upload ({figures.after_upload_s:5.1f} s after the last), aggregate {figures.aggregate_s:5.2f} s "
+            f"after the last analysis ({figures.aggregations} aggregations in all), run page "
+            f"{figures.page_ms:5.0f} ms, JSON twin {figures.twin_ms:4.0f} ms; engine {figures.engine_ms:.0f} ms/trace"
+        )
+        print(f"          {status}")
+    print(f"   {'stage':<34}" + "".join(f"{r.ranks:>10}" for r in rows) + "   growth per step (x ranks)")
+    stages = {
+        "upload, s": [r.upload_s for r in rows],
+        "analysis (from first upload), s": [r.analysed_s for r in rows],
+        "aggregate (after last analysis), s": [r.aggregate_s for r in rows],
+        "run page, ms": [r.page_ms for r in rows],
+        "JSON twin, ms": [r.twin_ms for r in rows],
+    }
+    for label, values in stages.items():
+        growth = ", ".join(
+            f"{b / a:.1f}x ({rows[i + 1].ranks / rows[i].ranks:.0f}x)" if a > 0 else "-"
+            for i, (a, b) in enumerate(itertools.pairwise(values))
+        )
+        print(f"   {label:<34}" + "".join(f"{v:>10.2f}" for v in values) + f"   {growth}")
+    over = [r.ranks for r in rows if r.page_ms >= PAGE_TARGET_MS]
+    failed = [f"{r.ranks}: {k}" for r in rows for k, ok in r.checks.items() if not ok]
+    print(f"   run page within {PAGE_TARGET_MS:.0f} ms: {'yes' if not over else f'NO at {over} ranks'}; checks: "
+          f"{'all passed' if not failed else 'FAILED ' + '; '.join(failed)}")  # fmt: skip
+
+
 def fmt(values: list[float]) -> str:
     return f"median {statistics.median(values) * 1000:7.0f} ms  (min {min(values) * 1000:.0f}, max {max(values) * 1000:.0f}, n={len(values)})"
 
@@ -260,7 +494,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--copies", type=int, default=1, help="copies of the GPU fixture batch")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--parts", default="123", help="which measurements to run, e.g. 3")
+    parser.add_argument("--parts", default="123", help="which measurements to run, e.g. 3 or 4")
+    parser.add_argument("--ranks", default="8,128,1000", help="part 4's job sizes, comma-separated")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp_name, ExitStack() as stack:
         tmp = Path(tmp_name)
@@ -278,6 +513,11 @@ def main() -> int:
             team, _ = auth.get_or_create_team(s, "default")
             token = auth.create_token(s, team, scope="admin", name="bench")[1]
         s3_env = {**server.env, "STEPDOCTOR_DATABASE_URL": url, "STEPDOCTOR_STORAGE_URL": server.fresh_url()}
+
+        if "4" in args.parts:
+            with db.session() as s:
+                reader = auth.create_token(s, s.merge(team), scope="read", name="bench-read")[1]
+            measure_ranks([int(n) for n in args.ranks.split(",")], db, s3_env, tmp, token, reader)
 
         if "1" in args.parts or "2" in args.parts:
             measure_queue(args, db, s3_env, tmp, token)
