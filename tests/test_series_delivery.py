@@ -4,8 +4,11 @@ and the server's run timeline is the engine's over the same chunks."""
 
 from __future__ import annotations
 
+import io
+import json
 import shutil
 from collections.abc import Iterator
+from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +63,14 @@ def test_the_agent_ships_every_step_to_the_server_while_training(
     local = rt.read_run_timeline(copies)
     assert local is not None and (local.steps, local.missing_steps, local.finished) == (130, 0, True)
     body = run_api(server, "online")
-    assert body["run_timeline"] == local.to_dict()  # the same numbers as `stepdoctor analyze`
+    assert body["run_timeline"] == local.to_dict()
+    # the same numbers as `stepdoctor analyze RUN_DIR --format json` over the local copies
+    from stepdoctor_analysis import cli
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert cli.main([str(copies), "--format", "json"]) == 0
+    assert json.loads(out.getvalue())["run_timeline"] == body["run_timeline"]
     assert body["liveness"] == "finished"
     assert len(body["run_timeline"]["windows"]) == 1 and body["trace_status"]
 
