@@ -199,3 +199,17 @@ def test_mcp_command_starts_over_stdio(logdir: Path) -> None:
     result = asyncio.run(asyncio.wait_for(run(), timeout=300))
     assert [r["run"] for r in _ok(result)["runs"]] == ["proj/launch", "proj/sync"]
     assert json.loads(result.content[0].text)
+
+
+def test_local_compare_uses_the_unprofiled_steady_state_when_both_runs_have_a_series(logdir: Path) -> None:
+    """The compare page's basis (the engine's compare, as ``check``): each run folder gets a step
+    series (60 and 40 ms steady steps); the comparison says ``unprofiled`` and measures 1.5x on it."""
+    from stepdoctor_analysis.run_timeline import SUFFIX
+    from support.regressions import series_chunk
+
+    for name, ms in (("sync", 60.0), ("launch", 40.0)):
+        (logdir / "proj" / name / f"host_1.0{SUFFIX}").write_bytes(series_chunk(200, ms))
+    (compared,) = _call(LocalBackend(logdir), ("compare_runs", {"base": "proj/sync", "other": "proj/launch"}))
+    comparison = _ok(compared)["comparison"]
+    assert comparison["step"]["basis"] == "unprofiled" and comparison["speedup"] == pytest.approx(1.5)
+    assert (comparison["step"]["base_ms"], comparison["step"]["other_ms"]) == (60.0, 40.0)

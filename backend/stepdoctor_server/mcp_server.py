@@ -33,6 +33,7 @@ import httpx
 
 from stepdoctor_analysis import guide
 from stepdoctor_analysis.errors import TraceError
+from stepdoctor_analysis.run_timeline import Side
 from stepdoctor_analysis.run_verdict import RunVerdict
 
 NAME = "stepdoctor"
@@ -185,13 +186,33 @@ class LocalBackend:
         return run_verdict(entries)
 
     def compare_runs(self, base: str, other: str) -> dict[str, Any]:
+        from stepdoctor_analysis.run_timeline import NothingComparable, compare
         from stepdoctor_server.runs.compare import compare_diagnoses
 
-        return {
-            "base": base,
-            "other": other,
-            "comparison": compare_diagnoses(self._diagnosis(base), self._diagnosis(other)),
-        }
+        b, o = self._diagnosis(base), self._diagnosis(other)
+        try:  # the step times on the basis ``check`` and the compare page use (the engine's compare)
+            step = compare(self._side(other, o), self._side(base, b))
+        except NothingComparable:
+            step = None
+        return {"base": base, "other": other, "comparison": compare_diagnoses(b, o, step)}
+
+    def _side(self, run: str, verdict: RunVerdict) -> Side:
+        """The run as ``compare`` sees it: its series' steady median (when its folder has one) and
+        its verdict's profiled step time and kind."""
+        from stepdoctor_analysis.run_timeline import SeriesError, read_run_timeline
+
+        path = self._path(run)
+        try:
+            timeline = read_run_timeline(path) if path.is_dir() else None
+        except SeriesError:
+            timeline = None
+        return Side(
+            source=run,
+            unprofiled_median_ms=timeline.unprofiled_median_ms if timeline is not None else None,
+            profiled_ms=verdict.step_time_us / 1e3 or None,
+            verdict=verdict.primary.kind if verdict.primary else None,
+            steps=timeline.steps if timeline is not None else None,
+        )
 
     def step_breakdown(self, run: str, step: int, trace_id: int | None) -> dict[str, Any]:
         report = analyze_report(str(self._path(run)))
