@@ -114,8 +114,9 @@ elif mode == "hta":
     ta.get_temporal_breakdown(visualize=False)
     ta.get_idle_time_breakdown(ranks=[r], visualize=False)
 seconds = time.perf_counter() - t
+cpu = time.process_time()  # this process's CPU time, imports included: steadier than wall time under load
 # VmHWM: this process's peak RSS (ru_maxrss would report the parent's, inherited across fork+exec).
-print(json.dumps({"seconds": seconds, "rss_mb": status_mb("VmHWM"), "import_mb": imported_mb}))
+print(json.dumps({"seconds": seconds, "cpu_s": cpu, "rss_mb": status_mb("VmHWM"), "import_mb": imported_mb}))
 """
 
 
@@ -174,6 +175,7 @@ def run_alternating(
             pairs = [(a, b) for a, b in zip(runs[0], got, strict=True) if a is not None and b is not None]
             summary["pair_process"] = _median([b["process_s"] / a["process_s"] for a, b in pairs])
             summary["pair_seconds"] = _median([b["seconds"] / a["seconds"] for a, b in pairs])
+            summary["pair_cpu"] = _median([b["cpu_s"] / a["cpu_s"] for a, b in pairs])
     return out
 
 
@@ -189,6 +191,7 @@ def _summary(runs: list[dict[str, float] | None]) -> dict[str, float] | None:
     return {
         "seconds": _median([r["seconds"] for r in results]),
         "process_s": _median([r["process_s"] for r in results]),
+        "cpu_s": _median([r["cpu_s"] for r in results]),
         "best_seconds": min(r["seconds"] for r in results),
         "best_process_s": min(r["process_s"] for r in results),
         "rss_mb": max(r["rss_mb"] for r in results),
@@ -423,10 +426,11 @@ def print_table(rows: list[tuple[Any, ...]]) -> None:
 def print_against(
     rows: list[tuple[str, float, dict[str, float] | None, dict[str, float] | None]], rev: str
 ) -> None:
-    """Our pipeline vs the engine at ``rev``: the analysis alone, and the whole process."""
+    """Our pipeline vs the engine at ``rev``: the analysis alone, the whole process, and its CPU time
+    (user + system, imports included), which other sessions' load disturbs less than wall time."""
     head = (
         f"{'trace':<34} {'MB':>5} | {'pipe s':>8} {rev + ' s':>12} {'ratio':>6} | "
-        f"{'proc s':>6} {rev + ' s':>12} {'ratio':>6}"
+        f"{'proc s':>6} {rev + ' s':>12} {'ratio':>6} | {'CPU s':>6} {rev + ' s':>12} {'ratio':>6}"
     )
     print(
         f"\nThis engine vs {rev} (median times of fresh processes run alternately; ratio: median of the "
@@ -440,13 +444,14 @@ def print_against(
             print(f"{label[-34:]:<34} {mb:>5.0f} | failed")
             continue
         # Medians of the per-round ratios (the two ran alternately, round by round).
-        r_pipe, r_proc = 1 / base["pair_seconds"], 1 / base["pair_process"]
-        for key, r in (("analysis", r_pipe), ("process", r_proc)):
+        r_pipe, r_proc, r_cpu = 1 / base["pair_seconds"], 1 / base["pair_process"], 1 / base["pair_cpu"]
+        for key, r in (("analysis", r_pipe), ("process", r_proc), ("process CPU", r_cpu)):
             if r > worst.get(key, (0.0, ""))[0]:
                 worst[key] = (r, label)
         print(
             f"{label[-34:]:<34} {mb:>5.0f} | {pipe['seconds']:>8.4f} {base['seconds']:>12.4f} {r_pipe:>6.2f} | "
-            f"{pipe['process_s']:>6.2f} {base['process_s']:>12.2f} {r_proc:>6.2f}"
+            f"{pipe['process_s']:>6.2f} {base['process_s']:>12.2f} {r_proc:>6.2f} | "
+            f"{pipe['cpu_s']:>6.2f} {base['cpu_s']:>12.2f} {r_cpu:>6.2f}"
         )
     for key, (r, label) in worst.items():
         print(f"worst {key} ratio: {r:.2f} ({label})")
