@@ -37,6 +37,8 @@ METRICS = (
     ("busy_us", "busy before collectives"),
     ("wait_us", "exposed communication"),
 )
+# The heatmap's row labels: short, so a 400 px screen keeps most of its width for the ranks.
+ROW_LABELS = {"step_time_us": "step", "busy_us": "busy", "wait_us": "exposed comm."}
 # ``ranks.RankVerdict.basis`` -> the field stragglers were judged on.
 BASIS_FIELD = {"busy time before collectives": "busy_us", "step time": "step_time_us"}
 
@@ -260,7 +262,7 @@ def heatmap_figure(verdict: RunVerdict, places: Mapping[int | str, RankPlace], j
     order = sorted(range(len(verdict.ranks)), key=lambda i: (first_at[hosts[place_key(verdict.ranks[i])]], i))
     ranks = [verdict.ranks[i] for i in order]
     labels = [rank_label(r) for r in ranks]
-    names = [f"{name} *" if key == judged else name for key, name in METRICS]
+    names = [f"{ROW_LABELS[key]} *" if key == judged else ROW_LABELS[key] for key, _ in METRICS]
     # Each column's trace id, rank and host, escaped for plotly's markup once per column, not per
     # cell: ``figure`` would walk all 3 x N cells (most of this figure's cost at 1,000 ranks).
     columns = [
@@ -283,7 +285,7 @@ def heatmap_figure(verdict: RunVerdict, places: Mapping[int | str, RankPlace], j
         "zmid": 1.0,
         "zmax": 1.5,
         "colorscale": [[0.0, "#2166ac"], [0.5, "#f7f7f7"], [1.0, "#b2182b"]],
-        "colorbar": {"title": {"text": "× median"}, "thickness": 10, "len": 0.9},
+        "colorbar": {"title": {"text": "×"}, "thickness": 8, "len": 0.9, "xpad": 4},
         "xgap": 0,
         "hovertemplate": "rank %{customdata[1]} %{customdata[2]}<br>%{y}: %{customdata[3]:.3f} ms"
         " (%{z:.2f}× the median)<extra></extra>",
@@ -316,7 +318,7 @@ def heatmap_figure(verdict: RunVerdict, places: Mapping[int | str, RankPlace], j
     shapes, ticks = _node_marks([hosts[place_key(r)] for r in ranks], labels)
     fig = figure(
         [heat, marks],
-        f"{len(ranks)} ranks × metric, colour: × the row's median; * stragglers judged by {verdict.rank_basis}",
+        f"{len(ranks)} ranks · colour: × the row's median · * judged row",
         xaxis=_xaxis(ticks, len(ranks)),
         yaxis={"autorange": "reversed", "automargin": True, "fixedrange": True},
         shapes=shapes,
