@@ -208,31 +208,44 @@ def api_get(server: str, token: str, path: str) -> Any:
 
 @pytest.mark.slow
 def test_polls_come_at_most_once_per_interval(tmp_path: Path) -> None:
-    """Every poll answered 200 with nothing pending: the count over the loop's whole life stays
-    within one per interval (a loop polling as fast as it can would make hundreds)."""
+    """Every poll answered 200 with nothing pending. Between two reads of the server's own request
+    counter, ``t`` seconds apart, the agent may have polled at most ``t / interval + 1`` times (each
+    poll starts ``interval`` after the previous one ended); a loop polling as fast as it can would
+    make dozens a second."""
     env = migrated_sqlite_env(tmp_path / "server")
     interval = 0.5
     with serve_subprocess(env) as server:
         agent_token, admin = cli_token(env, "upload"), cli_token(env, "admin")
-        make_live(httpx.Client(base_url=server.url, timeout=60), agent_token, "capture", "steady")
+        with httpx.Client(base_url=server.url, timeout=60) as api:
+            make_live(api, agent_token, "capture", "steady")
         with cpu_loop(tmp_path, server.url, agent_token, "steady", poll_s=interval) as loop:
-            wait_for("three polls", lambda: http_polls(server.url, admin) >= 3, loop)
-            summary, elapsed = loop.stop()
-        polls = http_polls(server.url, admin)
-    assert summary["steps"] > 0
-    assert 3 <= polls <= elapsed / interval + 1, (polls, elapsed)
+            wait_for("a first poll", lambda: http_polls(server.url, admin) >= 1, loop)
+            started = time.monotonic()  # before the first read: the window covers both reads
+            first = http_polls(server.url, admin)
+            seen: list[tuple[int, float]] = []
+
+            def six_more() -> bool:
+                seen.append((http_polls(server.url, admin) - first, time.monotonic() - started))
+                return seen[-1][0] >= 6
+
+            wait_for("six more polls", six_more, loop)
+            summary, _ = loop.stop()
+    assert summary["steps"] > 0 and summary["captured"] == 0
+    for polls, window_s in seen:
+        assert polls <= window_s / interval + 1, (polls, window_s)
 
 
 class _Failing(BaseHTTPRequestHandler):
     """Answers every capture poll with 503 and counts them (the server's side of the backoff)."""
 
     polls: ClassVar[list[float]] = []
+    status: ClassVar[int] = 503
 
     def do_GET(self) -> None:
         if self.path.startswith("/api/v1/capture-requests"):
             type(self).polls.append(time.monotonic())
         body = b'{"error": {"code": "unavailable", "message": "down for maintenance"}}'
-        self.send_response(503)
+        self.send_response(type(self).status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -248,10 +261,11 @@ class _Failing(BaseHTTPRequestHandler):
 
 @pytest.mark.slow
 def test_polls_back_off_while_the_server_fails(tmp_path: Path) -> None:
-    """A server answering 503: each wait doubles from the interval, so over the loop's life the polls
-    are about log2(life / interval) + 1, far fewer than one per interval, and training is unharmed."""
+    """A server answering 503: after the k-th failed poll the next waits at least interval * 2**k, so
+    the server sees its 1st and 5th polls at least interval * (2 + 4 + 8 + 16) apart (at one poll per
+    interval they would be 4 intervals apart), and training goes on unharmed."""
     interval = 0.25
-    _Failing.polls = []
+    _Failing.polls, _Failing.status = [], 503
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -260,13 +274,33 @@ def test_polls_back_off_while_the_server_fails(tmp_path: Path) -> None:
         with cpu_loop(
             tmp_path, url, "sdt_test", "failing", poll_s=interval, STEPDOCTOR_FLUSH_TIMEOUT="2"
         ) as loop:
-            wait_for("four polls", lambda: len(_Failing.polls) >= 4, loop, timeout=120)
-            summary, elapsed = loop.stop()
+            wait_for("five polls", lambda: len(_Failing.polls) >= 5, loop, timeout=180)
+            summary, _ = loop.stop()
     finally:
         httpd.shutdown()
         httpd.server_close()
     polls = list(_Failing.polls)
     assert summary["steps"] > 0 and summary["captured"] == 0
-    # after the k-th failure the next poll waits at least interval * 2**k, so n polls span at least
-    # interval * (2**n - 2) s of the loop's life (at one poll per interval, n would be ~life / interval)
-    assert len(polls) >= 4 and interval * (2 ** len(polls) - 2) <= elapsed, (len(polls), elapsed)
+    assert polls[4] - polls[0] >= interval * (2 + 4 + 8 + 16), [round(t - polls[0], 2) for t in polls]
+
+
+@pytest.mark.slow
+def test_a_server_without_capture_requests_is_polled_once(tmp_path: Path) -> None:
+    """A server that answers the poll 404 (an older stepdoctor, or another service): one line says
+    capture on demand is off, and the agent asks no more while the loop goes on."""
+    _Failing.polls, _Failing.status = [], 404
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        with cpu_loop(
+            tmp_path, url, "sdt_test", "old-server", poll_s=0.1, STEPDOCTOR_FLUSH_TIMEOUT="2"
+        ) as loop:
+            wait_for("the line", lambda: "capture on demand is off" in loop.out_path.read_text(), loop)
+            time.sleep(3)  # 30 intervals in which a poller that did not stop would ask again
+            summary, _ = loop.stop()
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert len(_Failing.polls) == 1 and summary["steps"] > 0
+    assert loop.out_path.read_text().count("capture on demand is off") == 1

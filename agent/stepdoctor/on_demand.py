@@ -10,7 +10,7 @@ Idempotency-Key (the server finds the trace by it when the upload arrives).
 
 Every request is bounded (connect and socket timeouts); at exit :meth:`DemandPoller.close` gives the
 thread a small budget to send a last acknowledgement and then leaves it (a daemon). A server that
-does not know the endpoint (404) or refuses the token (401/403) ends polling, said once: the run
+does not know the endpoint (404, 405, 501) or refuses the token (401/403) ends polling, said once: the run
 goes on without capture on demand. Standard library only.
 """
 
@@ -38,6 +38,8 @@ BACKOFF_MAX_S = 600.0
 #: Each poll or acknowledgement: connect and per-operation socket timeout, in seconds.
 REQUEST_TIMEOUT_S = 10.0
 _OFF = ("0", "false", "off", "no")
+#: Answers that end polling: the token may not poll, or the server has no such endpoint.
+_UNSUPPORTED = (401, 403, 404, 405, 501)
 #: Most tries of one acknowledgement before it is given up (the request then stays pending).
 ACK_TRIES = 5
 
@@ -185,7 +187,7 @@ class DemandPoller:
             if found and isinstance(found[0].get("id"), int):
                 self._hand_over(Demand(found[0]["id"], found[0].get("requested_at")))
             return self.interval
-        if answer.status in (401, 403, 404):
+        if answer.status in _UNSUPPORTED:
             say(
                 f"stepdoctor: capture on demand is off for this run: {self.server} answered the poll with "
                 f"{answer.error} (needs a server with /api/v1/capture-requests and an upload token)",
