@@ -1,0 +1,120 @@
+"""torch's memory timeline in the trace (``stepdoctor.profile(..., memory_timeline=True)``) and the engine's
+use of it for ``memory.by_category`` (``parsing.memory_timeline``, ``memory_use.torch_breakdown``): a real CPU
+training loop under the agent, with and without the option."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import stepdoctor
+from stepdoctor.memory_timeline import KEY, append_key, compact
+from stepdoctor.spool import TRACE_SUFFIX
+from stepdoctor_analysis.memory_use import CATEGORIES, TORCH_BASIS
+from stepdoctor_analysis.parse import load_trace
+from stepdoctor_analysis.pipeline import analyze_path
+
+SMALL: dict[str, Any] = {"skip_first": 2, "warmup": 1, "active": 3, "flush_timeout": 10.0, "series": False}
+
+
+def _adam_loop(spool: Path, **options: Any) -> tuple[Path, int]:
+    """A 256-512-256 MLP trained with Adam on CPU; returns the window's trace and the parameters' bytes."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+    opt = torch.optim.Adam(model.parameters())
+    x, y = torch.randn(256, 256), torch.randn(256, 256)
+    with stepdoctor.profile("local", "timeline", spool=spool, **SMALL, **options) as prof:
+        for _ in range(8):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            prof.step()
+    (trace,) = (spool / "local" / "timeline").glob(f"*{TRACE_SUFFIX}")
+    return trace, sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, int]]:
+    torch.set_num_threads(1)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("STEPDOCTOR_RAISE_ERRORS", "1")  # an agent bug fails the test instead of a log line
+    for var in ("STEPDOCTOR_SERVER", "STEPDOCTOR_TOKEN", "STEPDOCTOR_DISABLED", "RANK", "WORLD_SIZE"):
+        mp.delenv(var, raising=False)
+    try:
+        return {
+            "timeline": _adam_loop(tmp_path_factory.mktemp("with"), memory_timeline=True),
+            "inferred": _adam_loop(tmp_path_factory.mktemp("without")),
+        }
+    finally:
+        mp.undo()
+
+
+def _top_level(trace: Path) -> dict[str, Any]:
+    with gzip.open(trace, "rb") as fh:
+        data: dict[str, Any] = json.load(fh)
+    return data
+
+
+def test_the_agent_embeds_torchs_timeline_and_the_engine_uses_its_categories(
+    recorded: dict[str, tuple[Path, int]],
+) -> None:
+    trace, param_bytes = recorded["timeline"]
+    embedded = _top_level(trace)[KEY]
+    assert embedded["device"] == "cpu" and {"PARAMETER", "OPTIMIZER_STATE", "ACTIVATION"} <= set(
+        embedded["columns"]
+    )
+    assert load_trace(trace).memory_timeline is not None  # the streaming splitter still finds traceEvents
+    memory = analyze_path(trace).to_dict()["metrics"]["memory"]
+    (peak,) = memory["by_category"]
+    assert peak["basis"] == TORCH_BASIS
+    assert set(peak["bytes"]) == set(CATEGORIES)
+    assert sum(peak["bytes"].values()) == peak["allocated"]  # the categories add up
+    assert sum(peak["shares"].values()) == pytest.approx(1.0, abs=1e-3)
+    # torch labels the weights and Adam's two moments exactly: no inference needed
+    assert peak["bytes"]["parameters"] == param_bytes
+    assert peak["bytes"]["optimizer_state"] == pytest.approx(2 * param_bytes, rel=0.01)
+    assert (
+        peak["bytes"]["gradients"] > 0 and peak["bytes"]["activations"] > 0
+    )  # the peak falls in a backward and peak["bytes"]["inputs"] == 2 * 256 * 256 * 4
+    (series,) = memory["series"]["categories"]
+    assert series["basis"] == "torch" and "optimizer_state" in series["categories"]
+
+
+def test_without_the_option_the_categories_are_inferred(recorded: dict[str, tuple[Path, int]]) -> None:
+    trace, _ = recorded["inferred"]
+    assert KEY not in _top_level(trace)
+    assert load_trace(trace).memory_timeline is None
+    (peak,) = analyze_path(trace).to_dict()["metrics"]["memory"]["by_category"]
+    assert peak["basis"] != TORCH_BASIS and peak["basis"].startswith("phases from the host ops")
+    assert sum(peak["bytes"].values()) == peak["allocated"]
+
+
+def test_a_malformed_timeline_is_ignored_and_the_categories_inferred(
+    recorded: dict[str, tuple[Path, int]], tmp_path: Path
+) -> None:
+    trace, _ = recorded["inferred"]
+    plain = tmp_path / "bad.pt.trace.json"
+    plain.write_bytes(gzip.decompress(trace.read_bytes()))
+    bad = compact([1, 2], [[0, 5, 5], [0, 6, 6]], ("PARAMETER", "GRADIENT"), "cpu")
+    bad["columns"]["GRADIENT"] = [6]  # one value short
+    append_key(plain, KEY, bad)
+    assert json.loads(plain.read_text())[KEY] == bad  # still one valid JSON object
+    assert load_trace(plain).memory_timeline is None
+    (peak,) = analyze_path(plain).to_dict()["metrics"]["memory"]["by_category"]
+    assert peak["basis"].startswith("phases from the host ops")
+
+
+def test_compact_keeps_the_peak_and_at_most_max_points() -> None:
+    times = list(range(0, 10_000, 2))
+    sizes = [[0, t % 97, 3] for t in times]
+    sizes[1234][1] = 10_000  # the one peak
+    doc = compact(times, sizes, ("PARAMETER", "ACTIVATION"), "cpu", max_points=100)
+    assert len(doc["t_us"]) <= 100 and doc["t_us"] == sorted(doc["t_us"])
+    assert max(doc["columns"]["PARAMETER"]) == 10_000
+    assert times[1234] in doc["t_us"]
