@@ -112,7 +112,9 @@ def test_one_post_per_regression_with_the_numbers_and_a_slack_text(
     assert body["change"] == pytest.approx(0.194, abs=1e-3) and body["reasons"] == ["step_time", "verdict"]
     assert body["verdict"] == {"run": "input", "baseline": "compute", "changed": True}
     assert body["link"] == f"https://stepdoctor.example.com/runs/{slow}"
-    assert body["text"].startswith("stepdoctor: run proj/slow regressed against median of the last 2")
+    assert body["text"].startswith(
+        "stepdoctor: run proj/slow regressed against the median of the last 2 finished run(s) (fine, base)"
+    )
     assert "120.00 ms vs baseline 100.50 ms (+19.4%" in body["text"] and body["link"] in body["text"]
     assert "verdict compute -> input" in body["text"]
     # The URL's secret path is never logged.

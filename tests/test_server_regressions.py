@@ -57,7 +57,8 @@ def test_a_run_slower_than_its_baseline_beyond_the_threshold_is_flagged_with_the
     assert 'id="regression"' in page and "Regressed" in page
     assert "112.00 ms vs baseline 100.00 ms (+12.0%, limit +5.0%)" in page
     assert (
-        "profiled step time (capture windows" in page and "median of the last 1 finished run(s): base" in page
+        "profiled step time (capture windows" in page
+        and "the median of the last 1 finished run(s) (base)" in page
     )
     listing = pages.get(f"/projects/{project_id(app, team, 'proj')}").text
     assert listing.count("regressed: ") == 1

@@ -62,7 +62,7 @@ class Baseline(msgspec.Struct, frozen=True, kw_only=True):
     def label(self) -> str:
         if self.kind == "chosen":
             return f"run {self.names[0]} (the project's chosen baseline)"
-        return f"median of the last {len(self.names)} finished run(s): {', '.join(self.names)}"
+        return f"the median of the last {len(self.names)} finished run(s) ({', '.join(self.names)})"
 
 
 class RegressionStatus(msgspec.Struct, kw_only=True):
