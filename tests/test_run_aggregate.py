@@ -23,7 +23,7 @@ SLOTS = RANKS * WINDOWS + WORKERS
 
 @cache
 def bases() -> tuple[ReportDoc, ...]:
-    return tuple(base_reports())
+    return tuple(base_reports(3))
 
 
 @cache
@@ -75,7 +75,7 @@ def test_summary_survives_storage_to_the_bit() -> None:
 
 
 def test_straggler_found_among_1000_ranks_in_any_order() -> None:
-    docs = rank_reports(bases(), 1000, straggler=613)
+    docs = rank_reports(bases()[:1], 1000, straggler=613)  # every rank the same real trace
     entries = [TraceEntry(d, window=0, trace_id=5000 + r) for r, d in enumerate(docs)]
     summaries = [summary_of(e) for e in entries]
     agg = RunAggregate()
@@ -87,9 +87,7 @@ def test_straggler_found_among_1000_ranks_in_any_order() -> None:
     assert verdict.rank_basis == "busy time before collectives"
     assert msgspec.json.encode(verdict) == msgspec.json.encode(run_verdict(entries))
     # rank 613 re-analysed after a fix: no straggler, the same as from scratch
-    fixed = TraceEntry(
-        with_compute(bases()[613 % 3], 1.0, rank=613, world_size=1000), trace_id=5613, window=0
-    )
+    fixed = TraceEntry(with_compute(bases()[0], 1.0, rank=613, world_size=1000), trace_id=5613, window=0)
     agg.replace(summary_of(fixed))
     again = agg.verdict()
     assert again.stragglers == []

@@ -14,16 +14,20 @@ from stepdoctor_analysis.contract import ReportDoc
 from stepdoctor_analysis.pipeline import analyze_path
 from support.fixtures import HTA_TRACES
 
-# Real multi-rank traces with collectives (exposed communication, arrival at the first collective).
+# A real rank of an 8-rank job with collectives (exposed communication, arrival at the first
+# collective), its compute 75% of the work before them: 30% more compute is 22% more of that work,
+# past the 10% a straggler must exceed (``ranks.STRAGGLER``). The others (compute 18-29% of it) serve
+# as more bases.
 BASES = (
+    HTA_TRACES / "trace_diff" / "control" / "control.json.gz",
     HTA_TRACES / "trace_filter" / "sampled_rank-0.json.gz",
-    HTA_TRACES / "trace_filter" / "sampled_rank-1.json.gz",
     HTA_TRACES / "nccl_parser_config" / "nccl_data.json.gz",
 )
 
 
-def base_reports() -> list[ReportDoc]:
-    return [analyze_path(p).typed() for p in BASES]
+def base_reports(count: int = 1) -> list[ReportDoc]:
+    """The first ``count`` bases' reports (one: every rank the same real trace)."""
+    return [analyze_path(p).typed() for p in BASES[:count]]
 
 
 def with_compute(doc: ReportDoc, factor: float, *, rank: int, world_size: int) -> ReportDoc:
