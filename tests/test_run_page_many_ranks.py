@@ -124,3 +124,19 @@ def test_the_heatmap_carries_host_names_as_text_not_markup() -> None:
     cell = heat["customdata"][0][0]
     assert cell[:3] == [1000, "0", '&lt;a href="javascript:alert(1)"&gt;node&lt;/a&gt;']
     assert "&lt;a href" in fig["layout"]["xaxis"]["ticktext"][0]  # the node's name on the axis
+
+
+def test_the_cli_text_names_a_few_stragglers_too() -> None:
+    from stepdoctor_analysis.cli import _render_runs
+    from stepdoctor_analysis.pipeline import analyze_path
+    from support.fixtures import HTA_TRACES
+
+    report = analyze_path(HTA_TRACES / "trace_filter" / "sampled_rank-0.json.gz")
+    report.ranks = {"count": 40, "windows": 40, "basis": "step time", "spread": 0.3, "median_busy_us": 1e5}
+    report.ranks["stragglers"] = SLOW
+    assert "stragglers: 3, 5, 8 and 9 more\n" in report.render_text()
+    row = {
+        "run": "job", "traces": 40, "ranks": 40, "step_time_us": 1e5, "stragglers": SLOW,
+        "primary": {"kind": "compute", "share": 0.6}, "next": None,
+    }  # fmt: skip
+    assert _render_runs("logs", [row]).rstrip().endswith("none; straggler rank(s) 3, 5, 8 and 9 more")

@@ -192,6 +192,8 @@ def _run_summary(name: str, folder: Path, args: argparse.Namespace) -> dict[str,
 
 
 def _render_runs(path: str, rows: list[dict[str, Any]]) -> str:
+    from .ranks import named_ranks
+
     lines = [
         f"{path}: a log directory of {len(rows)} runs; analyze one with: stepdoctor analyze {path}/RUN",
         "",
@@ -206,7 +208,7 @@ def _render_runs(path: str, rows: list[dict[str, Any]]) -> str:
         verdict = f"{r['primary']['kind']} {100 * r['primary']['share']:.0f}%"
         nxt = f"{r['next']['title']} (up to {r['next']['expected_speedup']:.2f}×)" if r["next"] else "none"
         if r["stragglers"]:
-            nxt += f"; straggler rank(s) {', '.join(map(str, r['stragglers']))}"
+            nxt += f"; straggler rank(s) {named_ranks([str(x) for x in r['stragglers']])}"
         lines.append(f"  {r['run']:<24}{r['traces']:>7}{r['ranks']:>6}  {step:>10}  {verdict:<22}{nxt}")
     return "\n".join(lines) + "\n"
 

@@ -66,6 +66,7 @@ from . import BREAKDOWN_CATEGORIES, ENGINE_VERSION, SCHEMA_VERSION, guide
 from .consistency import MIN_ADVICE_SPEEDUP, shown_gain
 from .contract import Bottleneck, Recommendation, ReportDoc, StepRow
 from .contract import decode as decode_report
+from .ranks import named_ranks
 
 BREAKDOWN_KEYS = BREAKDOWN_CATEGORIES
 # torch-tb-profiler 0.4.3 reads only ProfilerStep and gloo/nccl ranges among ``user_annotation``
@@ -294,7 +295,7 @@ def render_text(r: Report) -> str:
             "",
             f"Ranks: {rk['count']} ({rk['windows']} traces), spread of {rk['basis']} "
             f"{100 * rk['spread']:.0f}% of the median ({_fmt_us(rk['median_busy_us'])}); "
-            f"stragglers: {', '.join(map(str, rk['stragglers'])) or 'none'}",
+            f"stragglers: {named_ranks([str(x) for x in rk['stragglers']]) or 'none'}",
         ]
     lines += [f"Warning: {w}" for w in r.warnings]
     return "\n".join(lines) + "\n"
