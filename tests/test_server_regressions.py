@@ -161,6 +161,8 @@ def test_a_chosen_baseline_is_set_over_the_api_and_the_statuses_are_redone(
     elsewhere = recorded_run(app, team.id, "other", "x", step_ms=1.0)
     bad = client.put(f"/api/v1/projects/{pid}/baseline", json={"run_id": elsewhere})
     assert bad.status_code == 422 and "not a run of project proj" in bad.json()["error"]["message"]
+    assert client.put(f"/api/v1/projects/{pid}/baseline").status_code == 422  # no body
+    assert client.put("/api/v1/projects/999999/baseline", json={"run_id": fast}).status_code == 404
     back = client.put(f"/api/v1/projects/{pid}/baseline", json={"run_id": None})
     assert back.json()["kind"] == "median" and not regression(client, new)["regressed"]
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 
 from stepdoctor_server.auth.tokens import ReadTeam, UploadTeam
 from stepdoctor_server.core.database import SessionDep
+from stepdoctor_server.core.errors import ApiError
 from stepdoctor_server.runs import regressions
 from stepdoctor_server.runs import service as runs
 from stepdoctor_server.web.schemas import ErrorResponse
@@ -83,9 +84,11 @@ def get_baseline(project_id: int, principal: ReadTeam, session: SessionDep) -> B
     summary="Choose the project's baseline run (null: back to the median of recent runs); upload or admin token",
 )
 def put_baseline(
-    project_id: int, body: BaselineIn, principal: UploadTeam, session: SessionDep
+    project_id: int, principal: UploadTeam, session: SessionDep, body: BaselineIn | None = None
 ) -> BaselineOut:
-    project = regressions.load_project(session, principal, project_id)
+    project = regressions.load_project(session, principal, project_id)  # a bad id is 404 before the body
+    if body is None:
+        raise ApiError(422, "invalid_request", 'body: send {"run_id": N} or {"run_id": null}')
     run = runs.load_run(session, principal, body.run_id)[0] if body.run_id is not None else None
     redone = regressions.set_baseline(session, principal, project, run)
     return _baseline_out(session, project.id).model_copy(update={"recomputed": redone})
