@@ -246,6 +246,12 @@ def _figure(verdict: RunVerdict, places: Mapping[int | str, RankPlace], judged: 
     return heatmap_figure(verdict, places, judged)
 
 
+def trace_of(places: Mapping[int | str, RankPlace], rank: RankSummary | Straggler) -> int | None:
+    """The id of a rank's (first) trace, when the server knows it."""
+    place = place_of(places, rank)
+    return place.trace_id if place is not None else None
+
+
 def _trace_id(places: Mapping[int | str, RankPlace], rank: RankSummary | Straggler) -> int:
     place = place_of(places, rank)
     return place.trace_id if place is not None else -1

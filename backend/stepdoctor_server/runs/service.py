@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -287,15 +288,26 @@ def run_traces(session: Session, run_id: int, limit: int) -> tuple[list[Any], in
 def rank_places(session: Session, run_id: int) -> dict[int | str, tuple[int, str | None]]:
     """Each rank's first trace (its lowest window) and host, keyed as the engine groups ranks
     (``ranks.rank_of``: the upload's rank, else the report's, else the agent's ``host_pid``): where a
-    click on a rank of the run page goes. Read as columns and JSON fields, not whole reports."""
+    click on a rank of the run page goes. Columns first; a report's rank is read only for traces
+    uploaded without one (on PostgreSQL a report's JSON field costs a parse of the whole report)."""
     rows = session.execute(
-        select(Trace.id, Trace.rank, Trace.meta, Analysis.report["rank"].as_json())
-        .outerjoin(Analysis, Analysis.trace_id == Trace.id)
+        select(Trace.id, Trace.rank, Trace.meta)
         .where(Trace.run_id == run_id)
         .order_by(Trace.window_index.desc(), Trace.id.desc())
     ).all()
+    unranked = [int(t) for t, rank, _ in rows if rank is None]
+    report_ranks: dict[int, Any] = dict(
+        session.execute(
+            select(Analysis.trace_id, Analysis.report["rank"].as_json()).where(
+                Analysis.trace_id.in_(unranked)
+            )
+        ).all()
+        if unranked
+        else []
+    )
     out: dict[int | str, tuple[int, str | None]] = {}
-    for trace_id, rank, meta, report_rank in rows:  # the last written is the first window
+    for trace_id, rank, meta in rows:  # the last written is the first window
+        report_rank = report_ranks.get(trace_id)
         key = rank if rank is not None else report_rank if isinstance(report_rank, int) else worker_of(meta)
         if key is not None:
             out[key] = (int(trace_id), _host(meta))
@@ -314,23 +326,42 @@ def sibling_runs(session: Session, run: Run, limit: int) -> list[Any]:
     )
 
 
-def run_facts(session: Session, run_id: int) -> tuple[int | None, list[str]]:
-    """The trace whose report stands for the run in the facts (its slowest analysed one), and every
-    trace's analysis warnings, deduplicated; read as JSON fields, not whole reports."""
-    rows = session.execute(
+def run_facts(
+    session: Session, run_id: int, *, first: Sequence[int] = (), limit: int | None = None
+) -> tuple[int | None, list[str], int]:
+    """The trace whose report stands for the run in the facts (its slowest analysed one), the
+    traces' analysis warnings, deduplicated, and how many traces were read; read as JSON fields,
+    not whole reports.
+
+    ``limit``: read at most this many traces, ``first`` (e.g. the lead trace and the stragglers')
+    before the others by id. On PostgreSQL each report's JSON field costs a parse of the whole report
+    (the column is ``json``): every trace of a 1,000-rank run took seconds, most of its page's time.
+    """
+    query = (
         select(Analysis.trace_id, Analysis.report["step_time_us"].as_float(), Analysis.report["warnings"])
         .join(Trace, Trace.id == Analysis.trace_id)
         .where(Trace.run_id == run_id)
-    ).all()
+    )
+    if limit is not None:
+        ids = list(dict.fromkeys(first))[:limit]
+        ids += session.scalars(
+            select(Analysis.trace_id)
+            .join(Trace, Trace.id == Analysis.trace_id)
+            .where(Trace.run_id == run_id, Analysis.trace_id.not_in(ids))
+            .order_by(Analysis.trace_id)
+            .limit(max(0, limit - len(ids)))
+        ).all()
+        query = query.where(Analysis.trace_id.in_(ids))
+    rows = session.execute(query).all()
     if not rows:
-        return None, []
+        return None, [], 0
     slowest = max(rows, key=lambda r: (r[1] or 0.0, -r[0]))[0]
     warnings: list[str] = []
     for _, _, ws in rows:
         for w in ws or []:
             if isinstance(w, str) and w not in warnings:
                 warnings.append(w)
-    return slowest, warnings
+    return slowest, warnings, len(rows)
 
 
 def facts_report(session: Session, trace_id: int) -> ReportFacts | None:

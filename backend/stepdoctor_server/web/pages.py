@@ -48,6 +48,7 @@ router = APIRouter(include_in_schema=False)
 # Paths for programs, not people: their errors stay JSON.
 _MACHINE_PATHS = ("/api", "/docs", "/openapi", "/redoc", "/metrics", "/healthz", "/readyz", "/static/")
 MAX_TRACES_LISTED = 50  # the run page's trace table; every rank's trace is in its paginated rank table
+WARNING_TRACES = 32  # the run page reads the analysis warnings of at most this many traces
 REFRESH_S = 5  # pages with traces still being analysed reload themselves this often
 
 
@@ -277,7 +278,13 @@ def run_page(
     state = runs.run_state(session, run)
     d = state.verdict or RunVerdict()
     trace_rows, trace_count = runs.run_traces(session, run.id, MAX_TRACES_LISTED)
-    rep_id, warnings = runs.run_facts(session, run.id)
+    places = {k: RankPlace(t, h) for k, (t, h) in runs.rank_places(session, run.id).items()}
+    first = [d.lead_trace_id, *(rank_figures.trace_of(places, s) for s in d.stragglers)]
+    rep_id, warnings, read = runs.run_facts(
+        session, run.id, first=[i for i in first if i is not None], limit=WARNING_TRACES
+    )
+    if read < d.traces:  # a 1,000-rank run: its lead's and stragglers' traces, then the first by id
+        warnings = [*warnings, f"analysis warnings of {read} of the run's {d.traces} traces are shown"]
     if d.lead_trace_id is not None:  # the trace whose report stands for the run's verdict (as on the CLI)
         rep_id = d.lead_trace_id
     facts = runs.facts_report(session, rep_id) if rep_id is not None else None
@@ -288,7 +295,6 @@ def run_page(
         figs["shares"] = figures.shares_figure(d.shares)
     rank_view = None
     if len(d.ranks) > 1:  # every rank, the metric the stragglers were judged by, the stragglers marked
-        places = {k: RankPlace(t, h) for k, (t, h) in runs.rank_places(session, run.id).items()}
         rank_view = rank_figures.rank_section(d, places, ranks_page)
         if rank_view is not None and rank_view.figure is not None:
             figs["ranks"] = rank_view.figure
