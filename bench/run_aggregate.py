@@ -1,0 +1,122 @@
+"""The run verdict at 8, 128 and 1,000 ranks: folded one trace at a time (``RunAggregate``) versus
+recomputed from every stored report each time a trace finishes (the server before summaries).
+
+    .venv/bin/python bench/run_aggregate.py [--ranks 8 128 1000]
+
+Ranks are real HTA fixture reports with their rank fields rewritten and rank 0.613 N's compute
+stretched 30% (``tests/support/rank_reports``). Per refresh at N ranks:
+- ``reports``: decode N stored report JSONs + ``run_verdict`` (what every refresh cost before);
+- ``summaries``: ``verdict_of`` over N summaries (a process that holds none: decode N summaries);
+- ``fold``: one re-analysed rank replaced in a held ``RunAggregate`` + its verdict.
+Totals: a refresh after every one of the N traces (the worst case; the server refreshes at most
+every 5 s while traces wait): ``fold`` measured; ``reports`` measured up to 128 ranks and, at 1,000,
+integrated from 10 sampled sizes (marked ~). Prints seconds and ratios; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import msgspec
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "tests")]
+
+from stepdoctor_analysis.contract import ReportDoc, to_dict  # noqa: E402
+from stepdoctor_analysis.run_aggregate import RunAggregate  # noqa: E402
+from stepdoctor_analysis.run_verdict import run_verdict, verdict_of  # noqa: E402
+from stepdoctor_analysis.trace_summary import TraceEntry, TraceSummary, decode, encode, summary_of  # noqa: E402
+from support.rank_reports import base_reports, rank_reports, with_compute  # noqa: E402
+
+
+def best(fn: Callable[[], object], repeat: int = 3) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def from_reports(stored: list[bytes]) -> None:
+    """A refresh before summaries: every stored report decoded, then the verdict over them."""
+    run_verdict(
+        [
+            TraceEntry(msgspec.json.decode(b, type=ReportDoc), window=0, trace_id=r)
+            for r, b in enumerate(stored)
+        ]
+    )
+
+
+def from_summaries(packed: list[bytes]) -> None:
+    """A refresh in a process that holds no aggregate: every stored summary decoded."""
+    verdict_of([s for b in packed if (s := decode(b)) is not None])
+
+
+def fold(agg: RunAggregate, summary: TraceSummary) -> None:
+    """A refresh with the run's aggregate held: one re-analysed rank replaced."""
+    agg.replace(summary)
+    agg.verdict()
+
+
+def fold_all(summaries: list[TraceSummary]) -> RunAggregate:
+    """A run's N traces folded in one at a time, a verdict after each."""
+    agg = RunAggregate()
+    for s in summaries:
+        agg.add(s)
+        agg.verdict()
+    return agg
+
+
+def measure(n: int, base: ReportDoc) -> str:
+    slow = int(0.613 * n)
+    docs = rank_reports([base], n, straggler=slow)
+    stored = [msgspec.json.encode(to_dict(d)) for d in docs]  # as the database holds them
+    summaries = [summary_of(TraceEntry(d, window=0, trace_id=r)) for r, d in enumerate(docs)]
+    packed = [encode(s) for s in summaries]
+    agg = RunAggregate(summaries)
+    agg.verdict()
+    again = summary_of(TraceEntry(with_compute(base, 1.01, rank=0, world_size=n), window=0, trace_id=0))
+    per_reports = best(lambda: from_reports(stored))
+    per_summaries = best(lambda: from_summaries(packed))
+    per_fold = best(lambda: fold(agg, again), repeat=5)
+    t0 = time.perf_counter()
+    found = [s.rank for s in fold_all(summaries).verdict().stragglers]
+    fold_total = time.perf_counter() - t0
+    if n <= 128:
+        t0 = time.perf_counter()
+        for k in range(1, n + 1):
+            from_reports(stored[:k])
+        reports_total, mark = time.perf_counter() - t0, " "
+    else:  # integrate sampled refresh costs over k = 1..n
+        ks = [max(1, round(n * i / 10)) for i in range(1, 11)]
+        reports_total = statistics.fmean(best(partial(from_reports, stored[:k]), repeat=1) for k in ks) * n
+        mark = "~"
+    return (
+        f"{n:>6} {per_reports:>15.4f}s {per_summaries:>17.4f}s {per_fold:>12.4f}s "
+        f"{mark}{reports_total:>12.2f}s {fold_total:>10.2f}s {reports_total / fold_total:>6.1f}x  "
+        f"{found} (injected {slow})"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[8, 128, 1000])
+    args = ap.parse_args()
+    base = base_reports(1)[0]
+    print(
+        f"{'ranks':>6} {'reports/refresh':>16} {'summaries/refresh':>18} {'fold/refresh':>13} "
+        f"{'reports total':>14} {'fold total':>11} {'ratio':>7}  stragglers found"
+    )
+    for n in args.ranks:
+        print(measure(n, base), flush=True)
+
+
+if __name__ == "__main__":
+    main()
