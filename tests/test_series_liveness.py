@@ -1,6 +1,7 @@
 """Run liveness from the step series' heartbeats (``runs.series.liveness_of``): a real agent loop
 killed with SIGKILL becomes ``stopped`` once no heartbeat came for the threshold (a setting, 3 s
-here), one that exits cleanly is ``finished`` and stays so; a run without a series has none."""
+here), one that exits cleanly is ``finished`` and stays so, one that raises is ``stopped`` (its
+exit chunk says it did not end cleanly); a run without a series has none."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ LOOP = """
 import sys, time, torch, stepdoctor
 from stepdoctor.series import SeriesSettings
 server, token, spool, run, steps = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+fail_at = int(sys.argv[6])
 model = torch.nn.Linear(16, 16)
 settings = SeriesSettings(chunk_seconds=0.3, anomaly_capture=False)
 with stepdoctor.profile("proj", run, server=server, token=token, spool=spool, skip_first=5,
@@ -35,6 +37,8 @@ with stepdoctor.profile("proj", run, server=server, token=token, spool=spool, sk
         time.sleep(0.01)
         prof.step()
         i += 1
+        if i == fail_at:
+            raise RuntimeError("the loss went NaN")
 """
 
 
@@ -46,10 +50,22 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]
         yield {"url": served.url, "upload": cli_token(env, "upload"), "read": cli_token(env, "read")}
 
 
-def start_loop(server: dict[str, str], spool: Path, run: str, steps: int) -> subprocess.Popen[bytes]:
+def start_loop(
+    server: dict[str, str], spool: Path, run: str, steps: int, fail_at: int = -1
+) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STEPDOCTOR_")}
     return subprocess.Popen(
-        [sys.executable, "-c", LOOP, server["url"], server["upload"], str(spool), run, str(steps)],
+        [
+            sys.executable,
+            "-c",
+            LOOP,
+            server["url"],
+            server["upload"],
+            str(spool),
+            run,
+            str(steps),
+            str(fail_at),
+        ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -105,12 +121,17 @@ def test_a_killed_agent_loop_becomes_stopped_and_a_clean_exit_finished(
     assert liveness(server, "clean") == "finished"  # past the threshold: still finished, not stopped
     assert liveness(server, "killed") == "stopped"
 
+    # a loop that raises: its exit chunk says so, and the run is stopped, not finished
+    crashed = start_loop(server, tmp_path / "c", "crashed", 60, fail_at=40)
+    assert crashed.wait(timeout=300) == 1
+    assert liveness(server, "crashed") == "stopped"
+
 
 NOW = datetime(2026, 11, 26, 12, 0, tzinfo=timezone.utc)
 
 
-def beat(rank: int | None, seconds_ago: float, final: bool = False) -> StreamBeat:
-    return StreamBeat(rank, NOW - timedelta(seconds=seconds_ago), final)
+def beat(rank: int | None, seconds_ago: float, final: bool = False, clean: bool = True) -> StreamBeat:
+    return StreamBeat(rank, NOW - timedelta(seconds=seconds_ago), final, clean)
 
 
 @pytest.mark.parametrize(
@@ -120,6 +141,7 @@ def beat(rank: int | None, seconds_ago: float, final: bool = False) -> StreamBea
         ([beat(0, 10)], "live"),
         ([beat(0, 301)], "stopped"),
         ([beat(0, 301, final=True)], "finished"),
+        ([beat(0, 5, final=True, clean=False)], "stopped"),  # ended by an exception
         # a killed process restarted: the newer process of the rank decides
         ([beat(0, 900), beat(0, 20, final=True)], "finished"),
         ([beat(0, 900, final=True), beat(0, 400)], "stopped"),

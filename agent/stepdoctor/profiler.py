@@ -17,6 +17,7 @@ import errno
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -68,7 +69,7 @@ class NoopProfile:
     def start(self) -> NoopProfile:
         return self
 
-    def stop(self) -> None:
+    def stop(self, *, clean: bool = True) -> None:
         return None
 
     def step(self) -> None:
@@ -171,7 +172,7 @@ class Profile:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        self.stop(clean=_clean_exit(exc[1] if len(exc) > 1 else None))
 
     # --- public API ---------------------------------------------------------------------------
 
@@ -283,9 +284,15 @@ class Profile:
             "run": cfg.run,
             "rank": _metadata.rank_info()["rank"],
             "host": self._static_meta.get("host"),
+            "server": cfg.server,  # routes the chunks, like a trace's sidecar
         }
+        worker = self._worker
         self._series = _series.SeriesRecorder(
-            self._series_settings, lambda: self.run_dir, header, self._capture_on_anomaly
+            self._series_settings,
+            lambda: self.run_dir,
+            header,
+            self._capture_on_anomaly,
+            on_written=worker.notify if worker is not None and cfg.server is not None else None,
         )
         if self._loader is not None:
             _series.time_loader(self._loader, self._series)
@@ -423,8 +430,10 @@ class Profile:
         return self._worker.flush(self.config.delivery.flush_timeout if timeout is None else timeout)
 
     @guarded()
-    def stop(self) -> None:
-        """Stop capturing, flush uploads within ``flush_timeout``, and log what is left in one line."""
+    def stop(self, *, clean: bool = True) -> None:
+        """Stop capturing, flush uploads within ``flush_timeout``, and log what is left in one line.
+
+        ``clean=False``: training ended with an exception (the step series' last chunk says so)."""
         with self._lock:
             if self._state not in ("running", "broken") or os.getpid() != self._pid:
                 return
@@ -442,7 +451,7 @@ class Profile:
                 _memory_snapshot.stop()
             series, self._series = self._series, None
             if series is not None:  # local disk: a few ms, bounded in case it hangs
-                series.close(max(2.0, self.config.delivery.flush_timeout))
+                series.close(max(2.0, self.config.delivery.flush_timeout), clean=clean)
             exit_by = time.monotonic() + self.config.delivery.flush_timeout
             poller, self._poller = self._poller, None
             if poller is not None:  # a last acknowledgement, within part of the exit budget
@@ -814,6 +823,15 @@ def profile(
 
 @atexit.register
 def _stop_all() -> None:
-    """Flush sessions the program never stopped (no ``with`` block), within their time budgets."""
+    """Flush sessions the program never stopped (no ``with`` block), within their time budgets.
+    After an uncaught exception (the interpreter sets ``sys.last_value`` before exit handlers run)
+    the series says the loop did not end cleanly."""
+    clean = getattr(sys, "last_value", None) is None
     for prof in list(_live):
-        prof.stop()
+        prof.stop(clean=clean)
+
+
+def _clean_exit(error: object) -> bool:
+    """Whether leaving ``with profile(...)`` with this exception ends the loop cleanly: none, or
+    ``sys.exit(0)``; anything else (Ctrl-C included) is not."""
+    return error is None or (isinstance(error, SystemExit) and error.code in (None, 0))

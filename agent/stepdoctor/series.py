@@ -251,11 +251,14 @@ class SeriesRecorder:
         self._windows.append(dict(window))
 
     @guarded()
-    def close(self, timeout: float) -> None:
-        """Hand the last chunk to the writer and wait (bounded) until everything is on disk."""
+    def close(self, timeout: float, *, clean: bool = True) -> None:
+        """Hand the last chunk to the writer and wait (bounded) until everything is on disk.
+
+        ``clean=False``: the loop ended with an exception (the final chunk says so, and the server
+        shows the run as stopped, not finished)."""
         if os.getpid() != self._pid:
             return
-        self._flush(final=True)
+        self._flush(final=True, clean=clean)
         forget_loaders(self)
         left = self._writer.close(timeout)
         if left:
@@ -330,7 +333,7 @@ class SeriesRecorder:
         for name, value in zip(MEMORY_COLUMNS, (step, kind, a, b), strict=True):
             self._mem[name].append(value)
 
-    def _flush(self, *, final: bool) -> None:
+    def _flush(self, *, final: bool, clean: bool = True) -> None:
         """Cut a chunk from the columns and hand it to the writer (which never blocks us)."""
         count = len(self.wall)
         now = _perf_ns()
@@ -351,6 +354,7 @@ class SeriesRecorder:
             "count": count,
             "t_end": time.time(),
             "final": final,
+            "clean_exit": final and clean,  # the final chunk of a loop that did not raise
             "anomaly": {
                 "k": self.settings.anomaly_k,
                 "window": self.settings.anomaly_window,

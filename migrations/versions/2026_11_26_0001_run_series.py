@@ -37,6 +37,7 @@ def upgrade() -> None:
         sa.Column("steps", sa.BigInteger(), nullable=False),
         _timestamp("heartbeat_at"),
         sa.Column("final", sa.Boolean(), nullable=False),
+        sa.Column("clean_exit", sa.Boolean(), nullable=False),
         _timestamp("created_at"),
         sa.ForeignKeyConstraint(
             ["run_id"], ["runs.id"], name=op.f("fk_series_streams_run_id_runs"), ondelete="CASCADE"

@@ -59,6 +59,9 @@ class _State:
     requests: list[Attempt] = field(default_factory=list)
     failures: deque[Failure] = field(default_factory=deque)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Step-series chunks the agent sent (POST /api/v1/series): kept apart from the trace requests
+    # and never given a scripted failure; answered 404, like a server without the endpoint.
+    series: list[bytes] = field(default_factory=list)
 
 
 def free_port() -> int:
@@ -134,6 +137,11 @@ class FakeServer:
             return dict(self.state.uploads)
 
     @property
+    def series(self) -> list[bytes]:
+        with self.state.lock:
+            return list(self.state.series)
+
+    @property
     def requests(self) -> list[Attempt]:
         with self.state.lock:
             return list(self.state.requests)
@@ -154,6 +162,10 @@ class _Handler(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length)
         key = self.headers.get("Idempotency-Key")
+        if url.path == "/api/v1/series":
+            with state.lock:
+                state.series.append(body)
+            return self._answer(Attempt(None, None, "ok"), 404, {"detail": "not found"})
         with state.lock:
             failure = state.failures.popleft() if state.failures else None
         attempt = Attempt(key, None, failure.mode if failure else "ok")

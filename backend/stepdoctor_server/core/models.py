@@ -271,6 +271,8 @@ class SeriesStream(Base):
     steps: Mapped[int] = mapped_column(BigInteger, default=0)
     heartbeat_at: Mapped[datetime]
     final: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The final chunk says the loop ended without an exception (agents before the flag: final is clean).
+    clean_exit: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

@@ -50,6 +50,7 @@ class StreamBeat:
     rank: int | None
     heartbeat_at: datetime
     final: bool
+    clean: bool = True  # the final chunk says the loop ended without an exception
 
 
 def _utc(value: datetime) -> datetime:
@@ -60,8 +61,9 @@ def liveness_rule(
     streams: Iterable[StreamBeat], *, now: datetime | None = None, stale_after_s: float = STALE_AFTER_S
 ) -> Liveness | None:
     """The rule, over a run's processes: per rank the process heard from last decides (a restart
-    replaces a killed one); the run is finished when each of those exited cleanly, else live while
-    one that did not is heard from within ``stale_after_s``, else stopped. None without any process."""
+    replaces a killed one); the run is finished when each of those exited cleanly (its final chunk
+    says the loop did not raise), live while one still running is heard from within
+    ``stale_after_s``, else stopped (killed, crashed, lost). None without any process."""
     latest: dict[int | None, StreamBeat] = {}
     for beat in streams:
         known = latest.get(beat.rank)
@@ -71,7 +73,7 @@ def liveness_rule(
         return None
     running = [beat for beat in latest.values() if not beat.final]
     if not running:
-        return "finished"
+        return "finished" if all(beat.clean for beat in latest.values()) else "stopped"
     now = now or datetime.now(timezone.utc)
     newest = max(_utc(beat.heartbeat_at) for beat in running)
     return "live" if (now - newest).total_seconds() < stale_after_s else "stopped"
@@ -93,11 +95,15 @@ def liveness_of_runs(
     if ids:
         rows = session.execute(
             select(
-                SeriesStream.run_id, SeriesStream.rank, SeriesStream.heartbeat_at, SeriesStream.final
+                SeriesStream.run_id,
+                SeriesStream.rank,
+                SeriesStream.heartbeat_at,
+                SeriesStream.final,
+                SeriesStream.clean_exit,
             ).where(SeriesStream.run_id.in_(ids))
         )
-        for run_id, rank, heartbeat_at, final in rows:
-            beats[run_id].append(StreamBeat(rank, heartbeat_at, bool(final)))
+        for run_id, rank, heartbeat_at, final, clean in rows:
+            beats[run_id].append(StreamBeat(rank, heartbeat_at, bool(final), bool(clean)))
     return {
         run_id: liveness_rule(found, now=now, stale_after_s=stale_after_s) for run_id, found in beats.items()
     }
@@ -271,6 +277,8 @@ def store_chunk(
     stream.chunks += 1
     stream.steps += row.count
     stream.final = stream.final or final
+    if final:  # a final chunk from an agent before the flag is taken as clean
+        stream.clean_exit = bool(chunk.header.get("clean_exit", True))
     if _utc(heartbeat) > _utc(stream.heartbeat_at):
         stream.heartbeat_at = heartbeat
     if chunk.rank is not None:
@@ -289,7 +297,14 @@ def _get_or_create_stream(
     try:
         with session.begin_nested():
             stream = SeriesStream(
-                run_id=run_id, stream=name, rank=rank, chunks=0, steps=0, heartbeat_at=heartbeat, final=False
+                run_id=run_id,
+                stream=name,
+                rank=rank,
+                chunks=0,
+                steps=0,
+                heartbeat_at=heartbeat,
+                final=False,
+                clean_exit=False,
             )
             session.add(stream)
             session.flush()
