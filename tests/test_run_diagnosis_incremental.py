@@ -14,10 +14,13 @@ from sqlalchemy import delete, func, select, update
 
 from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
 from stepdoctor_server.core.models import Analysis, Run, Trace, TraceSummaryRecord
+from stepdoctor_server.jobs.claims import SqlJobQueue
+from stepdoctor_server.jobs.pool import process_one
 from stepdoctor_server.runs import diagnosis_job
 from stepdoctor_server.runs.diagnosis import StoredTrace, aggregate_run
 from stepdoctor_server.runs.diagnosis_job import refresh_run_diagnosis
 from support.many_ranks import many_rank_run, rank_report
+from support.server import synthetic_trace, upload
 
 RANKS = 24
 
@@ -164,3 +167,27 @@ def test_missing_or_other_layout_summaries_are_made_from_the_reports(
     _refresh(app, run.run_id)
     assert _stored(app, run.run_id) == _scratch(app, run.run_id)
     assert _stored(app, run.run_id)["outdated"] == 1
+
+
+def test_a_finished_traces_summary_is_stored_before_the_runs_verdict_is_due(
+    app: FastAPI, client: TestClient
+) -> None:
+    """While other traces of the run wait and the verdict is not due (``diagnosis_due``), the trace
+    that just finished still gets its summary, made from the report it just stored."""
+    ids = [upload(client, synthetic_trace(), run="spread", rank=r).json()["id"] for r in range(3)]
+    queue = SqlJobQueue(app.state.db)
+    settings = app.state.settings
+
+    def one() -> None:
+        assert process_one(app.state.db, queue, app.state.store, settings, "test:1:0")
+
+    one()  # the first: no verdict yet, so it is due
+    run_id = client.get(f"/api/v1/traces/{ids[0]}").json()["run_id"]
+    assert _stored(app, run_id)["traces"] == 1
+    one()  # the second, within DIAGNOSIS_MIN_INTERVAL with one still pending: summary only
+    assert _summary_rows(app, run_id) == (2, 2)
+    assert _stored(app, run_id)["traces"] == 1
+    one()  # the last always refreshes
+    assert _stored(app, run_id)["traces"] == 3
+    assert _summary_rows(app, run_id) == (3, 3)
+    assert _stored(app, run_id) == _scratch(app, run_id)

@@ -107,7 +107,7 @@ def refresh_run_diagnosis(session: Session, run_id: int, *, force: bool = True) 
     states) are the ones the stored diagnosis was built from; then None is returned. The verdict
     is folded from the traces' summaries (module docstring), not their reports.
     """
-    session.execute(select(Run.id).where(Run.id == run_id).with_for_update())
+    _lock_run(session, run_id)
     basis = _diagnosis_basis(session, run_id)
     if not force and session.scalar(select(Run.diagnosis_basis).where(Run.id == run_id)) == basis:
         return None
@@ -153,6 +153,12 @@ def _refresh_regression(session: Session, run_id: int) -> None:
         raise
     except Exception:
         log.exception("run %s: regression check failed", run_id)
+
+
+def _lock_run(session: Session, run_id: int) -> None:
+    """The run's row lock (``FOR UPDATE`` on PostgreSQL; SQLite serialises writers): one writer of
+    its diagnosis and summaries at a time."""
+    session.execute(select(Run.id).where(Run.id == run_id).with_for_update())
 
 
 def store_summaries(session: Session, run_id: int) -> int:
@@ -296,7 +302,9 @@ def aggregate_when_finished(runtime: Any, run_id: int) -> None:
                     Trace.run_id == run_id, Trace.status.in_(("pending", "running"))
                 )
             )
-            if waiting:
+            if waiting:  # not the run's last trace: only its summaries, made while the report is fresh
+                _lock_run(session, run_id)
+                store_summaries(session, run_id)
                 return False
             return refresh_run_diagnosis(session, run_id, force=False) is not None
 
@@ -310,6 +318,8 @@ def _refresh_run(db: Database, run_id: int) -> None:
     try:
         with db.session() as session:
             if not diagnosis_due(session, run_id):
+                _lock_run(session, run_id)
+                store_summaries(session, run_id)  # the finished trace's summary now, the verdict later
                 return
             refresh_run_diagnosis(session, run_id, force=False)
     except Exception:  # the per-trace result is stored; the aggregate is redone on the next job
