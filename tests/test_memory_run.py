@@ -118,3 +118,19 @@ def test_the_step_series_leak_is_reported_with_the_cause_the_windows_name() -> N
     finding = found.finding()
     assert "over the run" in finding.why and "aten::addmm" in finding.why
     assert "step series (400 samples" in finding.evidence["basis"]
+
+
+def test_the_step_series_of_a_leaking_cpu_run_makes_the_run_leak_that_two_windows_cannot(
+    tmp_path: Path,
+) -> None:
+    """A real CPU run under the agent keeping a 2 MiB tensor every step, 2 capture windows of 2 steps:
+    too few for either window or the windows together, but the step series (RSS every step) shows it,
+    and ``stepdoctor analyze RUN_DIR``'s verdict reports it; the same run dropping the tensor does not."""
+    leaking = cpu_loops.host_memory_run(tmp_path / "a", keep=True, windows=2)
+    assert len(list(leaking.glob("*.pt.trace.json.gz"))) == 2
+    report = analyze_path(leaking).to_dict()
+    (card,) = [f for f in report["findings"] if f["id"] == "memory.leak"]
+    assert card["evidence"]["basis"].startswith("the agent's step series")
+    assert card["evidence"]["growth_mib_per_step"] >= 1.5 and "over the run" in card["why"]
+    fixed = cpu_loops.host_memory_run(tmp_path / "b", keep=False, windows=2)
+    assert not [f for f in analyze_path(fixed).to_dict()["findings"] if f["id"] == "memory.leak"]

@@ -5,9 +5,6 @@ and the real CUDA fixtures."""
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -259,25 +256,10 @@ def test_run_growth_reads_a_steady_rise_under_spikes_and_not_a_level_one() -> No
 
 
 def _series_run(spool: Path, *, keep: bool) -> Any:
-    """``cpu_loops.host_memory_loop`` in a fresh process (a process that freed memory earlier reuses
-    it before its RSS grows), then the run timeline of its step series."""
+    """``cpu_loops.host_memory_loop`` in a fresh process, then the run timeline of its step series."""
     from stepdoctor_analysis.run_timeline import read_run_timeline
 
-    code = (
-        "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
-        "from support.cpu_loops import host_memory_loop; host_memory_loop(Path(sys.argv[2]), keep=sys.argv[3] == '1')"
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPDOCTOR_")} | {
-        "STEPDOCTOR_RAISE_ERRORS": "1"
-    }
-    tests = str(Path(__file__).parent)
-    subprocess.run(
-        [sys.executable, "-c", code, tests, str(spool), "1" if keep else "0"],
-        check=True,
-        env=env,
-        timeout=300,
-    )
-    return read_run_timeline(spool / "mem" / "run")
+    return read_run_timeline(cpu_loops.host_memory_run(spool, keep=keep))
 
 
 def test_host_memory_growing_every_step_over_a_cpu_run_is_a_leak(tmp_path: Path) -> None:

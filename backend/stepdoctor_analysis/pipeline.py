@@ -63,7 +63,13 @@ def analyze_path(
 
         say(f"analyzing {len(files)} traces in {min(workers, len(files))} processes")
         verdict, top = rank_pool.analyze_files(
-            files, analyze_trace, workers=workers, max_bytes=max_bytes, metadata=metadata, done=done
+            files,
+            analyze_trace,
+            workers=workers,
+            max_bytes=max_bytes,
+            metadata=metadata,
+            done=done,
+            series=_series_memory(p),
         )
         return _with_verdict(p, top, verdict)
     say(f"loading {p.name}")
@@ -330,8 +336,21 @@ def _job_report(path: Path, traces: list[RankTrace], reports: list[Report]) -> R
         ranks.TraceEntry(r.typed(), window=i, worker=ranks.worker_name(t.source))
         for i, (t, r) in enumerate(zip(traces, reports, strict=True))
     ]
-    verdict = run_verdict.run_verdict(entries)
+    verdict = run_verdict.run_verdict(entries, series=_series_memory(path))
     return _with_verdict(path, reports[verdict.lead if verdict.lead is not None else 0], verdict)
+
+
+def _series_memory(path: Path) -> Any:
+    """The agent's step-series memory beside a run's traces (``run_timeline.RunTimeline.memory``), for
+    the run's leak over every step; None without a series, or with one that does not read (the CLI
+    names a bad chunk with the timeline it prints)."""
+    from .run_timeline import read_run_timeline
+
+    try:
+        timeline = read_run_timeline(path) if path.is_dir() else None
+    except TraceError:
+        return None
+    return timeline.memory if timeline is not None else None
 
 
 def _with_verdict(path: Path, top: Report, verdict: RunVerdict) -> Report:

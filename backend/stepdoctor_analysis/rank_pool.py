@@ -21,6 +21,7 @@ import msgspec
 from .parsing import job_order, load_trace
 from .ranks import worker_name
 from .report import Report
+from .run_timeline import Memory as SeriesMemory
 from .run_verdict import RunVerdict, verdict_of
 from .trace_summary import TraceEntry, TraceSummary, summary_of
 
@@ -78,11 +79,13 @@ def analyze_files(
     max_bytes: int | None = None,
     metadata: dict[str, Any] | None = None,
     done: Done | None = None,
+    series: SeriesMemory | None = None,
 ) -> tuple[RunVerdict, Report]:
-    """The job's verdict over every file, and the lead trace's report (analysed again, in-process)."""
+    """The job's verdict over every file, and the lead trace's report (analysed again, in-process);
+    ``series``: the run's step-series memory (``run_verdict.run_verdict``)."""
     found = summarise_files(
         files, analyze_trace, workers=workers, max_bytes=max_bytes, metadata=metadata, done=done
     )
-    verdict = verdict_of([s for _, s in found])
+    verdict = verdict_of([s for _, s in found], series=series)
     source = found[verdict.lead if verdict.lead is not None else 0][0]
     return verdict, analyze_trace(load_trace(source, max_bytes=max_bytes), metadata=metadata)

@@ -49,6 +49,7 @@ from .ranks import (
     worst_first,
 )
 from .rules import declared
+from .run_timeline import Memory as SeriesMemory
 from .trace_summary import TraceEntry, TraceSummary, summary_of
 
 DIAGNOSIS_VERSION = 2  # the layout of ``RunVerdict``: a stored one of another version is stale
@@ -166,11 +167,17 @@ def gain_of(removable_share: float) -> float:
 
 
 def run_verdict(
-    entries: Sequence[TraceEntry], *, failed: int = 0, pending: int = 0, outdated: int = 0
+    entries: Sequence[TraceEntry],
+    *,
+    failed: int = 0,
+    pending: int = 0,
+    outdated: int = 0,
+    series: SeriesMemory | None = None,
 ) -> RunVerdict:
-    """Combine every analysed trace of a run into one verdict (module docstring)."""
+    """Combine every analysed trace of a run into one verdict (module docstring); ``series``: the
+    run's step-series memory, when known (a leak over the whole run, ``memory_run.run_leak``)."""
     summaries = [summary_of(e, i) for i, e in enumerate(entries)]
-    return verdict_of(summaries, failed=failed, pending=pending, outdated=outdated)
+    return verdict_of(summaries, failed=failed, pending=pending, outdated=outdated, series=series)
 
 
 def verdict_of(
@@ -180,6 +187,7 @@ def verdict_of(
     failed: int = 0,
     pending: int = 0,
     outdated: int = 0,
+    series: SeriesMemory | None = None,
 ) -> RunVerdict:
     """The run's verdict from its traces' summaries, in run order (``TraceSummary.key``).
 
@@ -196,7 +204,7 @@ def verdict_of(
         ranks = rank_verdict_of(docs)
     cards = merge_recommendations(docs, step, limiter.kind)
     findings = merge_findings(docs)
-    if (leak := run_leak((d.rank, d.worker, d.memory_ends) for d in docs)) is not None:  # across windows
+    if (leak := run_leak(((d.rank, d.worker, d.memory_ends) for d in docs), series=series)) is not None:
         found = RunFinding(**(msgspec.structs.asdict(leak.finding()) | {"traces": leak.traces}))
         findings = with_run_leak(findings, found)
     if (straggler := straggler_advice(ranks)) is not None:  # the others wait: fix the straggler first

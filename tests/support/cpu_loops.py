@@ -10,6 +10,9 @@ had already imported pandas), their late start still showed in the profiled step
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -228,21 +231,54 @@ def activation_heavy_loop(path: Path) -> Path:
     return _record(path, steps())
 
 
-def host_memory_loop(spool: Path, *, keep: bool) -> None:
+def host_memory_loop(spool: Path, *, keep: bool, windows: int = 0) -> None:
     """64 steps under the agent with its step series sampling host memory (RSS) at every step and no
-    capture window; each step makes a 2 MiB tensor and, with ``keep``, keeps it (a leak of 2 MiB per
-    step). Run it in a fresh process: one that freed memory before reuses it before its RSS grows."""
+    capture window (``windows``: that many 2-step windows, 20 steps apart); each step makes a 2 MiB
+    tensor and, with ``keep``, keeps it (a leak of 2 MiB per step). Run it in a fresh process: one
+    that freed memory before reuses it before its RSS grows."""
     import stepdoctor
     from stepdoctor.series import SeriesSettings
 
     settings = SeriesSettings(memory_every_s=0.0, anomaly_capture=False)
     kept: list[torch.Tensor] = []
-    with stepdoctor.profile("mem", "run", spool=spool, skip_first=10_000, series_settings=settings) as prof:
+    skip_first, repeat = (5, windows) if windows else (10_000, None)
+    with stepdoctor.profile(
+        "mem",
+        "run",
+        spool=spool,
+        series_settings=settings,
+        skip_first=skip_first,
+        wait=20,
+        warmup=1,
+        active=2,
+        repeat=repeat,
+    ) as prof:
         for _ in range(64):
             t = torch.ones(512 * 1024)  # 2 MiB, written so its pages are resident
             if keep:
                 kept.append(t)
             prof.step()
+
+
+def host_memory_run(spool: Path, *, keep: bool, windows: int = 0) -> Path:
+    """``host_memory_loop`` in a fresh process (a process that freed memory earlier reuses it before
+    its RSS grows); returns the run's spool folder (its step series, and its traces with ``windows``)."""
+    code = (
+        "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
+        "from support.cpu_loops import host_memory_loop; "
+        "host_memory_loop(Path(sys.argv[2]), keep=sys.argv[3] == '1', windows=int(sys.argv[4]))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STEPDOCTOR_")} | {
+        "STEPDOCTOR_RAISE_ERRORS": "1"
+    }
+    tests = str(Path(__file__).parent.parent)
+    subprocess.run(
+        [sys.executable, "-c", code, tests, str(spool), "1" if keep else "0", str(windows)],
+        check=True,
+        env=env,
+        timeout=300,
+    )
+    return spool / "mem" / "run"
 
 
 LOOPS: dict[str, Callable[[Path], Path]] = {
