@@ -276,7 +276,9 @@ def merge_recommendations(
         for pos, rec in enumerate(s.recommendations):
             if not rec.id:
                 continue
-            card = merged.setdefault(rec.id, _run_card(rec, 0.0, step_us))
+            card = merged.get(rec.id)
+            if card is None:  # the first trace that proposed it gives its text
+                card = merged[rec.id] = _run_card(rec, 0.0, step_us)
             card.traces += 1
             card.first_in += pos == 0
             if rank is not None and rank not in seen[rec.id]:
@@ -348,7 +350,9 @@ def merge_findings(docs: Sequence[TraceSummary]) -> list[RunFinding]:
             fid = finding.id or finding.title
             if not fid:
                 continue
-            entry = merged.setdefault(fid, RunFinding(**(msgspec.structs.asdict(finding) | {"id": fid})))
+            entry = merged.get(fid)
+            if entry is None:
+                entry = merged[fid] = RunFinding(**(msgspec.structs.asdict(finding) | {"id": fid}))
             entry.traces += 1
     return sorted(merged.values(), key=lambda f: (-f.traces, f.id))
 
