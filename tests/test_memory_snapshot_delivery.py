@@ -136,3 +136,20 @@ def test_a_refused_snapshot_is_parked_with_its_reason_and_its_trace_still_delive
     (parked,) = (tmp_path / FAILED_DIR / "local" / "refused" / SNAPSHOT_DIR).glob("*.pickle")
     reason = parked.with_name(parked.name + ".reason.txt").read_text()
     assert "refused the memory snapshot" in reason and "HTTP 422" in reason and "not a dict" in reason
+
+
+def test_a_snapshot_whose_window_was_never_committed_is_cleaned_up_with_the_dead_process(
+    tmp_path: Path,
+) -> None:
+    """A process that died between writing the snapshot and the trace's sidecar leaves only the pickle."""
+    from stepdoctor.spool import META_SUFFIX, Spool, host_name
+
+    snapshots = tmp_path / "local" / "crashed" / SNAPSHOT_DIR
+    snapshots.mkdir(parents=True)
+    dead = f"{host_name()}_{2**22 + 12345}.1700000000000000000"  # a pid above Linux's limit: never alive
+    committed = f"{host_name()}_{2**22 + 12346}.1700000000000000001"
+    for stem in (dead, committed):
+        (snapshots / f"{stem}.pickle").write_bytes(pickle.dumps(snapshot_shaped(1)))
+    (snapshots.parent / f"{committed}{META_SUFFIX}").write_text("{}")
+    assert Spool(tmp_path).cleanup_orphans() == 1
+    assert [p.stem for p in snapshots.glob("*.pickle")] == [committed]  # its trace will still send it

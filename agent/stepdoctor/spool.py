@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -401,11 +402,12 @@ class Spool:
         return len(parked)
 
     def cleanup_orphans(self) -> int:
-        """Delete leftovers of captures whose process died before the commit point (this host only)."""
+        """Delete leftovers of captures whose process died before the commit point (this host only),
+        memory snapshots of windows that never got their sidecar included."""
         removed = 0
         me = host_name()
         committed = {p.name[: -len(META_SUFFIX)] for p in self.root.glob(f"*/*/*{META_SUFFIX}")}
-        for path in self.root.glob("*/*/*"):
+        for path in itertools.chain(self.root.glob("*/*/*"), self.root.glob(f"*/*/{SNAPSHOT_DIR}/*")):
             match = _STEM_RE.match(path.name)
             if not match or match.group("host") != me or not path.is_file():
                 continue
