@@ -10,14 +10,16 @@ Idempotency-Key (the server finds the trace by it when the upload arrives).
 
 Every request is bounded (connect and socket timeouts); at exit :meth:`DemandPoller.close` gives the
 thread a small budget to send a last acknowledgement and then leaves it (a daemon). A server that
-does not know the endpoint (404, 405, 501) or refuses the token (401/403) ends polling, said once: the run
-goes on without capture on demand. Standard library only.
+does not know the endpoint (404, 405, 501) or refuses the token (401/403) ends polling, logged once
+(not on stderr: the exit line stays the agent's one line); the run goes on without capture on
+demand. Standard library only.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import random
 import threading
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import stepdoctor.transport as transport
-from stepdoctor.guard import guarded, say
+from stepdoctor.guard import guarded, log_once
 from stepdoctor.version import __version__
 
 #: Default seconds between two polls (``STEPDOCTOR_CAPTURE_POLL_S``): the most it asks of a server.
@@ -188,10 +190,13 @@ class DemandPoller:
                 self._hand_over(Demand(found[0]["id"], found[0].get("requested_at")))
             return self.interval
         if answer.status in _UNSUPPORTED:
-            say(
-                f"stepdoctor: capture on demand is off for this run: {self.server} answered the poll with "
-                f"{answer.error} (needs a server with /api/v1/capture-requests and an upload token)",
-                key=f"on-demand-off:{self.server}",
+            log_once(
+                f"on-demand-off:{self.server}",
+                logging.INFO,
+                "stepdoctor: capture on demand is off for this run: %s answered the poll with %s "
+                "(it needs a server with /api/v1/capture-requests and an upload token)",
+                self.server,
+                answer.error,
             )
             return None
         self.failures += 1
