@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from stepdoctor_analysis.run_timeline import MEMORY_COLUMNS, run_timeline
 from support.series_chunks import chunk, padded, with_header
-from support.server import bearer, row_counts
+from support.server import bearer, logged_in, row_counts, synthetic_trace, upload
 
 
 def send(client: TestClient, data: bytes, token: str, *, project: str = "proj", run: str = "run1") -> Any:
@@ -25,7 +25,7 @@ def send(client: TestClient, data: bytes, token: str, *, project: str = "proj", 
 
 
 def test_a_runs_chunks_are_stored_and_read_back_as_the_engines_timeline(
-    client: TestClient, upload_token: str, read_token: str
+    app: FastAPI, client: TestClient, upload_token: str, read_token: str
 ) -> None:
     window = {"first_step": 102, "last_step": 104, "reason": "schedule"}
     sent = [
@@ -45,6 +45,14 @@ def test_a_runs_chunks_are_stored_and_read_back_as_the_engines_timeline(
     assert body["run_timeline"]["steps"] == 300 and body["run_timeline"]["missing_steps"] == 0
     assert body["run_timeline"]["windows"] == [window]
     assert body["liveness"] == "finished"
+    # the run lists and the run page say so; a run without a series says nothing
+    assert send(client, chunk("z1", 0, 0, 10), upload_token, run="live").status_code == 201
+    assert upload(client, synthetic_trace(), project="proj", run="traces-only").status_code == 201
+    with logged_in(app, read_token) as page:
+        listing = page.get("/runs").text
+        assert "traces-only" in listing and listing.count('class="liveness ') == 2
+        assert listing.count('class="liveness finished"') == 1 and listing.count('class="liveness live"') == 1
+        assert 'id="liveness"' in page.get(f"/runs/{run_id}").text
 
 
 def test_the_same_chunk_twice_is_stored_once(app: FastAPI, client: TestClient, upload_token: str) -> None:
