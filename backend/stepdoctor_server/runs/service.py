@@ -273,16 +273,31 @@ def _like_escape(text: str) -> str:
 
 def run_traces(session: Session, run_id: int, limit: int) -> tuple[list[Any], int]:
     """The run's first ``limit`` traces as (trace, primary kind, report steps) by rank and window,
-    and how many it has in all."""
+    and how many it has in all.
+
+    The steps are read after the limit, for the listed traces without step numbers of their own:
+    PostgreSQL evaluates a select list before its sort and limit, and each report's JSON field is a
+    parse of the whole report (``json``, not ``jsonb``), so reading them in the sorted query parsed
+    every report of the run (328 ms at 128 ranks for 10 rows listed)."""
     rows = session.execute(
-        select(Trace, Analysis.primary_kind, Analysis.report["steps"].as_json())
+        select(Trace, Analysis.primary_kind)
         .outerjoin(Analysis, Analysis.trace_id == Trace.id)
         .where(Trace.run_id == run_id)
         .order_by(Trace.rank, Trace.window_index, Trace.id)
         .limit(limit)
     ).all()
+    unnumbered = [t.id for t, _ in rows if t.first_step is None]
+    steps: dict[int, Any] = dict(
+        session.execute(
+            select(Analysis.trace_id, Analysis.report["steps"].as_json()).where(
+                Analysis.trace_id.in_(unnumbered)
+            )
+        ).all()
+        if unnumbered
+        else []
+    )
     count = int(session.scalar(select(func.count(Trace.id)).where(Trace.run_id == run_id)) or 0)
-    return list(rows), count
+    return [(t, kind, steps.get(t.id)) for t, kind in rows], count
 
 
 def rank_places(session: Session, run_id: int) -> dict[int | str, tuple[int, str | None]]:

@@ -48,7 +48,10 @@ router = APIRouter(include_in_schema=False)
 # Paths for programs, not people: their errors stay JSON.
 _MACHINE_PATHS = ("/api", "/docs", "/openapi", "/redoc", "/metrics", "/healthz", "/readyz", "/static/")
 MAX_TRACES_LISTED = 50  # the run page's trace table; every rank's trace is in its paginated rank table
-WARNING_TRACES = 32  # the run page reads the analysis warnings of at most this many traces
+# A run page reads a few JSON fields of each trace it lists and of WARNING_TRACES traces (on
+# PostgreSQL each such read parses the whole report: ~5 ms for a 128 KB report on a busy 2-core box).
+WARNING_TRACES = 8  # the lead trace's and the stragglers' first, then the first by id
+MANY_RANKS_TRACES_LISTED = 10  # a run of many ranks lists fewer: its rank table links every trace
 REFRESH_S = 5  # pages with traces still being analysed reload themselves this often
 
 
@@ -277,7 +280,8 @@ def run_page(
     run, project = runs.load_run(session, viewer, run_id)
     state = runs.run_state(session, run)
     d = state.verdict or RunVerdict()
-    trace_rows, trace_count = runs.run_traces(session, run.id, MAX_TRACES_LISTED)
+    listed = MANY_RANKS_TRACES_LISTED if len(d.ranks) > rank_figures.SMALL_RUN else MAX_TRACES_LISTED
+    trace_rows, trace_count = runs.run_traces(session, run.id, listed)
     places = {k: RankPlace(t, h) for k, (t, h) in runs.rank_places(session, run.id).items()}
     first = [d.lead_trace_id, *(rank_figures.trace_of(places, s) for s in d.stragglers)]
     rep_id, warnings, read = runs.run_facts(
