@@ -58,7 +58,9 @@ def status_mb(key):
     with open("/proc/self/status") as fh:
         return next(int(line.split()[1]) for line in fh if line.startswith(key + ":")) / 1024
 if mode == "ours":
-    from stepdoctor_analysis import breakdown, gpu_metrics, hta_metrics, parse, steps
+    from stepdoctor_analysis.analyzers import breakdown, gpu_metrics, hta_metrics
+    from stepdoctor_analysis import parsing as parse
+    from stepdoctor_analysis.model import steps
     imported_mb = status_mb("VmHWM")
     t = time.perf_counter()
     tr = parse.load_trace(path)
@@ -83,7 +85,7 @@ elif mode == "cli":
         assert main(["analyze", "--format", "json", path]) == 0
 elif mode == "floor":
     import zlib, msgspec
-    from stepdoctor_analysis.parse import _Event
+    from stepdoctor_analysis.parsing.schema import Event as _Event
     class Top(msgspec.Struct):
         traceEvents: list[_Event]
     imported_mb = status_mb("VmHWM")
@@ -94,13 +96,15 @@ elif mode == "floor":
     del raw
     msgspec.json.decode(data, type=Top)
 elif mode == "stream":
-    from stepdoctor_analysis import parse
-    parse._Builder.absorb = lambda self, events: None  # decode every chunk, build nothing
+    from stepdoctor_analysis import parsing as parse
+    from stepdoctor_analysis.errors import TraceError
+    from stepdoctor_analysis.parsing import columns
+    columns.Builder.absorb = lambda self, events: None  # decode every chunk, build nothing
     imported_mb = status_mb("VmHWM")
     t = time.perf_counter()
     try:
         parse.load_trace(path)
-    except parse.TraceError:
+    except TraceError:
         pass  # "contains no events": expected, nothing was kept
 elif mode == "hta":
     import logging, warnings

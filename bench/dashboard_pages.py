@@ -80,7 +80,7 @@ def main() -> int:
         drain(app)
         print(f"analysed in {time.perf_counter() - t0:.1f} s")
         if args.big_trace_mb:
-            from stepdoctor_analysis.trim import trim_trace
+            from stepdoctor_analysis.parsing.trim import trim_trace
 
             with app.state.db.session() as session:
                 numbers = [

@@ -28,10 +28,10 @@ import msgspec
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests")]
 
-from stepdoctor_analysis.contract import ReportDoc, to_dict  # noqa: E402
-from stepdoctor_analysis.run_aggregate import RunAggregate  # noqa: E402
-from stepdoctor_analysis.run_verdict import run_verdict, verdict_of  # noqa: E402
-from stepdoctor_analysis.trace_summary import TraceEntry, TraceSummary, decode, encode, summary_of  # noqa: E402
+from stepdoctor_analysis.report.contract import ReportDoc, to_dict  # noqa: E402
+from stepdoctor_analysis.run.aggregate import RunAggregate  # noqa: E402
+from stepdoctor_analysis.run.trace_summary import TraceEntry, TraceSummary, decode, encode, summary_of  # noqa: E402
+from stepdoctor_analysis.run.verdict import run_verdict, verdict_of  # noqa: E402
 from support.rank_reports import base_reports, rank_reports, with_compute  # noqa: E402
 
 

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from stepdoctor.series import encode_chunk
-from stepdoctor_analysis.run_timeline import Side, compare, run_timeline
+from stepdoctor_analysis.run.timeline import Side, compare, run_timeline
 
 CHUNK = 10_000
 

@@ -1,7 +1,7 @@
 """The agent's step series: every step timed, beside the traces, through sync, and capture on anomaly.
 
 Real CPU loops (tests/support/series_loops.py) under ``stepdoctor.profile``; what they leave in the
-spool is read back with the engine's own reader (``stepdoctor_analysis.run_timeline``).
+spool is read back with the engine's own reader (``stepdoctor_analysis.run.timeline``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from support.fake_server import TOKEN, FakeServer
 from support.series_loops import run_loop
 
 pytest.importorskip("stepdoctor_analysis")
-from stepdoctor_analysis import run_timeline as rt
+from stepdoctor_analysis.run import timeline as rt
 
 
 @pytest.fixture(autouse=True)
@@ -78,14 +78,14 @@ def test_every_step_lands_in_the_series_beside_the_traces_without_a_server(tmp_p
     assert profiled and set(profiled) <= mem_steps
     assert set(profiled) >= set(range(window["first_step"], window["last_step"] + 1))
     # stepdoctor analyze RUN_DIR --format json carries the same numbers
-    from stepdoctor_analysis import cli
+    from stepdoctor_analysis.cli import analyze as cli
 
     out = io.StringIO()
     with redirect_stdout(out):
         assert cli.main([str(run_dir), "--format", "json"]) == 0
     report = json.loads(out.getvalue())
     assert report["run_timeline"] == timeline.to_dict()
-    from stepdoctor_analysis import contract
+    from stepdoctor_analysis.report import contract
 
     assert contract.decode(report).run_timeline == timeline.to_dict()  # the published schema allows it
 

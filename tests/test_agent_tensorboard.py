@@ -14,7 +14,7 @@ import torch
 
 import stepdoctor
 from stepdoctor_analysis.pipeline import analyze_path
-from stepdoctor_analysis.report import TENSORBOARD_DATALOADER_NOTE
+from stepdoctor_analysis.report.document import TENSORBOARD_DATALOADER_NOTE
 from support.tensorboard import plugin_get, tensorboard_plugin, wait_for_run
 
 

@@ -15,11 +15,11 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from stepdoctor_analysis import cli
+from stepdoctor_analysis.cli import analyze as cli
 from stepdoctor_analysis.parsing import job_files
 from stepdoctor_analysis.pipeline import analyze_trace
 from stepdoctor_analysis.rank_pool import summarise_files
-from stepdoctor_analysis.run_verdict import verdict_of
+from stepdoctor_analysis.run.verdict import verdict_of
 from support import synthetic_dist as sd
 from support.server import drain, upload
 

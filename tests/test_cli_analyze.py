@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stepdoctor_analysis import cli
+from stepdoctor_analysis.cli import analyze as cli
 from support import synthetic
 
 
@@ -136,9 +136,9 @@ NOT_FOR_ONE_TRACE = (
     "socket",
     "tempfile",  # with importlib.resources: the guide's text is read only where it is shown
     "importlib.resources",
-    "stepdoctor_analysis.ranks",
-    "stepdoctor_analysis.job",
-    "stepdoctor_analysis.deep",
+    "stepdoctor_analysis.run.ranks",
+    "stepdoctor_analysis.run.job",
+    "stepdoctor_analysis.analyzers.deep",
     "stepdoctor_server",
     "hta",
     "pandas",

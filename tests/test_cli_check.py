@@ -54,7 +54,7 @@ def test_a_slower_run_fails_the_gate_and_a_faster_one_passes(
 def test_json_gives_the_same_answer_as_data(
     runs: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from stepdoctor_analysis.run_timeline import read_run_timeline
+    from stepdoctor_analysis.run.timeline import read_run_timeline
 
     code, out, _ = check(capsys, str(runs["slow"]), "--baseline", str(runs["fast"]), "--format", "json")
     result = json.loads(out)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from stepdoctor_analysis import cli as analyze_cli
-from stepdoctor_analysis import trim_cli
-from stepdoctor_analysis.cli import byte_text
+from stepdoctor_analysis.cli import analyze as analyze_cli
+from stepdoctor_analysis.cli import trim as trim_cli
+from stepdoctor_analysis.cli.analyze import byte_text
 from stepdoctor_server import cli
 from stepdoctor_server.core.settings import get_settings
 from support.synthetic import sync_bound_trace

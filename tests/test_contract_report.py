@@ -12,11 +12,12 @@ import msgspec
 import pytest
 from fastapi.testclient import TestClient
 
-from stepdoctor_analysis import BOTTLENECK_KINDS, SCHEMA_VERSION, contract
-from stepdoctor_analysis.cli import main as analyze_main
-from stepdoctor_analysis.comm import CommStats
-from stepdoctor_analysis.ops import OpStats
+from stepdoctor_analysis import BOTTLENECK_KINDS, SCHEMA_VERSION
+from stepdoctor_analysis.analyzers.comm import CommStats
+from stepdoctor_analysis.analyzers.ops import OpStats
+from stepdoctor_analysis.cli.analyze import main as analyze_main
 from stepdoctor_analysis.pipeline import analyze_path
+from stepdoctor_analysis.report import contract
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures" / "traces"
@@ -64,7 +65,8 @@ def test_a_job_directory_report_is_the_contract_too() -> None:
 
 def test_the_engine_builds_the_contract_types() -> None:
     """diagnose and pipeline construct the contract's own types: one definition, not a mirror."""
-    from stepdoctor_analysis import diagnose, report
+    from stepdoctor_analysis.report import document as report
+    from stepdoctor_analysis.rules import diagnose
 
     assert diagnose.Recommendation is contract.Recommendation and diagnose.Bottleneck is contract.Bottleneck
     assert report.StepRow is contract.StepRow

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from stepdoctor_analysis import ops, rules
+from stepdoctor_analysis import rules
+from stepdoctor_analysis.analyzers import ops
 from stepdoctor_analysis.rules import catalog, documented_rules, rule
+from stepdoctor_analysis.rules.doc import rules_markdown
 from stepdoctor_analysis.rules.record import Rule
-from stepdoctor_analysis.rules_doc import rules_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stepdoctor_analysis import parse, steps, trim
+from stepdoctor_analysis import parsing as parse
+from stepdoctor_analysis.model import steps
+from stepdoctor_analysis.parsing import trim
 from stepdoctor_analysis.pipeline import analyze_path
 from support.fixtures import HTA_TRACES, TRACELENS_TRACES
 from support.synthetic import launch_bound_trace, sync_bound_trace
@@ -59,8 +61,8 @@ def test_the_drawn_step_has_host_and_gpu_lanes_with_named_boxes(tmp_path: Path) 
 
 
 def test_representative_steps_are_median_slowest_and_a_warm_up_outlier() -> None:
-    from stepdoctor_analysis.model import Step
-    from stepdoctor_analysis.step_timeline import representative_steps
+    from stepdoctor_analysis.analyzers.step_timeline import representative_steps
+    from stepdoctor_analysis.model.trace import Step
 
     durations = [50, 10, 11, 12, 30]
     chosen = representative_steps([Step(i, i * 100, i * 100 + d) for i, d in enumerate(durations)])
@@ -174,7 +176,7 @@ def test_trimmed_trace_loads_in_torch_tb_profiler(tmp_path: Path) -> None:
 def test_busiest_lanes_are_the_same_by_peeling_or_by_sorting(pairs: int) -> None:
     """Few threads/streams are peeled off one at a time, many go through unique+bincount: same answer,
     ties to the lower pair, returned in pair order."""
-    from stepdoctor_analysis.step_timeline import _busiest, _busiest_sorted
+    from stepdoctor_analysis.analyzers.step_timeline import _busiest, _busiest_sorted
 
     rng = np.random.default_rng(pairs)
     which = rng.integers(0, pairs, 500)
@@ -192,8 +194,8 @@ def test_busiest_lanes_are_the_same_by_peeling_or_by_sorting(pairs: int) -> None
 
 @pytest.mark.parametrize("seed", range(10))
 def test_dominant_bins_give_each_bin_to_the_kind_covering_most_of_it(seed: int) -> None:
-    from stepdoctor_analysis.model import Step
-    from stepdoctor_analysis.step_timeline import _dominant_bins
+    from stepdoctor_analysis.analyzers.step_timeline import _dominant_bins
+    from stepdoctor_analysis.model.trace import Step
 
     rng = np.random.default_rng(seed)
     step = Step(number=1, start=1_000, end=1_000 + int(rng.integers(50, 400)))

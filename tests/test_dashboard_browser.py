@@ -15,7 +15,8 @@ import pytest
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
-from stepdoctor_analysis import parse, steps
+from stepdoctor_analysis import parsing as parse
+from stepdoctor_analysis.model import steps
 from stepdoctor_server.core.models import Project, Run, Team
 from support.dashboard import analyse_queued, launch_chromium
 from support.fixtures import HTA_TRACES

@@ -21,7 +21,8 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, update
 
-from stepdoctor_analysis import parse, steps
+from stepdoctor_analysis import parsing as parse
+from stepdoctor_analysis.model import steps
 from stepdoctor_server.core.models import DashboardSession, utcnow
 from support import synthetic
 from support.dashboard import analyse_queued, launch_chromium

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stepdoctor_analysis import contract
+from stepdoctor_analysis.report import contract
 from support.dashboard import analyse_queued, launch_chromium
 from support.server import cli_token, migrated_sqlite_env, serve_subprocess, upload
 

@@ -11,8 +11,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from stepdoctor_analysis import contract, pipeline
-from stepdoctor_analysis.contract import MemoryCategories, MemorySection
+from stepdoctor_analysis import pipeline
+from stepdoctor_analysis.report import contract
+from stepdoctor_analysis.report.contract import MemoryCategories, MemorySection
 from stepdoctor_dashboard.memory_figures import memory_use_figure, memory_use_figures
 from support import cpu_loops
 from support.dashboard import page_plots

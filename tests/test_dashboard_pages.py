@@ -10,7 +10,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from stepdoctor_analysis import BOTTLENECK_KINDS, parse, steps
+from stepdoctor_analysis import BOTTLENECK_KINDS
+from stepdoctor_analysis import parsing as parse
+from stepdoctor_analysis.model import steps
 from stepdoctor_server.core.models import Project, Run
 from support.dashboard import page_plots
 from support.fixtures import HTA_TRACES
@@ -169,7 +171,7 @@ def test_pending_pages_refresh_and_deep_analyses_need_hta(
         assert 'http-equiv="refresh"' in browser.get(f"/runs/{made['run_id']}").text
         assert 'http-equiv="refresh"' in browser.get(f"/traces/{made['id']}").text
     drain(app)
-    from stepdoctor_analysis import deep
+    from stepdoctor_analysis.analyzers import deep
 
     monkeypatch.setattr(deep, "available", lambda: False)
     with logged_in(app, admin_token) as browser:

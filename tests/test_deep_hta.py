@@ -1,4 +1,4 @@
-"""Deep analyses through HTA (``stepdoctor_analysis.deep``): critical path and trace diff.
+"""Deep analyses through HTA (``stepdoctor_analysis.analyzers.deep``): critical path and trace diff.
 
 Expectations are derived here from the raw Kineto JSON (spans, op durations, per-step name
 multisets), never copied from our own output. The "HTA missing" case runs in a subprocess that
@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from stepdoctor_analysis import cli, deep
+from stepdoctor_analysis.analyzers import deep
+from stepdoctor_analysis.cli import analyze as cli
 from stepdoctor_analysis.errors import TraceError
 from support.fixtures import HTA_TRACES
 
@@ -321,7 +322,8 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split(".")[0] == "hta":
             raise ImportError("blocked: " + name)
 sys.meta_path.insert(0, Block())
-from stepdoctor_analysis import cli, deep
+from stepdoctor_analysis.cli import analyze as cli
+from stepdoctor_analysis.analyzers import deep
 from stepdoctor_analysis.errors import TraceError
 assert not deep.available() and "hta" not in sys.modules
 try:
@@ -345,7 +347,7 @@ def test_missing_hta_is_a_clean_exit_2() -> None:
 
 
 def test_engine_imports_without_touching_hta() -> None:
-    code = "import sys, stepdoctor_analysis.pipeline, stepdoctor_analysis.deep; print('hta' in sys.modules)"
+    code = "import sys, stepdoctor_analysis.pipeline, stepdoctor_analysis.analyzers.deep; print('hta' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
 

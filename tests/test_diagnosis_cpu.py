@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from stepdoctor_analysis.pipeline import analyze_path
-from stepdoctor_analysis.report import Report
+from stepdoctor_analysis.report.document import Report
 from support import cpu_loops
 
 pytest.importorskip("torch")

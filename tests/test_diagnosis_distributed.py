@@ -12,10 +12,10 @@ import msgspec
 import pytest
 import torch
 
-from stepdoctor_analysis.collectives import collective_type, is_collective_kernel_name
-from stepdoctor_analysis.contract import decode
+from stepdoctor_analysis.model.collectives import collective_type, is_collective_kernel_name
 from stepdoctor_analysis.pipeline import analyze_path
-from stepdoctor_analysis.ranks import TraceEntry, rank_verdict, worker_name
+from stepdoctor_analysis.report.contract import decode
+from stepdoctor_analysis.run.ranks import TraceEntry, rank_verdict, worker_name
 from stepdoctor_server.runs.diagnosis import StoredTrace, aggregate_run
 from support import synthetic_dist as sd
 from support.cpu_loops import _record
@@ -117,7 +117,7 @@ def test_real_recommendation_model_gets_all_to_all_advice() -> None:
 
 
 def test_metadata_tag_declares_the_workload(tmp_path: Path) -> None:
-    from stepdoctor_analysis import parse
+    from stepdoctor_analysis import parsing as parse
     from stepdoctor_analysis.pipeline import analyze_trace
 
     trace = parse.load_trace(sd.all_to_all_trace(tmp_path / "t.json"))
@@ -215,7 +215,7 @@ def test_traces_without_rank_group_by_tensorboard_worker() -> None:
 def test_analyze_lists_the_runs_of_a_tensorboard_logdir(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from stepdoctor_analysis import cli
+    from stepdoctor_analysis.cli import analyze as cli
 
     for run in ("baseline", "team/fsdp"):
         (tmp_path / run).mkdir(parents=True)

@@ -11,7 +11,7 @@ import pytest
 
 from stepdoctor_analysis import SCHEMA_VERSION
 from stepdoctor_analysis.pipeline import analyze_path
-from stepdoctor_analysis.report import BREAKDOWN_KEYS
+from stepdoctor_analysis.report.document import BREAKDOWN_KEYS
 from stepdoctor_analysis.rules import KINDS
 from support.fixtures import HTA_TRACES as HTA
 from support.fixtures import all_fixture_files

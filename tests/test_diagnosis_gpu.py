@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from stepdoctor_analysis.parse import load_trace
+from stepdoctor_analysis.analyzers.sync import analyze_sync
+from stepdoctor_analysis.analyzers.transfers import analyze_transfers
+from stepdoctor_analysis.model.steps import find_steps
+from stepdoctor_analysis.parsing import load_trace
 from stepdoctor_analysis.pipeline import analyze_path
-from stepdoctor_analysis.steps import find_steps
-from stepdoctor_analysis.sync import analyze_sync
-from stepdoctor_analysis.transfers import analyze_transfers
 from support import synthetic
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stepdoctor_analysis.inputs import loader_settings, suggested_workers
+from stepdoctor_analysis.analyzers.inputs import loader_settings, suggested_workers
 from stepdoctor_analysis.pipeline import analyze_path
-from stepdoctor_analysis.ranks import TraceEntry, rank_verdict
-from stepdoctor_analysis.report import plain
+from stepdoctor_analysis.report.document import plain
 from stepdoctor_analysis.rules import KINDS, RULES
 from stepdoctor_analysis.rules.record import Hit, Rule, speedup
+from stepdoctor_analysis.run.ranks import TraceEntry, rank_verdict
 from support import synthetic
 from support.reports import typed
 

@@ -12,8 +12,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from stepdoctor_analysis import BOTTLENECK_KINDS, guide
-from stepdoctor_analysis.cli import main as analyze_main
+from stepdoctor_analysis import BOTTLENECK_KINDS
+from stepdoctor_analysis.cli.analyze import main as analyze_main
+from stepdoctor_analysis.report import guide
 from stepdoctor_analysis.rules import documented_rules
 from support.reports import recommendation
 from support.server import drain, logged_in, upload

@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stepdoctor_analysis import hta_metrics as hm
-from stepdoctor_analysis.breakdown import CATEGORIES, compute_breakdown
-from stepdoctor_analysis.gpu_metrics import compute_gpu_metrics
-from stepdoctor_analysis.model import RankTrace, Step
-from stepdoctor_analysis.parse import load_trace
-from stepdoctor_analysis.steps import find_steps
+from stepdoctor_analysis.analyzers import hta_metrics as hm
+from stepdoctor_analysis.analyzers.breakdown import CATEGORIES, compute_breakdown
+from stepdoctor_analysis.analyzers.gpu_metrics import compute_gpu_metrics
+from stepdoctor_analysis.model.steps import find_steps
+from stepdoctor_analysis.model.trace import RankTrace, Step
+from stepdoctor_analysis.parsing import load_trace
 from support.fixtures import CPU_FIXTURES, GPU_FIXTURES, parsed, write_trace
 
 US = 1000  # ns per µs

@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 
-from stepdoctor_analysis import hta_metrics as hm
-from stepdoctor_analysis.breakdown import CATEGORIES, compute_breakdown, is_dataloader_name
-from stepdoctor_analysis.gpu_metrics import compute_gpu_metrics
-from stepdoctor_analysis.steps import find_steps, step_marker_mask
+from stepdoctor_analysis.analyzers import hta_metrics as hm
+from stepdoctor_analysis.analyzers.breakdown import CATEGORIES, compute_breakdown, is_dataloader_name
+from stepdoctor_analysis.analyzers.gpu_metrics import compute_gpu_metrics
+from stepdoctor_analysis.model.steps import find_steps, step_marker_mask
 from support.fixtures import CPU_FIXTURES, GPU_FIXTURES, fixture, parsed
 
 pytestmark = pytest.mark.slow

@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 
 from stepdoctor_analysis.errors import TraceError, TraceTooLarge
-from stepdoctor_analysis.model import NONE, CopyKind, GpuKind, HostKind, HostMem, RankTrace
-from stepdoctor_analysis.parse import load_job, load_trace
-from stepdoctor_analysis.parsing import reading, splitting
-from stepdoctor_analysis.steps import launching_call
+from stepdoctor_analysis.model.steps import launching_call
+from stepdoctor_analysis.model.trace import NONE, CopyKind, GpuKind, HostKind, HostMem, RankTrace
+from stepdoctor_analysis.parsing import load_job, load_trace, reading, splitting
 from support.fixtures import (
     CPU_FIXTURES,
     GPU_FIXTURES,
@@ -448,7 +447,7 @@ def test_a_long_logs_array_after_the_events_is_not_mistaken_for_their_end(tmp_pa
 def test_name_tests_are_cached_across_traces_only_when_they_depend_on_the_name_alone(tmp_path: Path) -> None:
     """``RankTrace.host_named`` keeps the answers of stateless predicates (module functions, compiled
     patterns) per name across traces; a closure may answer differently next time, so it is asked again."""
-    from stepdoctor_analysis.model import _answers
+    from stepdoctor_analysis.model.trace import _answers
 
     events = [
         {"ph": "X", "cat": "cpu_op", "name": n, "pid": 1, "tid": 1, "ts": i * 10, "dur": 5}

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from stepdoctor_analysis.report import plain
+from stepdoctor_analysis.report.document import plain
 
 
 @dataclass

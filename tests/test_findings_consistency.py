@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from stepdoctor_analysis import consistency
-from stepdoctor_analysis.contract import Recommendation
 from stepdoctor_analysis.pipeline import analyze_path
+from stepdoctor_analysis.report import consistency
+from stepdoctor_analysis.report.contract import Recommendation
 from stepdoctor_analysis.rules import declared
 from support import verdict_traces as vt
 from support.fixtures import TRACES

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from stepdoctor_analysis import parse
+from stepdoctor_analysis import parsing as parse
 from stepdoctor_analysis.errors import TraceError
 from stepdoctor_server.core.errors import ApiError
 from stepdoctor_server.traces.ingest import MAX_COMPRESSION_RATIO, RATIO_CHECK_AFTER, BodyInspector
@@ -74,7 +74,7 @@ def write_whitespace_bomb(path: Path, pad_bytes: int, *, block: int = MiB) -> in
 _CHILD = textwrap.dedent(
     """
     import sys
-    from stepdoctor_analysis.parse import load_trace
+    from stepdoctor_analysis.parsing import load_trace
     from stepdoctor_analysis.errors import TraceError
     try:
         trace = load_trace(sys.argv[1], max_bytes=8 << 30)

@@ -34,6 +34,12 @@ ALLOWED = {
 # ``jobs`` runs what the domains register with it (``jobs.defer``), so it sits below them.
 LAYERS = ["core", "jobs", "auth", "traces", "runs", "deep", "web"]
 KNOWN_UPWARD_LAYERS: set[tuple[str, str]] = set()
+# The engine, bottom first: the package's own constants ("") and errors, the trace ``model``,
+# ``parsing`` (which builds it), the ``analyzers`` (one trace's facts), the ``report`` (their typed
+# JSON and text), the ``rules`` (which judge them), a ``run`` of several traces, the ``pipeline``
+# (path in, report out) and the ``cli``. A module imports its own layer and those below.
+ENGINE_LAYERS = ["", "errors", "model", "parsing", "analyzers", "report", "rules", "run", "pipeline", "cli"]
+ENGINE_BESIDE = {"rank_pool": "pipeline"}  # top-level modules in another module's layer
 KNOWN_CIRCLES: set[frozenset[str]] = set()
 
 
@@ -140,6 +146,35 @@ def test_server_layers_import_only_downward() -> None:
             if here and there and LAYERS.index(there) > LAYERS.index(here):
                 upward.add((here, there))
     assert upward == KNOWN_UPWARD_LAYERS
+
+
+def _engine_layer(module: str) -> str:
+    parts = module.split(".")
+    return "" if len(parts) == 1 else ENGINE_BESIDE.get(parts[1], parts[1])
+
+
+def _engine_arrows(graph: dict[str, set[str]]) -> tuple[list[str], list[tuple[str, str]]]:
+    """(engine modules in no layer, imports that run up the engine's layers)."""
+    engine = {m: deps for m, deps in graph.items() if m.split(".")[0] == "stepdoctor_analysis"}
+    unplaced = sorted(m for m in engine if _engine_layer(m) not in ENGINE_LAYERS)
+    rank = {m: ENGINE_LAYERS.index(_engine_layer(m)) for m in engine if m not in unplaced}
+    upward = sorted(
+        (m, d) for m, deps in engine.items() for d in deps if d in rank and m in rank and rank[d] > rank[m]
+    )
+    return unplaced, upward
+
+
+def test_engine_layers_import_only_downward() -> None:
+    assert _engine_arrows(_graph()) == ([], [])
+
+
+def test_an_upward_engine_import_is_caught() -> None:
+    """The check sees an arrow that runs up: the trace model importing the rules."""
+    graph = _graph()
+    graph["stepdoctor_analysis.model.trace"] = graph["stepdoctor_analysis.model.trace"] | {
+        "stepdoctor_analysis.rules"
+    }
+    assert ("stepdoctor_analysis.model.trace", "stepdoctor_analysis.rules") in _engine_arrows(graph)[1]
 
 
 def test_the_engine_imports_no_server_dashboard_or_agent() -> None:

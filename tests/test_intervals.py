@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stepdoctor_analysis import intervals as iv
+from stepdoctor_analysis.model import intervals as iv
 
 SPAN = 120
 
@@ -109,7 +109,7 @@ def test_union_of_negative_times() -> None:
 @pytest.mark.parametrize("seed", range(30))
 def test_mean_or_zero_equals_numpys_mean(seed: int) -> None:
     """The engine's one remaining stand-in returns exactly what numpy returns."""
-    from stepdoctor_analysis import timeline as tl
+    from stepdoctor_analysis.analyzers import timeline as tl
 
     rng = np.random.default_rng(seed)
     a = rng.integers(0, 10 ** int(rng.integers(1, 12)), int(rng.integers(1, 40))).astype(np.int64)

@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 pytest.importorskip("mcp")
 from mcp import Client
 
-from stepdoctor_analysis import guide
 from stepdoctor_analysis.pipeline import analyze_path
+from stepdoctor_analysis.report import guide
 from stepdoctor_server.mcp_server import Backend, LocalBackend, RemoteBackend, build_server
 from support.server import drain, upload
 from support.synthetic import launch_bound_trace, sync_bound_trace
@@ -204,7 +204,7 @@ def test_mcp_command_starts_over_stdio(logdir: Path) -> None:
 def test_local_compare_uses_the_unprofiled_steady_state_when_both_runs_have_a_series(logdir: Path) -> None:
     """The compare page's basis (the engine's compare, as ``check``): each run folder gets a step
     series (60 and 40 ms steady steps); the comparison says ``unprofiled`` and measures 1.5x on it."""
-    from stepdoctor_analysis.run_timeline import SUFFIX
+    from stepdoctor_analysis.run.timeline import SUFFIX
     from support.regressions import series_chunk
 
     for name, ms in (("sync", 60.0), ("launch", 40.0)):

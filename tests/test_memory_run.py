@@ -11,11 +11,11 @@ import msgspec
 import pytest
 import torch
 
-from stepdoctor_analysis import run_verdict as rv
-from stepdoctor_analysis.memory_run import WindowEnds, run_leak
 from stepdoctor_analysis.pipeline import analyze_path
-from stepdoctor_analysis.ranks import TraceEntry
-from stepdoctor_analysis.run_timeline import Memory
+from stepdoctor_analysis.run import verdict as rv
+from stepdoctor_analysis.run.memory import WindowEnds, run_leak
+from stepdoctor_analysis.run.ranks import TraceEntry
+from stepdoctor_analysis.run.timeline import Memory
 from support import cpu_loops
 
 MIB = 1 << 20

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stepdoctor_analysis.memory import memory_curves
-from stepdoctor_analysis.parse import load_trace
+from stepdoctor_analysis.analyzers.memory import memory_curves
+from stepdoctor_analysis.parsing import load_trace
 from stepdoctor_analysis.pipeline import analyze_path
 from support.synthetic import TraceBuilder
 

@@ -15,8 +15,8 @@ import torch
 import stepdoctor
 from stepdoctor.memory_timeline import KEY, append_key, compact
 from stepdoctor.spool import TRACE_SUFFIX
-from stepdoctor_analysis.memory_use import CATEGORIES, TORCH_BASIS
-from stepdoctor_analysis.parse import load_trace
+from stepdoctor_analysis.analyzers.memory_use import CATEGORIES, TORCH_BASIS
+from stepdoctor_analysis.parsing import load_trace
 from stepdoctor_analysis.pipeline import analyze_path
 
 SMALL: dict[str, Any] = {"skip_first": 2, "warmup": 1, "active": 3, "flush_timeout": 10.0, "series": False}

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from stepdoctor_analysis.contract import decode
-from stepdoctor_analysis.memory_use import CATEGORIES
-from stepdoctor_analysis.parse import load_trace
+from stepdoctor_analysis.analyzers.memory_use import CATEGORIES
+from stepdoctor_analysis.parsing import load_trace
 from stepdoctor_analysis.pipeline import analyze_path
-from stepdoctor_analysis.report import render_text
+from stepdoctor_analysis.report.contract import decode
+from stepdoctor_analysis.report.document import render_text
 from support import cpu_loops
 from support.synthetic import GIB, memory_trace
 
@@ -237,7 +237,7 @@ def test_real_traces_have_categories_that_add_up_and_no_false_memory_cards(
 
 
 def test_run_growth_reads_a_steady_rise_under_spikes_and_not_a_level_one() -> None:
-    from stepdoctor_analysis.memory_use import LEAK_MIN_MIB_PER_STEP, run_growth
+    from stepdoctor_analysis.analyzers.memory_use import LEAK_MIN_MIB_PER_STEP, run_growth
 
     step = np.arange(0, 4000, 10)  # a sample every 10 steps
     rng = np.random.default_rng(0)
@@ -257,13 +257,13 @@ def test_run_growth_reads_a_steady_rise_under_spikes_and_not_a_level_one() -> No
 
 def _series_run(spool: Path, *, keep: bool) -> Any:
     """``cpu_loops.host_memory_loop`` in a fresh process, then the run timeline of its step series."""
-    from stepdoctor_analysis.run_timeline import read_run_timeline
+    from stepdoctor_analysis.run.timeline import read_run_timeline
 
     return read_run_timeline(cpu_loops.host_memory_run(spool, keep=keep))
 
 
 def test_host_memory_growing_every_step_over_a_cpu_run_is_a_leak(tmp_path: Path) -> None:
-    from stepdoctor_analysis.run_timeline import render_text as timeline_text
+    from stepdoctor_analysis.run.timeline import render_text as timeline_text
 
     leaking = _series_run(tmp_path / "a", keep=True)
     assert leaking is not None and leaking.memory is not None and leaking.memory.kind in ("rss", "cuda")

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stepdoctor_analysis.model import NONE, RankTrace
-from stepdoctor_analysis.parse import load_trace
+from stepdoctor_analysis.model.trace import NONE, RankTrace
+from stepdoctor_analysis.parsing import load_trace
 from stepdoctor_analysis.parsing.columns import ABSENT_AFTER
 from stepdoctor_analysis.pipeline import analyze_path
 from support.fixtures import HTA_TRACES

@@ -151,7 +151,7 @@ def test_a_module_missing_mid_command_gets_the_same_hint() -> None:
 import sys
 sys.modules["pandas"] = None
 from stepdoctor import cli
-import stepdoctor_analysis.cli as acli
+import stepdoctor_analysis.cli.analyze as acli
 def main(argv):
     import pandas  # noqa: F401 - what a lazily importing command does
 acli.main = main

@@ -17,8 +17,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from stepdoctor_analysis import parse, parsing
-from stepdoctor_analysis.model import NONE, GpuEvents, HostEvents, MemoryEvents
+from stepdoctor_analysis import parsing
+from stepdoctor_analysis.model.trace import NONE, GpuEvents, HostEvents, MemoryEvents
 from stepdoctor_analysis.parsing import columns, reading, schema, splitting
 from stepdoctor_analysis.parsing.schema import ARGS, Arg, args_struct, table
 
@@ -149,16 +149,12 @@ def test_an_attribute_clashing_with_an_event_field_is_refused() -> None:
         table("host", (*ARGS, Arg("correlation", "Correlation", "i8", host="correlation")))
 
 
-def test_facade_keeps_the_callers_names_and_no_tuning_knobs() -> None:
-    """``parse`` re-exports the parts (the same objects); knobs live where they are read, so a test
-    patching ``parse._CHUNK`` fails loudly instead of silently changing nothing."""
-    assert parse.load_trace is parsing.load_trace and parse.load_job is parsing.load_job
-    assert parse._StreamParser is splitting.StreamParser
-    assert parse._decompressed_blocks is reading.decompressed_blocks
-    assert parse._Builder is columns.Builder
-    assert parse.DEFAULT_MAX_BYTES == reading.DEFAULT_MAX_BYTES
+def test_the_parser_package_holds_no_tuning_knobs() -> None:
+    """Knobs live where they are read, so a test patching ``parsing._CHUNK`` fails loudly instead of
+    silently changing nothing."""
+    assert parsing.DEFAULT_MAX_BYTES == reading.DEFAULT_MAX_BYTES
     for knob in ("_CHUNK", "_OUT_BLOCK", "_SMALL_FILE", "_inflate_lib", "_MAX_UNCUT"):
-        assert not hasattr(parse, knob)
+        assert not hasattr(parsing, knob)
     assert hasattr(splitting, "_CHUNK") and hasattr(splitting, "_MAX_UNCUT")
     assert hasattr(reading, "_OUT_BLOCK") and hasattr(reading, "_SMALL_FILE")
 

@@ -11,10 +11,10 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stepdoctor_analysis.contract import ReportDoc
-from stepdoctor_analysis.run_aggregate import RunAggregate
-from stepdoctor_analysis.run_verdict import run_verdict, verdict_of
-from stepdoctor_analysis.trace_summary import TraceEntry, TraceSummary, decode, encode, summary_of
+from stepdoctor_analysis.report.contract import ReportDoc
+from stepdoctor_analysis.run.aggregate import RunAggregate
+from stepdoctor_analysis.run.trace_summary import TraceEntry, TraceSummary, decode, encode, summary_of
+from stepdoctor_analysis.run.verdict import run_verdict, verdict_of
 from support.rank_reports import base_reports, rank_reports, with_compute
 
 RANKS, WINDOWS, WORKERS, VARIANTS = 6, 2, 2, 3  # slots: ranks × windows, then traces without a rank

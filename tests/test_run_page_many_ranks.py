@@ -11,8 +11,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from stepdoctor_analysis.ranks import NAMED_RANKS, TraceEntry, named_ranks
-from stepdoctor_analysis.run_verdict import run_verdict
+from stepdoctor_analysis.run.ranks import NAMED_RANKS, TraceEntry, named_ranks
+from stepdoctor_analysis.run.verdict import run_verdict
 from stepdoctor_dashboard.rank_figures import TOP_NODES, TOP_RANKS, RankPlace, heatmap_figure
 from support.dashboard import page_plots
 from support.many_ranks import many_rank_run, rank_report
@@ -129,7 +129,7 @@ def test_the_heatmap_carries_host_names_as_text_not_markup() -> None:
 
 
 def test_the_cli_text_names_a_few_stragglers_too() -> None:
-    from stepdoctor_analysis.cli import _render_runs
+    from stepdoctor_analysis.cli.analyze import _render_runs
     from stepdoctor_analysis.pipeline import analyze_path
     from support.fixtures import HTA_TRACES
 

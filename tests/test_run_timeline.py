@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from stepdoctor.series import MAGIC, block_median, encode_chunk
-from stepdoctor_analysis import run_timeline as rt
+from stepdoctor_analysis.run import timeline as rt
 
 
 def chunk(

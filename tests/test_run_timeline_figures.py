@@ -3,7 +3,7 @@ what a run page draws, its text escaped for plotly, its size bounded whatever th
 
 from __future__ import annotations
 
-from stepdoctor_analysis.run_timeline import run_timeline
+from stepdoctor_analysis.run.timeline import run_timeline
 from stepdoctor_dashboard.timeline_figures import ANOMALIES_NAME, WINDOWS_NAME, run_timeline_figure
 from support.series_chunks import chunk
 

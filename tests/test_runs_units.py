@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from stepdoctor_analysis.run_verdict import merge_recommendations
+from stepdoctor_analysis.run.verdict import merge_recommendations
 from stepdoctor_server.runs.compare import compare_diagnoses
 from stepdoctor_server.runs.diagnosis import StoredTrace, aggregate_run
 from stepdoctor_server.runs.export import ExportItem, archive_names, stream_zip, worker_name
@@ -42,7 +42,7 @@ def _aggregate(traces: list[StoredTrace], **counts: int) -> dict[str, Any]:
 
 def _merge(traces: list[StoredTrace]) -> list[dict[str, Any]]:
     """The run's merged cards over readable reports (100 µs steps in these tests)."""
-    from stepdoctor_analysis.ranks import TraceEntry
+    from stepdoctor_analysis.run.ranks import TraceEntry
     from stepdoctor_server.traces.reports import read_report
 
     entries = [TraceEntry(doc, rank=t.rank) for t in traces if (doc := read_report(t.report)) is not None]

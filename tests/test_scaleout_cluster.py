@@ -283,7 +283,7 @@ def test_api_with_no_workers_runs_no_analysis_and_no_migration(cluster: Cluster,
 
 
 def test_deep_analysis_runs_on_a_procrastinate_worker_from_s3(cluster: Cluster) -> None:
-    from stepdoctor_analysis import deep
+    from stepdoctor_analysis.analyzers import deep
 
     if not deep.available():
         pytest.skip("HolisticTraceAnalysis (stepdoctor[hta]) missing")

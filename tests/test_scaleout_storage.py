@@ -19,7 +19,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from stepdoctor_analysis import parse
+from stepdoctor_analysis import parsing as parse
 from stepdoctor_server.core.models import Analysis, Trace
 from stepdoctor_server.core.settings import Settings
 from stepdoctor_server.traces.storage import LocalStore, S3Store, StagedFile, make_store

@@ -17,7 +17,7 @@ import pytest
 
 from stepdoctor.series import SUFFIX, SeriesSettings
 from stepdoctor.spool import UPLOADED_DIR
-from stepdoctor_analysis import run_timeline as rt
+from stepdoctor_analysis.run import timeline as rt
 from support.series_loops import run_loop
 from support.server import cli_token, migrated_sqlite_env, serve_subprocess
 
@@ -65,7 +65,7 @@ def test_the_agent_ships_every_step_to_the_server_while_training(
     body = run_api(server, "online")
     assert body["run_timeline"] == local.to_dict()
     # the same numbers as `stepdoctor analyze RUN_DIR --format json` over the local copies
-    from stepdoctor_analysis import cli
+    from stepdoctor_analysis.cli import analyze as cli
 
     out = io.StringIO()
     with redirect_stdout(out):

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from stepdoctor_analysis import deep
+from stepdoctor_analysis.analyzers import deep
 from stepdoctor_dashboard import figures
 from stepdoctor_server.core.models import DeepAnalysis
 from stepdoctor_server.jobs.claims import SqlDeepQueue, SqlJobQueue

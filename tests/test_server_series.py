@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from stepdoctor_analysis.run_timeline import MEMORY_COLUMNS, run_timeline
+from stepdoctor_analysis.run.timeline import MEMORY_COLUMNS, run_timeline
 from support.series_chunks import chunk, padded, with_header
 from support.server import bearer, logged_in, row_counts, synthetic_trace, upload
 

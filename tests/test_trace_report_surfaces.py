@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from stepdoctor_analysis import cli
+from stepdoctor_analysis.cli import analyze as cli
 from stepdoctor_analysis.pipeline import analyze_path
 from stepdoctor_dashboard.formatting import duration
 from support.fixtures import HTA_TRACES, TRACELENS_TRACES, TRACES

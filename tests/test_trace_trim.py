@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from stepdoctor_analysis import parse, steps, trim
+from stepdoctor_analysis import parsing as parse
+from stepdoctor_analysis.model import steps
+from stepdoctor_analysis.parsing import trim
 from support.dashboard_traces import back_to_back_cpu_steps
 from support.synthetic import TraceBuilder
 

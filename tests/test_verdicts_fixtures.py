@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from stepdoctor_analysis.pipeline import analyze_path
-from stepdoctor_analysis.report import Report
+from stepdoctor_analysis.report.document import Report
 from stepdoctor_server.runs.compare import compare_diagnoses
 from stepdoctor_server.runs.diagnosis import StoredTrace
 from support.fixtures import TRACES

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from stepdoctor_analysis.model import DeviceInfo
-from stepdoctor_analysis.precision import device_caps, matmul_precision
+from stepdoctor_analysis.analyzers.precision import device_caps, matmul_precision
+from stepdoctor_analysis.model.trace import DeviceInfo
 
 
 @pytest.mark.parametrize(

@@ -18,12 +18,13 @@ from typing import Any
 
 import pytest
 
-from stepdoctor_analysis import contract, parse
+from stepdoctor_analysis import parsing as parse
+from stepdoctor_analysis.analyzers.workload import KINDS, Workload, detect_workload
 from stepdoctor_analysis.parsing.schema import MATMUL_OPS
 from stepdoctor_analysis.pipeline import analyze_path
+from stepdoctor_analysis.report import contract
 from stepdoctor_analysis.rules import RULES
 from stepdoctor_analysis.rules.record import Hit
-from stepdoctor_analysis.workload import KINDS, Workload, detect_workload
 from support.fixtures import HTA_TRACES, TRACELENS_TRACES
 from support.synthetic import TraceBuilder
 

@@ -3,7 +3,7 @@ types, and the packaged copy of the verdict guide (docs/verdicts.md, which peopl
 
 Run by ``make docs``; tests/test_contract_rules.py and tests/test_docs_verdicts.py fail when a
 committed file differs from what this writes, so a rule or report change and its docs land in the
-same commit, and the wheel's guide (``stepdoctor_analysis.guide``) is the one in docs/.
+same commit, and the wheel's guide (``stepdoctor_analysis.report.guide``) is the one in docs/.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ PACKAGED_GUIDE = ROOT / "backend" / "stepdoctor_analysis" / "verdicts.md"
 
 def generated() -> dict[Path, str]:
     """Path -> the text it must hold."""
-    from stepdoctor_analysis.contract import schema_text
-    from stepdoctor_analysis.rules_doc import rules_markdown
+    from stepdoctor_analysis.report.contract import schema_text
+    from stepdoctor_analysis.rules.doc import rules_markdown
 
     return {
         ROOT / "docs" / "rules.md": rules_markdown(),

@@ -23,14 +23,16 @@ class Command(NamedTuple):
 
 
 COMMANDS: dict[str, Command] = {
-    "analyze": Command("stepdoctor_analysis.cli:main", "analyze", "diagnose trace files offline (no server)"),
+    "analyze": Command(
+        "stepdoctor_analysis.cli.analyze:main", "analyze", "diagnose trace files offline (no server)"
+    ),
     "trim": Command(
-        "stepdoctor_analysis.trim_cli:main",
+        "stepdoctor_analysis.cli.trim:main",
         "analyze",
         "cut steps out of a big trace (trim IN OUT --steps 5-6)",
     ),
     "check": Command(
-        "stepdoctor_analysis.check_cli:main",
+        "stepdoctor_analysis.cli.check:main",
         "analyze",
         "CI gate: exit 1 when a run's step time regressed (check RUN --baseline RUN)",
     ),

@@ -14,7 +14,7 @@ disk. A chunk is a small JSON header plus zlib-compressed little-endian int64 co
 
     b"SDSERIES" 0x01 | uint32 header length | header JSON | zlib(columns, in header order)
 
-``stepdoctor_analysis.run_timeline.validate_chunk`` is the reader and the validator (the server
+``stepdoctor_analysis.run.timeline.validate_chunk`` is the reader and the validator (the server
 reuses it); the agent does not import it (standard library + torch only), and a test round-trips
 what this module writes through it.
 

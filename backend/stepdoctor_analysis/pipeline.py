@@ -14,30 +14,32 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from . import breakdown as bd
-from . import diagnose, gpu_metrics, parse, step_timeline, steps, tables
-from . import hta_metrics as hta
-from . import timeline as tl
-from .comm import analyze_comm
+from . import parsing as parse
+from .analyzers import breakdown as bd
+from .analyzers import gpu_metrics, step_timeline, tables
+from .analyzers import hta_metrics as hta
+from .analyzers import timeline as tl
+from .analyzers.comm import analyze_comm
+from .analyzers.floors import analyze_floors
+from .analyzers.inputs import analyze_inputs, loader_settings
+from .analyzers.memory import analyze_memory, memory_curves
+from .analyzers.ops import analyze_ops
+from .analyzers.precision import DeviceCaps, trace_caps
+from .analyzers.recurrence import pass_waits
+from .analyzers.sync import analyze_sync
+from .analyzers.transfers import analyze_transfers
+from .analyzers.workload import detect_workload
 from .errors import TraceError
-from .floors import analyze_floors
-from .inputs import analyze_inputs, loader_settings
-from .memory import analyze_memory, memory_curves
-from .model import RankTrace
-from .ops import analyze_ops
+from .model import steps
+from .model.trace import RankTrace
 from .parsing import job_files
-from .precision import DeviceCaps, trace_caps
-from .recurrence import pass_waits
-from .report import Report, StepRow, field_dict, plain
-from .rules import KINDS, pattern_minimums
+from .report.document import Report, StepRow, field_dict, plain
+from .rules import KINDS, diagnose, pattern_minimums
 from .rules.memory_advice import report_section as memory_section
 from .rules.record import Context
-from .sync import analyze_sync
-from .transfers import analyze_transfers
-from .workload import detect_workload
 
 if TYPE_CHECKING:
-    from .run_verdict import RunVerdict
+    from .run.verdict import RunVerdict
 
 Progress = Callable[[str], None]
 
@@ -330,7 +332,8 @@ def _job_report(path: Path, traces: list[RankTrace], reports: list[Report]) -> R
     the limiter and its gain, the merged cards, ranks and windows. The lead's per-step rows, tables
     and drawn steps stay as the run's example.
     """
-    from . import ranks, run_verdict  # directories only: a single trace's analysis (and CLI start) skips them
+    from .run import ranks  # directories only: a single trace's analysis (and CLI start) skips them
+    from .run import verdict as run_verdict
 
     entries = [
         ranks.TraceEntry(r.typed(), window=i, worker=ranks.worker_name(t.source))
@@ -344,7 +347,7 @@ def _series_memory(path: Path) -> Any:
     """The agent's step-series memory beside a run's traces (``run_timeline.RunTimeline.memory``), for
     the run's leak over every step; None without a series, or with one that does not read (the CLI
     names a bad chunk with the timeline it prints)."""
-    from .run_timeline import read_run_timeline
+    from .run.timeline import read_run_timeline
 
     try:
         timeline = read_run_timeline(path) if path.is_dir() else None

@@ -19,11 +19,11 @@ from typing import Any
 import msgspec
 
 from .parsing import job_order, load_trace
-from .ranks import worker_name
-from .report import Report
-from .run_timeline import Memory as SeriesMemory
-from .run_verdict import RunVerdict, verdict_of
-from .trace_summary import TraceEntry, TraceSummary, summary_of
+from .report.document import Report
+from .run.ranks import worker_name
+from .run.timeline import Memory as SeriesMemory
+from .run.trace_summary import TraceEntry, TraceSummary, summary_of
+from .run.verdict import RunVerdict, verdict_of
 
 Done = Callable[[int, int], None]  # (files analysed, files in all)
 Analyze = Callable[..., Report]  # ``pipeline.analyze_trace`` (passed in: the pipeline calls this module)

@@ -9,7 +9,7 @@ the same question elsewhere, so the agent reads the numbers the CLI and the dash
   locally the report ``stepdoctor analyze RUN`` gives) and its per-step rows;
 - ``compare_runs``: ``compare.compare_diagnoses`` (the compare page's numbers), over the server's
   ``/compare`` or over ``run_verdict.run_verdict`` of two local runs;
-- ``guide``: a section of docs/verdicts.md (``stepdoctor_analysis.guide``, shipped in the wheel).
+- ``guide``: a section of docs/verdicts.md (``stepdoctor_analysis.report.guide``, shipped in the wheel).
 
 Two backends: local files (runs are trace files or directories, projects the log directories
 under ``--root``), or a server (``--server URL --token T``, default ``STEPDOCTOR_SERVER`` and
@@ -31,10 +31,10 @@ from typing import Any, Protocol, TypeVar
 
 import httpx
 
-from stepdoctor_analysis import guide
 from stepdoctor_analysis.errors import TraceError
-from stepdoctor_analysis.run_timeline import Side
-from stepdoctor_analysis.run_verdict import RunVerdict
+from stepdoctor_analysis.report import guide
+from stepdoctor_analysis.run.timeline import Side
+from stepdoctor_analysis.run.verdict import RunVerdict
 
 NAME = "stepdoctor"
 MAX_TIMELINE_TRACES = 16  # a run's timeline lists at most this many traces' steps
@@ -151,7 +151,7 @@ class LocalBackend:
         return p
 
     def list_projects(self) -> list[dict[str, Any]]:
-        from stepdoctor_analysis.logdir import has_traces, runs
+        from stepdoctor_analysis.parsing.logdir import has_traces, runs
 
         folders = [self.root, *sorted(p for p in self.root.iterdir() if p.is_dir())]
         return [
@@ -161,7 +161,7 @@ class LocalBackend:
         ]
 
     def list_runs(self, project: str | None) -> list[dict[str, Any]]:
-        from stepdoctor_analysis.logdir import has_traces, runs
+        from stepdoctor_analysis.parsing.logdir import has_traces, runs
 
         folder = self._path(project) if project else self.root
         found = ([(".", folder)] if has_traces(folder) else []) + runs(folder)
@@ -173,10 +173,10 @@ class LocalBackend:
 
     def _diagnosis(self, run: str) -> RunVerdict:
         """The run's verdict as every surface builds it (``run_verdict.run_verdict``)."""
-        from stepdoctor_analysis import parse
+        from stepdoctor_analysis import parsing as parse
         from stepdoctor_analysis.pipeline import analyze_trace
-        from stepdoctor_analysis.ranks import TraceEntry, worker_name
-        from stepdoctor_analysis.run_verdict import run_verdict
+        from stepdoctor_analysis.run.ranks import TraceEntry, worker_name
+        from stepdoctor_analysis.run.verdict import run_verdict
 
         traces = parse.load_job(self._path(run))
         entries = [
@@ -186,7 +186,7 @@ class LocalBackend:
         return run_verdict(entries)
 
     def compare_runs(self, base: str, other: str) -> dict[str, Any]:
-        from stepdoctor_analysis.run_timeline import NothingComparable, compare
+        from stepdoctor_analysis.run.timeline import NothingComparable, compare
         from stepdoctor_server.runs.compare import compare_diagnoses
 
         b, o = self._diagnosis(base), self._diagnosis(other)
@@ -199,7 +199,7 @@ class LocalBackend:
     def _side(self, run: str, verdict: RunVerdict) -> Side:
         """The run as ``compare`` sees it: its series' steady median (when its folder has one) and
         its verdict's profiled step time and kind."""
-        from stepdoctor_analysis.run_timeline import SeriesError, read_run_timeline
+        from stepdoctor_analysis.run.timeline import SeriesError, read_run_timeline
 
         path = self._path(run)
         try:

@@ -17,7 +17,7 @@ from typing import Any
 
 import plotly.io as pio
 
-from stepdoctor_analysis.contract import StepRow
+from stepdoctor_analysis.report.contract import StepRow
 
 # The TensorBoard profiler plugin's categories, in its priority order, with stable colours.
 CATEGORY_COLORS = {
@@ -293,7 +293,7 @@ def memory_figure(
     )
 
 
-# HTA critical-path bound types (``stepdoctor_analysis.deep.BOUND_TYPES``), coloured like our kinds.
+# HTA critical-path bound types (``stepdoctor_analysis.analyzers.deep.BOUND_TYPES``), coloured like our kinds.
 BOUND_COLORS = {
     "kernel_kernel_overhead": "#54a24b",
     "launch_overhead": "#88d27a",

@@ -12,7 +12,7 @@ from typing import Any
 
 from jinja2 import Environment
 
-from stepdoctor_analysis.cli import byte_text
+from stepdoctor_analysis.cli.analyze import byte_text
 from stepdoctor_dashboard.escaping import script_json
 
 

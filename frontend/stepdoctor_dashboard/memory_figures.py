@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from stepdoctor_analysis.contract import MemoryCategories, MemorySection
+from stepdoctor_analysis.report.contract import MemoryCategories, MemorySection
 
 from .figures import Fig, figure
 

@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from stepdoctor_analysis.ranks import RankSummary, Straggler, named_ranks, worst_first
-from stepdoctor_analysis.run_verdict import RunVerdict
+from stepdoctor_analysis.run.ranks import RankSummary, Straggler, named_ranks, worst_first
+from stepdoctor_analysis.run.verdict import RunVerdict
 
 from .figures import STRAGGLER_COLOR, Fig, figure, plotly_text, ranks_figure
 

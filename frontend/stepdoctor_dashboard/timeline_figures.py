@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stepdoctor_analysis.run_timeline import RunTimeline
+from stepdoctor_analysis.run.timeline import RunTimeline
 
 from .figures import _LEGEND_BELOW, Fig, figure
 

@@ -1,6 +1,6 @@
 """Schema for each trace's compact per-rank record, folded into its run's aggregate.
 
-``rank_summaries``: one row per analysis (``stepdoctor_analysis.trace_summary.TraceSummary`` as
+``rank_summaries``: one row per analysis (``stepdoctor_analysis.run.trace_summary.TraceSummary`` as
 msgspec JSON; NULL when the report does not decode), so a run's verdict reads these, not every report.
 
 Revision ID: 2026_11_26_0005

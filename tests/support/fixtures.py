@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stepdoctor_analysis.model import RankTrace
-from stepdoctor_analysis.parse import load_trace
+from stepdoctor_analysis.model.trace import RankTrace
+from stepdoctor_analysis.parsing import load_trace
 
 TRACES = Path(__file__).resolve().parents[1] / "fixtures" / "traces"
 TRACELENS_TRACES = TRACES / "tracelens"

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 
 import msgspec
 
-from stepdoctor_analysis.contract import ReportDoc
 from stepdoctor_analysis.pipeline import analyze_path
+from stepdoctor_analysis.report.contract import ReportDoc
 from support.fixtures import HTA_TRACES
 
 # A real rank of an 8-rank job with collectives (exposed communication, arrival at the first

@@ -15,8 +15,8 @@ import msgspec
 from msgspec import inspect as mi
 
 from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
-from stepdoctor_analysis.contract import Bottleneck, Recommendation, ReportDoc, StepRow, decode
-from stepdoctor_analysis.run_verdict import RunCard, RunFinding, RunPrimary, RunVerdict
+from stepdoctor_analysis.report.contract import Bottleneck, Recommendation, ReportDoc, StepRow, decode
+from stepdoctor_analysis.run.verdict import RunCard, RunFinding, RunPrimary, RunVerdict
 
 
 def _zero(t: mi.Type) -> Any:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import TraceError
-from ..model import RankTrace
+from ..model.trace import RankTrace
 from .assembly import assemble
 from .columns import Builder
 from .reading import DEFAULT_MAX_BYTES, decompressed_blocks

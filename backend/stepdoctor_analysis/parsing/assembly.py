@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import TraceError
-from ..model import (
+from ..model.trace import (
     NONE,
     CopyKind,
     DeviceInfo,

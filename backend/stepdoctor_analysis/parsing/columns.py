@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 
 from ..errors import TraceError
-from ..model import NONE, GpuKind, HostKind
+from ..model.trace import NONE, GpuKind, HostKind
 from .schema import (
     ABSENT,
     ARGS,

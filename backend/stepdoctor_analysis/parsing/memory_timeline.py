@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ..model import TorchMemoryTimeline
+from ..model.trace import TorchMemoryTimeline
 
 KEY = "stepdoctorMemoryTimeline"
 FORMAT = 1

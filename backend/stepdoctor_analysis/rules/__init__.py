@@ -13,7 +13,7 @@ change could remove. Every number a query applies sits in its rule (``threshold`
 from __future__ import annotations
 
 from .. import BOTTLENECK_KINDS
-from ..consistency import Declared
+from ..report.consistency import Declared
 from .catalog import JOB_RULES, RULES
 from .record import Context, Hit, Rule, fire
 

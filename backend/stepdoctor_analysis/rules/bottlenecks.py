@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .. import intervals as iv
-from ..inputs import suggested_workers
-from ..precision import LATENCY_BOUND_NS, LOW_PRECISION, host_link_gbps, peak_ratio
-from ..sync import BlockingCalls
+from ..analyzers.inputs import suggested_workers
+from ..analyzers.precision import LATENCY_BOUND_NS, LOW_PRECISION, host_link_gbps, peak_ratio
+from ..analyzers.sync import BlockingCalls
+from ..model import intervals as iv
 from .record import Context, Hit, Query
 
 

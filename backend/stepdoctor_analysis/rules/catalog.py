@@ -10,7 +10,7 @@ the one that runs; nothing rewrites it. Adding a rule is appending one record (i
 from __future__ import annotations
 
 from .. import STRAGGLER_ID
-from ..memory_use import LEAK_MIN_MIB_PER_STEP
+from ..analyzers.memory_use import LEAK_MIN_MIB_PER_STEP
 from .beyond_ddp import (
     allocator_disabled,
     element_reads,

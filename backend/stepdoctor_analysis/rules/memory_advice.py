@@ -19,9 +19,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from .. import memory_use
-from ..memory_use import CategoryBreakdown, MemoryUse
-from ..workload import Workload
+from ..analyzers import memory_use
+from ..analyzers.memory_use import CategoryBreakdown, MemoryUse
+from ..analyzers.workload import Workload
 from .record import Context, Hit
 
 GIB = 2**30

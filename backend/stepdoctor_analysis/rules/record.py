@@ -14,19 +14,19 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..comm import CommStats
-from ..floors import Floors, bounded
-from ..hta_metrics import LaunchStats
-from ..inputs import InputStats, LoaderSettings
-from ..memory import MemoryStats
-from ..model import DeviceInfo
-from ..ops import AntiPattern, OpStats
-from ..precision import DeviceCaps
-from ..recurrence import PassWaits
-from ..sync import SyncStats
-from ..timeline import Accounting
-from ..transfers import TransferStats
-from ..workload import Workload, fits
+from ..analyzers.comm import CommStats
+from ..analyzers.floors import Floors, bounded
+from ..analyzers.hta_metrics import LaunchStats
+from ..analyzers.inputs import InputStats, LoaderSettings
+from ..analyzers.memory import MemoryStats
+from ..analyzers.ops import AntiPattern, OpStats
+from ..analyzers.precision import DeviceCaps
+from ..analyzers.recurrence import PassWaits
+from ..analyzers.sync import SyncStats
+from ..analyzers.timeline import Accounting
+from ..analyzers.transfers import TransferStats
+from ..analyzers.workload import Workload, fits
+from ..model.trace import DeviceInfo
 
 
 @dataclass(frozen=True)

@@ -387,7 +387,7 @@ class CaptureRequest(Base):
 
 
 class TraceSummaryRecord(Base):
-    """One analysis's compact record for its run's verdict (``stepdoctor_analysis.trace_summary``,
+    """One analysis's compact record for its run's verdict (``stepdoctor_analysis.run.trace_summary``,
     msgspec JSON), built once per analysis so a run's verdict never re-reads every report
     (``runs.diagnosis``). ``summary`` is NULL when the report does not decode (counted outdated).
     Keyed by the analysis: a re-analysis deletes the old analysis, and with it this row."""

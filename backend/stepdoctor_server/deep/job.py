@@ -37,7 +37,7 @@ def _logged_reason(exc: BaseException, path: Path | None, filename: str, job: st
 
 def run_deep(kind: str, params: dict[str, Any], path: Path, rank: int | None) -> dict[str, Any]:
     """Run one deep analysis on a stored trace file (HTA missing: a one-line TraceError)."""
-    from stepdoctor_analysis import deep
+    from stepdoctor_analysis.analyzers import deep
 
     if kind == "critical_path":
         step = params.get("step")

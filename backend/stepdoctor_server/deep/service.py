@@ -30,7 +30,7 @@ def request_critical_path(
 ) -> tuple[DeepAnalysis, bool]:
     """Queue HTA's critical path of one step (idempotent unless ``force``): 404 for others' traces,
     501 without HTA. Returns the job and whether this call queued it."""
-    from stepdoctor_analysis import deep
+    from stepdoctor_analysis.analyzers import deep
 
     trace, _, _ = load_trace(session, principal, trace_id)
     if not deep.available():

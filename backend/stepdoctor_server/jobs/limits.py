@@ -29,7 +29,7 @@ log = logging.getLogger("stepdoctor.limits")
 
 # Imported once in the forkserver, so each job's child starts with the engine loaded (and the module
 # of the first job's function: ``_ctx(fn)``).
-_PRELOAD = ["stepdoctor_analysis.pipeline", "stepdoctor_analysis.parse"]
+_PRELOAD = ["stepdoctor_analysis.pipeline", "stepdoctor_analysis.parsing"]
 _context: Any = None
 
 

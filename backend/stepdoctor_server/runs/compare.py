@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stepdoctor_analysis import BREAKDOWN_CATEGORIES as CATEGORIES
-from stepdoctor_analysis.run_timeline import Comparison
-from stepdoctor_analysis.run_verdict import RunCard, RunFinding, RunVerdict
+from stepdoctor_analysis.run.timeline import Comparison
+from stepdoctor_analysis.run.verdict import RunCard, RunFinding, RunVerdict
 
 Card = RunCard | RunFinding
 

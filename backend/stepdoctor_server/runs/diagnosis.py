@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 
-from stepdoctor_analysis.run_verdict import RunVerdict, verdict_of
-from stepdoctor_analysis.trace_summary import TraceEntry, TraceSummary, summary_of
+from stepdoctor_analysis.run.trace_summary import TraceEntry, TraceSummary, summary_of
+from stepdoctor_analysis.run.verdict import RunVerdict, verdict_of
 from stepdoctor_server.traces.reports import read_report
 
 

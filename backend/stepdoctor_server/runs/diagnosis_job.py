@@ -29,9 +29,9 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
 from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
-from stepdoctor_analysis.run_aggregate import RunAggregate
-from stepdoctor_analysis.run_verdict import DIAGNOSIS_VERSION
-from stepdoctor_analysis.trace_summary import TraceSummary, decode, encode
+from stepdoctor_analysis.run.aggregate import RunAggregate
+from stepdoctor_analysis.run.trace_summary import TraceSummary, decode, encode
+from stepdoctor_analysis.run.verdict import DIAGNOSIS_VERSION
 from stepdoctor_server.core.database import Database
 from stepdoctor_server.core.models import Analysis, Run, Trace, TraceSummaryRecord
 from stepdoctor_server.jobs.claims import _now, reset_to_pending

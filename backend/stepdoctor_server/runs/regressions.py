@@ -2,9 +2,9 @@
 
 The baseline is the run an upload or admin token chose for the project (``project_baselines``),
 else the median of the project's last ``settings.baseline_runs`` finished runs before this one.
-Each side is the engine's :class:`~stepdoctor_analysis.run_timeline.Side` (the unprofiled steady
+Each side is the engine's :class:`~stepdoctor_analysis.run.timeline.Side` (the unprofiled steady
 median from the run's step series, the profiled step time and verdict kind from its diagnosis),
-and the engine's :func:`~stepdoctor_analysis.run_timeline.compare` decides, so ``stepdoctor check``
+and the engine's :func:`~stepdoctor_analysis.run.timeline.compare` decides, so ``stepdoctor check``
 and the server give one answer for the same two runs.
 
 The status is computed by the run-diagnosis job (and when a baseline is chosen), stored on the
@@ -27,7 +27,7 @@ from sqlalchemy import and_, case, func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from stepdoctor_analysis.run_timeline import Comparison, NothingComparable, Side, compare
+from stepdoctor_analysis.run.timeline import Comparison, NothingComparable, Side, compare
 from stepdoctor_server.auth.tokens import Principal
 from stepdoctor_server.core.database import Database, settings_of
 from stepdoctor_server.core.errors import ApiError, check_id, not_found

@@ -2,7 +2,7 @@
 them, and whether the run is live, finished or stopped.
 
 * :func:`store_chunk` validates one chunk with the engine's own reader
-  (``stepdoctor_analysis.run_timeline.validate_chunk``), refuses one that overlaps a stored chunk
+  (``stepdoctor_analysis.run.timeline.validate_chunk``), refuses one that overlaps a stored chunk
   of the same process, and stores the bytes unchanged (~4 bytes a step), once: a resent chunk is a
   replay. Chunks live in the database, not the trace store: they are small (10,000 steps in ~40 KB),
   go in with their row in one transaction (nothing half kept), and a run's timeline reads them in
@@ -30,7 +30,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from stepdoctor_analysis import ENGINE_VERSION
-from stepdoctor_analysis.run_timeline import Chunk, RunTimeline, SeriesError, run_timeline, validate_chunk
+from stepdoctor_analysis.run.timeline import Chunk, RunTimeline, SeriesError, run_timeline, validate_chunk
 from stepdoctor_server.core.database import settings_of
 from stepdoctor_server.core.errors import ApiError
 from stepdoctor_server.core.models import Run, RunTimelineCache, SeriesChunk, SeriesStream, utcnow

@@ -15,7 +15,7 @@ from sqlalchemy import ColumnElement, cast, exists, func, select
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 
-from stepdoctor_analysis.run_verdict import RunVerdict
+from stepdoctor_analysis.run.verdict import RunVerdict
 from stepdoctor_server.auth.tokens import Principal
 from stepdoctor_server.core.errors import ApiError, check_id, not_found
 from stepdoctor_server.core.models import Analysis, Project, Run, Trace

@@ -49,7 +49,9 @@ def analyze_stored(
     ``aws_env`` is the worker's ``AWS_*`` environment: the child descends from a forkserver
     started earlier, whose environment may predate the worker's.
     """
-    from stepdoctor_analysis import contract, parse, pipeline
+    from stepdoctor_analysis import parsing as parse
+    from stepdoctor_analysis import pipeline
+    from stepdoctor_analysis.report import contract
 
     if aws_env is not None:
         for name in [n for n in os.environ if n.startswith("AWS_")]:

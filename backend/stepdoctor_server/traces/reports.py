@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from stepdoctor_analysis import ENGINE_VERSION, SCHEMA_VERSION
-from stepdoctor_analysis.contract import Device, GpuSection, ReportDoc, Tables, decode
+from stepdoctor_analysis.report.contract import Device, GpuSection, ReportDoc, Tables, decode
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from fastapi import Request, Response
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from stepdoctor_analysis.contract import ReportDoc
+from stepdoctor_analysis.report.contract import ReportDoc
 from stepdoctor_server.auth.tokens import Principal
 from stepdoctor_server.core.errors import ApiError, check_id, not_found
 from stepdoctor_server.core.models import Analysis, Project, Run, Trace

@@ -1,6 +1,6 @@
 """``GET /traces/{id}/download?steps=5-6``: one step or a range of a stored trace, as a smaller trace.
 
-The cut (``stepdoctor_analysis.trim``) streams the stored file into a temporary gzip file that is
+The cut (``stepdoctor_analysis.parsing.trim``) streams the stored file into a temporary gzip file that is
 deleted once sent, so a trace too big for a viewer can still be opened one step at a time.
 """
 
@@ -14,9 +14,9 @@ from fastapi import Request
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 
-from stepdoctor_analysis.contract import ReportDoc
 from stepdoctor_analysis.errors import TraceError, TraceTooLarge
-from stepdoctor_analysis.trim import no_step_message, parse_steps, trim_trace
+from stepdoctor_analysis.parsing.trim import no_step_message, parse_steps, trim_trace
+from stepdoctor_analysis.report.contract import ReportDoc
 from stepdoctor_server.core.errors import ApiError
 from stepdoctor_server.core.models import Trace
 

@@ -1,6 +1,6 @@
 """Regressions over HTTP: a run as ``stepdoctor check --server`` compares it, and a project's baseline.
 
-``GET .../check`` serves the same :class:`~stepdoctor_analysis.run_timeline.Side` the CLI builds
+``GET .../check`` serves the same :class:`~stepdoctor_analysis.run.timeline.Side` the CLI builds
 for a local run (``regressions.run_side``), so ``check`` compares server and local runs alike.
 Choosing a baseline is a write (upload or admin scope) that redoes the project's statuses at once;
 reading a status never computes one (the run-diagnosis job stores it on the run).

@@ -1,6 +1,6 @@
 """The verdict guide as a dashboard page (``/guide#<kind>``), and the link every card carries to it.
 
-The text is ``stepdoctor_analysis.guide``'s packaged copy of docs/verdicts.md, rendered with the
+The text is ``stepdoctor_analysis.report.guide``'s packaged copy of docs/verdicts.md, rendered with the
 ``markdown`` package (a server dependency); headings get ids (the ``toc`` extension), so
 ``/guide#transfer`` lands on the transfer section as ``docs/verdicts.md#transfer`` does on a
 repository host. The page is public: it holds no team's data.
@@ -15,7 +15,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse
 from jinja2 import Environment
 
-from stepdoctor_analysis import guide
+from stepdoctor_analysis.report import guide
 from stepdoctor_server.web.render import render
 
 PATH = "/guide"

@@ -23,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from stepdoctor_analysis import BOTTLENECK_KINDS
-from stepdoctor_analysis.run_verdict import RunVerdict
+from stepdoctor_analysis.run.verdict import RunVerdict
 from stepdoctor_dashboard import assets, figures, memory_figures, rank_figures, timeline_figures
 from stepdoctor_dashboard.rank_figures import RankPlace
 from stepdoctor_server.auth import sessions
@@ -455,7 +455,7 @@ def trace_page(
 
 
 def _hta_available() -> bool:
-    from stepdoctor_analysis.deep import available
+    from stepdoctor_analysis.analyzers.deep import available
 
     return bool(available())
 

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 
-from stepdoctor_analysis.contract import inline_schema
+from stepdoctor_analysis.report.contract import inline_schema
 
 T = TypeVar("T")
 
@@ -21,7 +21,7 @@ UTCDateTime = Annotated[datetime, AfterValidator(as_utc)]
 
 # A stored report, passed through as the worker wrote it (reports from older engines included: no
 # decode on the request path), documented in OpenAPI by the engine's typed contract
-# (``stepdoctor_analysis.contract.ReportDoc``). Inlined, because the contract's ``$defs`` would not
+# (``stepdoctor_analysis.report.contract.ReportDoc``). Inlined, because the contract's ``$defs`` would not
 # resolve inside an OpenAPI document and registering components would need the app's openapi().
 ReportJSON = Annotated[dict[str, Any], WithJsonSchema(inline_schema())]
 
