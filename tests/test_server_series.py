@@ -4,6 +4,7 @@ chunks refused with nothing kept (``POST /api/v1/series``, ``runs/series.py``)."
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import pytest
@@ -118,3 +119,29 @@ def test_a_read_token_cannot_upload_a_chunk(app: FastAPI, client: TestClient, re
     rows = row_counts(app)
     assert send(client, chunk("e1", 0, 0, 10), read_token).status_code == 403
     assert row_counts(app) == rows
+
+
+def test_a_kept_timeline_is_shown_while_a_newer_one_is_computed_behind_it(
+    app: FastAPI, client: TestClient, upload_token: str, read_token: str
+) -> None:
+    """The page and API never wait for a live run's timeline to be redone: past
+    ``run_timeline_refresh_s`` they show the kept one and a background thread redoes it; the exact
+    answer (``check``, regressions: ``fresh_within_s=0``) is computed when asked."""
+    from stepdoctor_server.runs.series import run_timeline_of
+
+    app.state.settings.run_timeline_refresh_s = 0.01
+    run_id = send(client, chunk("f1", 0, 0, 100), upload_token).json()["run_id"]
+    read = bearer(read_token)
+    assert client.get(f"/api/v1/runs/{run_id}", headers=read).json()["run_timeline"]["steps"] == 100
+    assert send(client, chunk("f1", 1, 100, 100), upload_token).status_code == 201
+    time.sleep(0.05)  # older than the refresh interval
+    shown = client.get(f"/api/v1/runs/{run_id}", headers=read).json()["run_timeline"]["steps"]
+    assert shown == 100  # the kept one, at once; a thread redoes it
+    deadline = time.monotonic() + 60
+    while client.get(f"/api/v1/runs/{run_id}", headers=read).json()["run_timeline"]["steps"] != 200:
+        assert time.monotonic() < deadline, "the kept timeline was never refreshed"
+        time.sleep(0.1)
+    assert send(client, chunk("f1", 2, 200, 100), upload_token).status_code == 201
+    with app.state.db.session() as session:
+        exact = run_timeline_of(session, run_id)
+        assert exact is not None and exact.steps == 300

@@ -19,22 +19,25 @@ them, and whether the run is live, finished or stopped.
 from __future__ import annotations
 
 import hashlib
+import logging
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 from sqlalchemy import func, select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from stepdoctor_analysis import ENGINE_VERSION
 from stepdoctor_analysis.run.timeline import Chunk, RunTimeline, SeriesError, run_timeline, validate_chunk
-from stepdoctor_server.core.database import settings_of
+from stepdoctor_server.core.database import READ_ONLY, settings_of
 from stepdoctor_server.core.errors import ApiError
 from stepdoctor_server.core.models import Run, RunTimelineCache, SeriesChunk, SeriesStream, utcnow
 
+logger = logging.getLogger(__name__)
 Liveness = Literal["live", "finished", "stopped"]
 #: No heartbeat for this long (and no clean exit) and a run is ``stopped`` (``STEPDOCTOR_SERIES_STALE_AFTER_S``).
 STALE_AFTER_S = 300.0
@@ -135,18 +138,28 @@ def run_timeline_of(session: Session, run_id: int, *, fresh_within_s: float = 0.
     """The engine's :class:`RunTimeline` over the run's stored chunks (in step order), or None when
     the run has no step series (or only chunks without steps).
 
-    The last result is kept per run (``run_timelines``) and reused while no chunk arrived, or, with
-    ``fresh_within_s``, while it is younger than that (a live 10-million-step run's page does not
-    redo seconds of work for every new chunk; ``check`` and regressions pass 0: exact).
+    The last result is kept per run (``run_timelines``) and reused while no chunk arrived. With
+    ``fresh_within_s`` (the run page and API: ``run_timeline_refresh_s``) a kept result is shown
+    while chunks keep arriving: as it is while younger than that, and once older it is still shown
+    while a background thread redoes it (a live 10-million-step run's timeline takes ~10 s; no
+    viewer waits for it). ``check`` and regressions pass 0: exact, computed here when needed.
     """
     basis, count = _basis(session, run_id)
     if count == 0:
         return None
     cached = session.get(RunTimelineCache, run_id)
     if cached is not None and cached.engine_version == ENGINE_VERSION:
-        age = (utcnow() - _utc(cached.updated_at)).total_seconds()
-        if cached.basis == basis or age < fresh_within_s:
-            return msgspec.convert(cached.timeline, RunTimeline)
+        kept = msgspec.convert(cached.timeline, RunTimeline)
+        if cached.basis == basis:
+            return kept
+        if fresh_within_s > 0:
+            if (utcnow() - _utc(cached.updated_at)).total_seconds() >= fresh_within_s:
+                _refresh_in_background(session.get_bind(), run_id)
+            return kept
+    return _compute_and_keep(session, run_id, basis)
+
+
+def _compute_and_keep(session: Session, run_id: int, basis: str) -> RunTimeline | None:
     chunks = session.scalars(
         select(SeriesChunk.data)
         .join(SeriesStream, SeriesStream.id == SeriesChunk.stream_id)
@@ -162,17 +175,61 @@ def run_timeline_of(session: Session, run_id: int, *, fresh_within_s: float = 0.
 
 
 def _keep(session: Session, run_id: int, basis: str, timeline: RunTimeline) -> None:
+    """Store the result: in the caller's unit of work when it writes (its transaction may hold
+    SQLite's write lock, which a second connection would wait on), else in a short write
+    transaction of its own (a GET's read-only one is refused a write once another connection
+    has written since it began)."""
+    bind = session.get_bind()
+    if not bind.get_execution_options().get(READ_ONLY):
+        try:
+            with session.begin_nested():
+                _upsert(session, run_id, basis, timeline)
+        except IntegrityError:  # stored meanwhile by another request: theirs is as good
+            pass
+        return
     try:
-        with session.begin_nested():
-            cached = session.get(RunTimelineCache, run_id)
-            if cached is None:
-                cached = RunTimelineCache(run_id=run_id)
-                session.add(cached)
-            cached.basis, cached.engine_version = basis, ENGINE_VERSION
-            cached.timeline, cached.updated_at = timeline.to_dict(), utcnow()
-            session.flush()
-    except IntegrityError:  # another request stored it meanwhile: theirs is as good
-        pass
+        with Session(bind.execution_options(**{READ_ONLY: False})) as own, own.begin():
+            _upsert(own, run_id, basis, timeline)
+    except (IntegrityError, OperationalError) as exc:  # stored meanwhile, or the database is busy
+        logger.info("run %s: the run timeline was not kept (%s)", run_id, type(exc).__name__)
+
+
+def _upsert(session: Session, run_id: int, basis: str, timeline: RunTimeline) -> None:
+    cached = session.get(RunTimelineCache, run_id)
+    if cached is None:
+        cached = RunTimelineCache(run_id=run_id)
+        session.add(cached)
+    cached.basis, cached.engine_version = basis, ENGINE_VERSION
+    cached.timeline, cached.updated_at = timeline.to_dict(), utcnow()
+    session.flush()
+
+
+_refreshing: set[tuple[int, int]] = set()
+_refreshing_lock = threading.Lock()
+
+
+def _refresh_in_background(bind: Any, run_id: int) -> None:
+    """Redo a run's kept timeline on a daemon thread, one at a time per run and database."""
+    key = (id(bind.engine if hasattr(bind, "engine") else bind), run_id)
+    with _refreshing_lock:
+        if key in _refreshing:
+            return
+        _refreshing.add(key)
+
+    def work() -> None:
+        try:
+            reader = bind.execution_options(**{READ_ONLY: True})
+            with Session(reader) as own:
+                basis, count = _basis(own, run_id)
+                if count:
+                    _compute_and_keep(own, run_id, basis)
+        except Exception:  # a refresh is best effort: the next view tries again
+            logger.exception("run %s: refreshing the run timeline failed", run_id)
+        finally:
+            with _refreshing_lock:
+                _refreshing.discard(key)
+
+    threading.Thread(target=work, name=f"run-timeline-{run_id}", daemon=True).start()
 
 
 # --- storing a chunk ----------------------------------------------------------------------------
