@@ -11,6 +11,12 @@ stretched 30% (``tests/support/rank_reports``). Per refresh at N ranks:
 Totals: a refresh after every one of the N traces (the worst case; the server refreshes at most
 every 5 s while traces wait): ``fold`` measured; ``reports`` measured up to 128 ranks and, at 1,000,
 integrated from 10 sampled sizes (marked ~). Prints seconds and ratios; asserts nothing.
+
+``--server``: the same runs stored in a SQLite database (trace and analysis rows, as workers write
+them) and ``refresh_run_diagnosis`` timed: the verdict over every stored report (``aggregate_run``,
+the refresh before summaries), the first refresh (every summary made from its report), a refresh
+after one re-analysed rank (the process holds the aggregate), and one in a fresh process (every
+stored summary decoded).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -105,11 +112,114 @@ def measure(n: int, base: ReportDoc) -> str:
     )
 
 
+def measure_server(n: int, base: ReportDoc, data_dir: Path) -> str:
+    from sqlalchemy import delete, select
+
+    from stepdoctor_server.core import migrate
+    from stepdoctor_server.core.database import Database
+    from stepdoctor_server.core.models import Analysis, Project, Run, Team, Trace
+    from stepdoctor_server.core.settings import Settings
+    from stepdoctor_server.runs import diagnosis_job
+    from stepdoctor_server.runs.diagnosis import StoredTrace, aggregate_run
+
+    settings = Settings(data_dir=data_dir, workers=0)
+    migrate.upgrade(settings)
+    db = Database(settings)
+    slow = int(0.613 * n)
+    reports = [to_dict(d) for d in rank_reports([base], n, straggler=slow)]
+
+    def analysis(trace_id: int, report: dict[str, object]) -> Analysis:
+        return Analysis(
+            trace_id=trace_id,
+            engine_version=str(report["engine_version"]),
+            schema_version=1,
+            report=report,
+            duration_ms=1,
+        )
+
+    with db.session() as s:
+        team = Team(name=f"bench-{n}")
+        s.add(team)
+        s.flush()
+        project = Project(team_id=team.id, name="bench")
+        s.add(project)
+        s.flush()
+        run = Run(project_id=project.id, name=f"ranks-{n}", tags=[])
+        s.add(run)
+        s.flush()
+        traces = [
+            Trace(
+                team_id=team.id,
+                run_id=run.id,
+                rank=r,
+                window_index=0,
+                size_bytes=1,
+                sha256="0" * 64,
+                storage_key=f"bench/{n}/{r}",
+                filename=f"rank{r}.json.gz",
+                meta={"host": f"node-{r // 8}"},
+                status="done",
+            )
+            for r in range(n)
+        ]
+        s.add_all(traces)
+        s.flush()
+        ids = [t.id for t in traces]
+        s.add_all(analysis(i, rep) for i, rep in zip(ids, reports, strict=True))
+        run_id = run.id
+
+    def refresh() -> float:
+        t0 = time.perf_counter()
+        with db.session() as s:
+            diagnosis_job.refresh_run_diagnosis(s, run_id)
+        return time.perf_counter() - t0
+
+    def old_refresh() -> float:
+        t0 = time.perf_counter()
+        with db.session() as s:
+            rows = s.execute(
+                select(Trace.id, Trace.rank, Trace.window_index, Trace.meta, Analysis.report)
+                .join(Analysis, Analysis.trace_id == Trace.id)
+                .where(Trace.run_id == run_id)
+                .order_by(Trace.id)
+            ).all()
+            aggregate_run([StoredTrace(*r) for r in rows])
+        return time.perf_counter() - t0
+
+    old = old_refresh()
+    diagnosis_job._HELD.clear()
+    first = refresh()
+    with db.session() as s:  # rank 0 re-analysed
+        s.execute(delete(Analysis).where(Analysis.trace_id == ids[0]))
+        s.add(analysis(ids[0], to_dict(with_compute(base, 1.01, rank=0, world_size=n))))
+    held = refresh()
+    diagnosis_job._HELD.clear()
+    fresh = refresh()
+    with db.session() as s:
+        stored = s.scalar(select(Run.diagnosis).where(Run.id == run_id)) or {}
+    db.dispose()
+    found = [st["rank"] for st in stored.get("stragglers", [])]
+    return (
+        f"{n:>6} {old:>15.3f}s {first:>14.3f}s {held:>13.3f}s {fresh:>14.3f}s {old / held:>8.1f}x  "
+        f"{found} (injected {slow})"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 128, 1000])
+    ap.add_argument("--server", action="store_true", help="time refresh_run_diagnosis on SQLite instead")
     args = ap.parse_args()
     base = base_reports(1)[0]
+    if args.server:
+        print(
+            f"{'ranks':>6} {'reports/refresh':>16} {'first refresh':>15} {'held refresh':>14} "
+            f"{'fresh process':>15} {'ratio':>9}  stragglers found"
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            for n in args.ranks:
+                print(measure_server(n, base, Path(tmp) / f"n{n}"), flush=True)
+        return
     print(
         f"{'ranks':>6} {'reports/refresh':>16} {'summaries/refresh':>18} {'fold/refresh':>13} "
         f"{'reports total':>14} {'fold total':>11} {'ratio':>7}  stragglers found"
