@@ -9,7 +9,6 @@ from typing import Any
 
 import msgspec
 import pytest
-import torch
 
 from stepdoctor_analysis.pipeline import analyze_path
 from stepdoctor_analysis.run import verdict as rv
@@ -23,13 +22,14 @@ MIB = 1 << 20
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Path]]:
-    """Three windows of the loop that keeps each evaluation loss with its graph, and of its fix."""
-    torch.set_num_threads(1)
+    """Three windows of the loop that keeps each evaluation loss with its graph, and of its fix, each
+    recorded in a fresh process (``cpu_loops.run_fresh``: a leak would inflate later CPU traces here)."""
     d = tmp_path_factory.mktemp("memory_run")
-    return {
-        "leak": cpu_loops.kept_graph_windows(d / "leak"),
-        "fixed": cpu_loops.kept_graph_windows(d / "fixed", keep_graph=False),
-    }
+    for name, keep in (("leak", True), ("fixed", False)):
+        cpu_loops.run_fresh(
+            f"torch.set_num_threads(1); kept_graph_windows(Path({str(d / name)!r}), keep_graph={keep})"
+        )
+    return {name: sorted((d / name).glob("*.pt.trace.json")) for name in ("leak", "fixed")}
 
 
 def _entries(paths: list[Path]) -> list[TraceEntry]:
@@ -54,7 +54,7 @@ def test_a_loss_kept_over_three_windows_is_a_run_level_leak_with_its_growth_and_
     assert floors[0] < floors[1] < floors[2]  # the lowest step end rises window after window
     # the evaluation graph kept per step: the 1024 x 512 and 1024 x 256 activations and the loss's, ~4 MiB
     assert 2 <= found.evidence["growth_mib_per_step"] <= 8
-    assert "host memory only while the profiler records" in found.evidence["basis"]
+    assert "host memory only while the profiler records" in found.evidence["basis"], found.evidence
     assert "across 3 capture windows" in found.why and "per step" in found.why
     assert found.evidence["surviving_allocations"][0]["phase"] == "forward"
     assert "losses.append(loss.item())" in found.change

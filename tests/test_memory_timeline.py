@@ -10,49 +10,28 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-import stepdoctor
 from stepdoctor.memory_timeline import KEY, append_key, compact
 from stepdoctor.spool import TRACE_SUFFIX
 from stepdoctor_analysis.analyzers.memory_use import CATEGORIES, TORCH_BASIS
 from stepdoctor_analysis.parsing import load_trace
 from stepdoctor_analysis.pipeline import analyze_path
-
-SMALL: dict[str, Any] = {"skip_first": 2, "warmup": 1, "active": 3, "flush_timeout": 10.0, "series": False}
-
-
-def _adam_loop(spool: Path, **options: Any) -> tuple[Path, int]:
-    """A 256-512-256 MLP trained with Adam on CPU; returns the window's trace and the parameters' bytes."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
-    opt = torch.optim.Adam(model.parameters())
-    x, y = torch.randn(256, 256), torch.randn(256, 256)
-    with stepdoctor.profile("local", "timeline", spool=spool, **SMALL, **options) as prof:
-        for _ in range(8):
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            prof.step()
-    (trace,) = (spool / "local" / "timeline").glob(f"*{TRACE_SUFFIX}")
-    return trace, sum(p.numel() * p.element_size() for p in model.parameters())
+from support import cpu_loops
 
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, int]]:
-    torch.set_num_threads(1)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("STEPDOCTOR_RAISE_ERRORS", "1")  # an agent bug fails the test instead of a log line
-    for var in ("STEPDOCTOR_SERVER", "STEPDOCTOR_TOKEN", "STEPDOCTOR_DISABLED", "RANK", "WORLD_SIZE"):
-        mp.delenv(var, raising=False)
-    try:
-        return {
-            "timeline": _adam_loop(tmp_path_factory.mktemp("with"), memory_timeline=True),
-            "inferred": _adam_loop(tmp_path_factory.mktemp("without")),
-        }
-    finally:
-        mp.undo()
+    """``cpu_loops.adam_agent_loop`` with and without the option, each in a fresh process
+    (``cpu_loops.run_fresh``: tensors freed after recording would inflate later CPU traces here)."""
+    out = {}
+    for name, on in (("timeline", True), ("inferred", False)):
+        spool = tmp_path_factory.mktemp(name)
+        cpu_loops.run_fresh(
+            f"torch.set_num_threads(1); adam_agent_loop(Path({str(spool)!r}), memory_timeline={on})"
+        )
+        (trace,) = (spool / "local" / "timeline").glob(f"*{TRACE_SUFFIX}")
+        out[name] = (trace, cpu_loops.ADAM_MLP_PARAM_BYTES)
+    return out
 
 
 def _top_level(trace: Path) -> dict[str, Any]:

@@ -263,22 +263,53 @@ def host_memory_loop(spool: Path, *, keep: bool, windows: int = 0) -> None:
 def host_memory_run(spool: Path, *, keep: bool, windows: int = 0) -> Path:
     """``host_memory_loop`` in a fresh process (a process that freed memory earlier reuses it before
     its RSS grows); returns the run's spool folder (its step series, and its traces with ``windows``)."""
-    code = (
-        "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
-        "from support.cpu_loops import host_memory_loop; "
-        "host_memory_loop(Path(sys.argv[2]), keep=sys.argv[3] == '1', windows=int(sys.argv[4]))"
-    )
+    run_fresh(f"host_memory_loop(Path({str(spool)!r}), keep={keep}, windows={windows})")
+    return spool / "mem" / "run"
+
+
+def run_fresh(call: str, *, timeout: float = 300) -> None:
+    """Run ``call`` (Python, with this module's names and ``Path`` in scope) in a new process.
+
+    torch adds host memory allocated while a profiler records to a process-wide total that frees made
+    after recording never lower: a loop that keeps tensors past its windows would inflate every later
+    CPU trace of the same test process (its weights would read as gigabytes of parameters)."""
+    tests = str(Path(__file__).parent.parent)
+    code = f"import sys; from pathlib import Path; sys.path.insert(0, {tests!r}); from support.cpu_loops import *; {call}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("STEPDOCTOR_")} | {
         "STEPDOCTOR_RAISE_ERRORS": "1"
     }
-    tests = str(Path(__file__).parent.parent)
-    subprocess.run(
-        [sys.executable, "-c", code, tests, str(spool), "1" if keep else "0", str(windows)],
-        check=True,
-        env=env,
-        timeout=300,
-    )
-    return spool / "mem" / "run"
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=timeout)
+
+
+ADAM_MLP_PARAM_BYTES = (256 * 512 + 512 + 512 * 256 + 256) * 4
+
+
+def adam_agent_loop(spool: Path, *, memory_timeline: bool) -> None:
+    """A 256-512-256 MLP trained with Adam on a 256-row batch under the agent: one 3-step window
+    (``ADAM_MLP_PARAM_BYTES`` of weights), with or without torch's memory timeline in the trace."""
+    import stepdoctor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+    opt = torch.optim.Adam(model.parameters())
+    x, y = torch.randn(256, 256), torch.randn(256, 256)
+    with stepdoctor.profile(
+        "local",
+        "timeline",
+        spool=spool,
+        memory_timeline=memory_timeline,
+        skip_first=2,
+        warmup=1,
+        active=3,
+        flush_timeout=10.0,
+        series=False,
+    ) as prof:
+        for _ in range(8):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            prof.step()
 
 
 LOOPS: dict[str, Callable[[Path], Path]] = {

@@ -13,7 +13,7 @@ Growth per step, by device:
   windows included);
 - the host (``cpu``): torch counts CPU memory only for blocks allocated while a profiler records,
   so the steps between windows leak unseen and the floors' slope understates the rate; the
-  windows' own step-to-step growth (median) is used when every window rises, else the slope.
+  windows' own step-to-step growth (their median) is used when it is the larger.
 
 The agent's step series (``run_timeline.Memory``, a sample about once a second over the whole run)
 is the stronger evidence when there is one: a leak it finds (``memory.leak`` set by
@@ -172,9 +172,9 @@ def _across_windows(process: str, device: str, windows: list[WindowEnds]) -> Run
     if not steady:
         return None
     basis = f"the lowest step end of each window, steps {int(steps[0])} to {int(steps[-1])}"
-    own = [w.growth_per_step for w in windows]
-    if device == "cpu" and all(g > 0 for g in own):
-        growth = statistics.median(own)
+    own = statistics.median(w.growth_per_step for w in windows)
+    if device == "cpu" and own > growth:
+        growth = own
         basis = (
             "the median of the windows' own step-to-step growth: torch counts host memory only while "
             "the profiler records, so the steps between windows leak unseen"
