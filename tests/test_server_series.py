@@ -53,7 +53,11 @@ def test_a_runs_chunks_are_stored_and_read_back_as_the_engines_timeline(
         listing = page.get("/runs").text
         assert "traces-only" in listing and listing.count('class="liveness ') == 2
         assert listing.count('class="liveness finished"') == 1 and listing.count('class="liveness live"') == 1
-        assert 'id="liveness"' in page.get(f"/runs/{run_id}").text
+        finished = page.get(f"/runs/{run_id}").text
+        assert 'id="liveness"' in finished and 'http-equiv="refresh"' not in finished
+        live_id = next(r["id"] for r in client.get("/api/v1/runs").json()["items"] if r["name"] == "live")
+        live = page.get(f"/runs/{live_id}").text  # follows the run: reloads while it is live
+        assert '<meta http-equiv="refresh" content="30">' in live and "The run is live" in live
 
 
 def test_the_same_chunk_twice_is_stored_once(app: FastAPI, client: TestClient, upload_token: str) -> None:

@@ -53,6 +53,7 @@ MAX_TRACES_LISTED = 50  # the run page's trace table; every rank's trace is in i
 WARNING_TRACES = 8  # the lead trace's and the stragglers' first, then the first by id
 MANY_RANKS_TRACES_LISTED = 10  # a run of many ranks lists fewer: its rank table links every trace
 REFRESH_S = 5  # pages with traces still being analysed reload themselves this often
+LIVE_REFRESH_S = 30  # a live run's page (its timeline grows with each series chunk)
 
 
 class LoginRequired(Exception):
@@ -310,6 +311,12 @@ def run_page(
     others = runs.sibling_runs(session, run, 200)
     waiting = any(t.status in ("pending", "running") for t, _, _ in trace_rows)
     capture = capture_view(session, viewer, run)  # "Capture now" while live, and the latest request
+    liveness = series.liveness_of(session, run.id)
+    refresh_s, refresh_reason = None, None
+    if waiting or capture.waiting:
+        refresh_s, refresh_reason = REFRESH_S, None if waiting else "A capture was requested"
+    elif liveness == "live":  # the timeline and the state follow the run
+        refresh_s, refresh_reason = LIVE_REFRESH_S, "The run is live"
     return _render(
         request,
         "run.html",
@@ -327,15 +334,15 @@ def run_page(
         tables=(facts.tables if facts is not None else None) or {},
         rep_trace=rep_id,
         collectives=_collectives(session, rep_id),
-        refresh_s=REFRESH_S if waiting or capture.waiting else None,
-        refresh_reason=None if waiting else "A capture was requested",
+        refresh_s=refresh_s,
+        refresh_reason=refresh_reason,
         capture=capture,
         regression=regressions.read_regression(run.regression),
         baseline=regressions.chosen_baseline(session, project.id),
         can_choose_baseline=viewer.allows("upload"),
         rank_view=rank_view,
         timeline=timeline,
-        liveness=series.liveness_of(session, run.id),
+        liveness=liveness,
     )
 
 
