@@ -382,11 +382,13 @@ def _ratio(a: float | None, b: float | None, unit: str = "") -> str:
     return "-" if a is None or b is None or b <= 0 else f"{a / b:.2f}{unit}"
 
 
-def _cli_ratio(cli: dict[str, float] | None, hta: dict[str, float] | None) -> str:
-    """HTA's whole process over ours: the median of the per-round ratios where both ran alternately."""
-    if hta is not None and "pair_process" in hta:
-        return f"{hta['pair_process']:.2f}x"
-    return _ratio(None if hta is None else hta["process_s"], None if cli is None else cli["process_s"], "x")
+def _cli_ratio(cli: dict[str, float] | None, hta: dict[str, float] | None, of: str = "process") -> str:
+    """HTA's whole process over ours (wall time, or ``of="cpu"``: CPU time, which other sessions' load
+    disturbs less; HTA's counts every thread it runs): the median of the per-round ratios."""
+    if hta is not None and f"pair_{of}" in hta:
+        return f"{hta[f'pair_{of}']:.2f}x"
+    key = "process_s" if of == "process" else "cpu_s"
+    return _ratio(None if hta is None else hta[key], None if cli is None else cli[key], "x")
 
 
 def print_table(rows: list[tuple[Any, ...]]) -> None:
@@ -398,7 +400,8 @@ def print_table(rows: list[tuple[Any, ...]]) -> None:
     head = (
         f"{'trace':<34} {'MB':>5} | {'pipe s':>7} {'HTA s':>7} {'HTA/pipe':>8} | {'ours s':>7} {'HTA/ours':>8} | "
         f"{'pipe MB':>7} {'HTA MB':>7} {'ratio':>5} | {'+pipe':>6} {'+HTA':>6} {'ratio':>5} | "
-        f"{'proc s':>6} {'HTA':>6} {'ratio':>6} | {'cli s':>6} {'ratio':>6} | {'floor s':>7} {'MB':>5} | "
+        f"{'proc s':>6} {'HTA':>6} {'ratio':>6} | {'cli s':>6} {'ratio':>6} {'cliCPU':>6} {'HTACPU':>6} {'ratio':>6} | "
+        f"{'floor s':>7} {'MB':>5} | "
         f"{'strm s':>6}"
     )
     print()
@@ -421,7 +424,8 @@ def print_table(rows: list[tuple[Any, ...]]) -> None:
             f"{num(extra[0], 6, 0)} {num(extra[1], 6, 0)} {_ratio(extra[0], extra[1]):>5} | "
             f"{num(g(pipe, 'process_s'), 6, 2)} {num(g(hta, 'process_s'), 6, 2)} "
             f"{_ratio(g(hta, 'process_s'), g(pipe, 'process_s'), 'x'):>6} | "
-            f"{num(g(cli, 'process_s'), 6, 2)} {_cli_ratio(cli, hta):>6} | "
+            f"{num(g(cli, 'process_s'), 6, 2)} {_cli_ratio(cli, hta):>6} "
+            f"{num(g(cli, 'cpu_s'), 6, 2)} {num(g(hta, 'cpu_s'), 6, 2)} {_cli_ratio(cli, hta, 'cpu'):>6} | "
             f"{num(g(floor, 'seconds'), 7)} {num(g(floor, 'rss_mb'), 5, 0)} | {num(g(stream, 'seconds'), 6)}"
             + (f"  ({note})" if note else "")
         )
