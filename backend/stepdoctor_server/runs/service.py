@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from fastapi.responses import StreamingResponse
-from sqlalchemy import ColumnElement, cast, exists, func, select
+from sqlalchemy import ColumnElement, cast, exists, func, null, select
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
 
@@ -342,7 +342,12 @@ def sibling_runs(session: Session, run: Run, limit: int) -> list[Any]:
 
 
 def run_facts(
-    session: Session, run_id: int, *, first: Sequence[int] = (), limit: int | None = None
+    session: Session,
+    run_id: int,
+    *,
+    first: Sequence[int] = (),
+    limit: int | None = None,
+    slowest: bool = True,
 ) -> tuple[int | None, list[str], int]:
     """The trace whose report stands for the run in the facts (its slowest analysed one), the
     traces' analysis warnings, deduplicated, and how many traces were read; read as JSON fields,
@@ -351,9 +356,12 @@ def run_facts(
     ``limit``: read at most this many traces, ``first`` (e.g. the lead trace and the stragglers')
     before the others by id. On PostgreSQL each report's JSON field costs a parse of the whole report
     (the column is ``json``): every trace of a 1,000-rank run took seconds, most of its page's time.
+    ``slowest=False``: the caller knows the trace that stands for the run; no step time is read
+    (None is returned for it).
     """
+    step = Analysis.report["step_time_us"].as_float() if slowest else null()
     query = (
-        select(Analysis.trace_id, Analysis.report["step_time_us"].as_float(), Analysis.report["warnings"])
+        select(Analysis.trace_id, step, Analysis.report["warnings"])
         .join(Trace, Trace.id == Analysis.trace_id)
         .where(Trace.run_id == run_id)
     )
@@ -370,13 +378,13 @@ def run_facts(
     rows = session.execute(query).all()
     if not rows:
         return None, [], 0
-    slowest = max(rows, key=lambda r: (r[1] or 0.0, -r[0]))[0]
+    slow = max(rows, key=lambda r: (r[1] or 0.0, -r[0]))[0] if slowest else None
     warnings: list[str] = []
     for _, _, ws in rows:
         for w in ws or []:
             if isinstance(w, str) and w not in warnings:
                 warnings.append(w)
-    return slowest, warnings, len(rows)
+    return slow, warnings, len(rows)
 
 
 def facts_report(session: Session, trace_id: int) -> ReportFacts | None:

@@ -286,7 +286,11 @@ def run_page(
     places = {k: RankPlace(t, h) for k, (t, h) in runs.rank_places(session, run.id).items()}
     first = [d.lead_trace_id, *(rank_figures.trace_of(places, s) for s in d.stragglers)]
     rep_id, warnings, read = runs.run_facts(
-        session, run.id, first=[i for i in first if i is not None], limit=WARNING_TRACES
+        session,
+        run.id,
+        first=[i for i in first if i is not None],
+        limit=WARNING_TRACES,
+        slowest=d.lead_trace_id is None,
     )
     if read < d.traces:  # a 1,000-rank run: its lead's and stragglers' traces, then the first by id
         warnings = [*warnings, f"analysis warnings of {read} of the run's {d.traces} traces are shown"]
