@@ -125,6 +125,13 @@ def test_requests_are_refused_for_runs_that_are_not_live_or_not_ours(
         f"/api/v1/capture-requests/{request['id']}/ack", json={"trace_key": "k"}, headers=bearer(other_upload)
     )
     assert stranger.status_code == 404
+    # no body: another team's request is still 404 (nothing told about it), one's own a 422
+    assert (
+        client.post(f"/api/v1/capture-requests/{request['id']}/ack", headers=bearer(other_upload)).status_code
+        == 404
+    )
+    nobody = client.post(f"/api/v1/capture-requests/{request['id']}/ack", headers=bearer(upload_token))
+    assert nobody.status_code == 422 and "body" in nobody.json()["error"]["message"]
     for body in ({}, {"trace_key": "k", "detail": "both"}, {"trace_key": ""}, {"detail": "x" * 501}):
         bad = client.post(
             f"/api/v1/capture-requests/{request['id']}/ack", json=body, headers=bearer(upload_token)

@@ -154,6 +154,20 @@ def pending_for(session: Session, principal: Principal, project: str, run: str) 
     return [known] if known is not None else []
 
 
+def load_request(session: Session, principal: Principal, request_id: int) -> CaptureRequest:
+    """The capture request, if it belongs to the caller's team (else 404)."""
+    check_id("capture request", request_id)
+    row = session.execute(
+        select(CaptureRequest)
+        .join(Run, Run.id == CaptureRequest.run_id)
+        .join(Project, Project.id == Run.project_id)
+        .where(CaptureRequest.id == request_id, Project.team_id == principal.team_id)
+    ).scalar()
+    if row is None:
+        raise not_found("capture request", request_id)
+    return row
+
+
 def acknowledge(
     session: Session,
     principal: Principal,
@@ -166,15 +180,7 @@ def acknowledge(
     """The agent captured the request's window (``trace_key``: its upload's Idempotency-Key) or could
     not (``detail`` says why). Acknowledging an answered request again changes nothing (the agent
     retries when an answer is lost); 404 for another team's request."""
-    check_id("capture request", request_id)
-    row = session.execute(
-        select(CaptureRequest)
-        .join(Run, Run.id == CaptureRequest.run_id)
-        .join(Project, Project.id == Run.project_id)
-        .where(CaptureRequest.id == request_id, Project.team_id == principal.team_id)
-    ).scalar()
-    if row is None:
-        raise not_found("capture request", request_id)
+    row = load_request(session, principal, request_id)
     if row.status == "pending":
         row.status = "captured" if trace_key else "failed"
         row.pending_run_id = None

@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field, model_validator
 
 from stepdoctor_server.auth.tokens import ReadTeam, UploadTeam
 from stepdoctor_server.core.database import SessionDep
+from stepdoctor_server.core.errors import ApiError
 from stepdoctor_server.runs import capture
 from stepdoctor_server.runs.service import load_run
 from stepdoctor_server.traces.ingest import validate_name
@@ -131,8 +132,11 @@ def pending_captures(
     summary="The agent captured the requested window (or says why it could not)",
 )
 def acknowledge_capture(
-    request_id: int, ack: CaptureAck, principal: UploadTeam, session: SessionDep
+    request_id: int, principal: UploadTeam, session: SessionDep, ack: CaptureAck | None = None
 ) -> CaptureOut:
+    if ack is None:  # a bad or foreign id is 404 before the missing body is named
+        capture.load_request(session, principal, request_id)
+        raise ApiError(422, "invalid_request", 'body: send {"trace_key": "..."} or {"detail": "..."}')
     state = capture.acknowledge(
         session, principal, request_id, trace_key=ack.trace_key, rank=ack.rank, detail=ack.detail
     )
