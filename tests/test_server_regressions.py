@@ -116,6 +116,23 @@ def test_the_baseline_is_the_median_of_the_last_finished_runs(
     assert regression(client, other)["baseline"] is None  # another project's runs are not its baseline
 
 
+def test_a_crashed_run_is_not_in_the_median_baseline(
+    app: FastAPI, team: TeamInfo, client: TestClient
+) -> None:
+    """A run whose series ended with an exit chunk saying the loop raised is ``stopped`` by the
+    run's liveness (``series.liveness_of``), not finished: the median leaves it out."""
+    from stepdoctor_server.runs.series import liveness_of
+
+    recorded_run(app, team.id, "proj", "a", step_ms=100.0, series_ms=50.0)
+    crashed = recorded_run(app, team.id, "proj", "crashed", step_ms=100.0, series_ms=500.0, crashed=True)
+    with app.state.db.session() as session:
+        assert liveness_of(session, crashed) == "stopped"
+    assert not regression(client, crashed)["finished"]
+    run = recorded_run(app, team.id, "proj", "new", step_ms=100.0, series_ms=52.0)
+    r = regression(client, run)
+    assert r["baseline"]["names"] == ["a"] and r["comparison"]["baseline_ms"] == 50.0
+
+
 def test_the_unprofiled_steady_state_is_the_basis_when_both_runs_have_a_series(
     app: FastAPI, team: TeamInfo, client: TestClient, admin_token: str
 ) -> None:

@@ -19,9 +19,11 @@ from stepdoctor_server.runs.series import store_chunk
 from support.reports import report
 
 
-def series_chunk(steps: int, wall_ms: float, *, profiled: tuple[int, int] | None = None) -> bytes:
+def series_chunk(
+    steps: int, wall_ms: float, *, profiled: tuple[int, int] | None = None, clean: bool = True
+) -> bytes:
     """One final chunk of ``steps`` steps of ``wall_ms`` each (profiled ones 3x slower), by the
-    agent's own encoder."""
+    agent's own encoder; ``clean=False``: the loop raised (a crashed run)."""
     walls = [int(wall_ms * 1e6)] * steps
     if profiled is not None:
         for i in range(profiled[0], profiled[1] + 1):
@@ -36,6 +38,7 @@ def series_chunk(steps: int, wall_ms: float, *, profiled: tuple[int, int] | None
         "count": steps,
         "t_end": time.time(),
         "final": True,
+        "clean_exit": clean,
         "anomaly": {"k": 1.5, "window": 50, "warmup": 5, "min_ms": 1.0},
         "profiled": [list(profiled)] if profiled else [],
         "windows": [{"first_step": profiled[0], "last_step": profiled[1], "reason": "schedule"}]
@@ -64,11 +67,13 @@ def recorded_run(
     kind: str = "compute",
     series_ms: float | None = None,
     pending: bool = False,
+    crashed: bool = False,
     **report_over: Any,
 ) -> int:
     """A run with one analysed trace (``step_ms`` per profiled step, bound by ``kind``), and a step
     series of steady ``series_ms`` steps when given; its diagnosis (and regression status) is then
     computed by the run-diagnosis job's own function. ``pending``: one more trace still waits;
+    ``crashed``: the series' exit chunk says the loop raised;
     ``report_over``: more fields of the trace's report (e.g. recommendations)."""
     with app.state.db.session() as session:
         proj = session.scalar(select(Project).where(Project.team_id == team_id, Project.name == project))
@@ -105,7 +110,7 @@ def recorded_run(
                     )
                 )
         if series_ms is not None:
-            store_chunk(session, run, series_chunk(200, series_ms, profiled=(20, 22)))
+            store_chunk(session, run, series_chunk(200, series_ms, profiled=(20, 22), clean=not crashed))
         run_id = run.id
     with app.state.db.session() as session:
         refresh_run_diagnosis(session, run_id)

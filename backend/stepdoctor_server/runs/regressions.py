@@ -42,7 +42,7 @@ from stepdoctor_server.core.models import (
 )
 from stepdoctor_server.core.settings import Settings
 from stepdoctor_server.runs.diagnosis import read_verdict
-from stepdoctor_server.runs.series import run_timeline_of
+from stepdoctor_server.runs.series import liveness_of, run_timeline_of
 
 log = logging.getLogger("stepdoctor.regressions")
 
@@ -120,8 +120,9 @@ def read_regression(stored: Mapping[str, Any] | None) -> RegressionStatus | None
 def run_side(session: Session, run: Run, project: Project) -> tuple[Side, bool]:
     """(the run as ``compare`` sees it, whether it is finished).
 
-    Finished: no trace waits for analysis, and a step series, when there is one, ended with the
-    agent's exit chunk. What ``GET .../check`` serves and what ``stepdoctor check`` compares.
+    Finished: no trace waits for analysis, and a step series, when there is one, is ``finished`` by
+    ``series.liveness_of`` (every rank's latest process exited cleanly: a crashed run is
+    ``stopped``, never a baseline). What ``GET .../check`` serves and what ``stepdoctor check`` compares.
     """
     verdict = read_verdict(run.diagnosis)
     analysed = verdict is not None and verdict.traces > 0
@@ -139,7 +140,9 @@ def run_side(session: Session, run: Run, project: Project) -> tuple[Side, bool]:
         steps=timeline.steps if timeline is not None else None,
     )
     finished = (
-        waiting is None and (timeline is None or timeline.finished) and (analysed or timeline is not None)
+        waiting is None
+        and liveness_of(session, run.id) in (None, "finished")
+        and (analysed or timeline is not None)
     )
     return side, finished
 
