@@ -4,6 +4,7 @@ settings) delivered like ``stepdoctor.profile`` delivers them."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import re
@@ -187,3 +188,77 @@ def test_callbacks_refuse_options_they_set_themselves() -> None:
 
     with pytest.raises(TypeError, match="DataLoader"):
         StepdoctorCallback("p", "r", loader=[1, 2])
+
+
+# -- how training ended: the step series' last chunk says whether the loop raised ---------------
+
+
+def last_chunk_clean(run_dir: Path) -> bool:
+    """``clean_exit`` of the final series chunk in a local run directory (what liveness reads)."""
+    from stepdoctor_analysis.run.timeline import series_files, validate_chunk
+
+    chunks = [validate_chunk(path.read_bytes()) for path in series_files(run_dir)]
+    finals = [c for c in chunks if c.header.get("final")]
+    assert len(finals) == 1, [c.header for c in chunks]
+    return bool(finals[0].header["clean_exit"])
+
+
+@pytest.mark.parametrize("fail_at", [None, 5])
+def test_lightning_failure_is_not_a_clean_exit(tmp_path: Path, fail_at: int | None) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from stepdoctor.integrations.lightning import StepdoctorCallback
+
+    class Failing(pl.LightningModule):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if batch_idx == fail_at:
+                raise RuntimeError("diverged")
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    loader = DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=4)
+    callback = StepdoctorCallback("pl", "ends", spool=tmp_path, **SCHEDULE)
+    trainer = pl.Trainer(
+        max_steps=9,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    if fail_at is None:
+        trainer.fit(Failing(), loader)
+    else:
+        with pytest.raises(RuntimeError, match="diverged"):
+            trainer.fit(Failing(), loader)
+    assert callback.prof is None
+    assert last_chunk_clean(tmp_path / "pl" / "ends") is (fail_at is None)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_accelerate_failure_is_not_a_clean_exit(tmp_path: Path, fail: bool) -> None:
+    accelerate = pytest.importorskip("accelerate")
+    from stepdoctor.integrations.accelerate import StepdoctorAccelerate
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    data = TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=4))
+    with pytest.raises(RuntimeError) if fail else contextlib.nullcontext():
+        with StepdoctorAccelerate(accelerator, "acc", "ends", spool=tmp_path, **SCHEDULE):
+            for index, (x, y) in enumerate(loader):
+                if fail and index == 5:
+                    raise RuntimeError("diverged")
+                accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+    assert last_chunk_clean(tmp_path / "acc" / "ends") is not fail

@@ -343,6 +343,7 @@ class SeriesRecorder:
             return
         if count == 0 and not final:
             return
+        windows, later = _windows_within(self._windows, self.first + count - 1, final=final)
         header = {
             **self._header,
             "format": FORMAT,
@@ -366,7 +367,7 @@ class SeriesRecorder:
                 "median_ms": self._ref_ns / 1e6 if self._ref_ns else None,
             },
             "profiled": self._profiled,
-            "windows": self._windows,
+            "windows": windows,
             "anomalies": self._anomalies,
         }
         columns = [("wall_ns", self.wall), ("data_ns", self.data)]
@@ -379,7 +380,27 @@ class SeriesRecorder:
         self.first += count
         self.wall, self.data = array.array("q"), array.array("q")
         self._mem = {name: array.array("q") for name in MEMORY_COLUMNS}
-        self._profiled, self._windows, self._anomalies = [], [], []
+        self._profiled, self._windows, self._anomalies = [], later, []
+
+
+def _windows_within(
+    windows: list[dict[str, Any]], last: int, *, final: bool
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the windows this chunk names, those left for the next). A chunk names steps up to ``last``
+    (the reader refuses a window past it): a window reaching further waits for the next chunk; in
+    the final chunk (a loop that raised mid-window) it is cut at the last timed step, or dropped
+    when none of its steps was timed (its trace is still delivered)."""
+    now: list[dict[str, Any]] = []
+    later: list[dict[str, Any]] = []
+    for window in windows:
+        first_step, last_step = window.get("first_step"), window.get("last_step")
+        if first_step is None or last_step is None or last_step <= last:
+            now.append(window)
+        elif not final:
+            later.append(window)
+        elif first_step <= last:
+            now.append({**window, "last_step": last})
+    return now, later
 
 
 def encode_chunk(header: dict[str, Any], columns: list[tuple[str, array.array[int]]]) -> bytes:

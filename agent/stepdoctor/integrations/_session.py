@@ -46,11 +46,12 @@ class Session:
             self.prof.step()  # guarded inside; a counter compare outside capture windows
 
     @guarded()
-    def stop(self) -> None:
+    def stop(self, *, clean: bool = True) -> None:
+        """``clean=False``: training ended with an exception (the run then reads stopped, not finished)."""
         prof, self.prof = self.prof, None
         reporter, self.reporter = self.reporter, None
         if prof is not None:
-            prof.stop()  # delivers the last windows first
+            prof.stop(clean=clean)  # delivers the last windows first
         if reporter is not None:
             reporter.close(self.tracker_timeout)
 

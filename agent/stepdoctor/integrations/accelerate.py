@@ -88,12 +88,13 @@ class StepdoctorAccelerate:
         self.session.step()
 
     @guarded()
-    def stop(self) -> None:
-        """Stop profiling and deliver the traces (also done at interpreter exit)."""
+    def stop(self, *, clean: bool = True) -> None:
+        """Stop profiling and deliver the traces (also done at interpreter exit); ``clean=False``:
+        the loop ended with an exception."""
         hooks, self._hooks = self._hooks, []
         for hook in hooks:
             hook.remove()
-        self.session.stop()
+        self.session.stop(clean=clean)
 
     def __enter__(self) -> StepdoctorAccelerate:
         return self.start() or self
@@ -101,4 +102,4 @@ class StepdoctorAccelerate:
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.stop()
+        self.stop(clean=kind is None)

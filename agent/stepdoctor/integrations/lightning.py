@@ -78,4 +78,4 @@ class StepdoctorCallback(Callback):
         self.session.stop()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self.session.stop()  # keep what was captured before the failure
+        self.session.stop(clean=False)  # keep what was captured before the failure
