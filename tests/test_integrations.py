@@ -253,12 +253,12 @@ def test_accelerate_failure_is_not_a_clean_exit(tmp_path: Path, fail: bool) -> N
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     data = TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
     model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=4))
-    with pytest.raises(RuntimeError) if fail else contextlib.nullcontext():
-        with StepdoctorAccelerate(accelerator, "acc", "ends", spool=tmp_path, **SCHEDULE):
-            for index, (x, y) in enumerate(loader):
-                if fail and index == 5:
-                    raise RuntimeError("diverged")
-                accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
-                optimizer.step()
-                optimizer.zero_grad()
+    expected = pytest.raises(RuntimeError) if fail else contextlib.nullcontext()
+    with expected, StepdoctorAccelerate(accelerator, "acc", "ends", spool=tmp_path, **SCHEDULE):
+        for index, (x, y) in enumerate(loader):
+            if fail and index == 5:
+                raise RuntimeError("diverged")
+            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
     assert last_chunk_clean(tmp_path / "acc" / "ends") is not fail
