@@ -4,7 +4,7 @@ chunks refused with nothing kept (``POST /api/v1/series``, ``runs/series.py``)."
 from __future__ import annotations
 
 import math
-import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -125,27 +125,55 @@ def test_a_read_token_cannot_upload_a_chunk(app: FastAPI, client: TestClient, re
     assert row_counts(app) == rows
 
 
-def test_a_kept_timeline_is_shown_while_a_newer_one_is_computed_behind_it(
+def test_a_kept_timeline_is_shown_while_the_sweep_redoes_it_and_a_get_never_writes_it(
     app: FastAPI, client: TestClient, upload_token: str, read_token: str
 ) -> None:
-    """The page and API never wait for a live run's timeline to be redone: past
-    ``run_timeline_refresh_s`` they show the kept one and a background thread redoes it; the exact
-    answer (``check``, regressions: ``fresh_within_s=0``) is computed when asked."""
-    from stepdoctor_server.runs.series import run_timeline_of
+    """The page and API never wait for a live run's timeline to be redone: they show the kept one
+    and the ``refresh_run_timelines`` sweep (a job) redoes it once older than
+    ``run_timeline_refresh_s``; the exact answer (``check``, regressions: ``fresh_within_s=0``) is
+    computed when asked. A GET only reads: ``run_timelines`` is left as it was."""
+    from sqlalchemy import select, update
 
-    app.state.settings.run_timeline_refresh_s = 0.01
+    from stepdoctor_server.core.models import RunTimelineCache, utcnow
+    from stepdoctor_server.runs.series import refresh_run_timelines, run_timeline_of
+
+    db = app.state.db
+    db.settings.run_timeline_refresh_s = 30.0
+
+    def kept() -> list[tuple[int, str, Any]]:
+        with db.session(read_only=True) as session:
+            rows = session.execute(
+                select(RunTimelineCache.run_id, RunTimelineCache.basis, RunTimelineCache.updated_at)
+            )
+            return [tuple(row) for row in rows]
+
+    def shown() -> int:
+        """The API's steps, asserting that the GET left ``run_timelines`` as it was."""
+        before = kept()
+        steps = client.get(f"/api/v1/runs/{run_id}", headers=read).json()["run_timeline"]["steps"]
+        assert kept() == before, "a GET wrote the kept run timeline"
+        return int(steps)
+
     run_id = send(client, chunk("f1", 0, 0, 100), upload_token).json()["run_id"]
     read = bearer(read_token)
-    assert client.get(f"/api/v1/runs/{run_id}", headers=read).json()["run_timeline"]["steps"] == 100
+    assert shown() == 100 and kept() == []  # computed for the answer, not kept by the GET
+    assert refresh_run_timelines(db) == [run_id] and len(kept()) == 1  # the sweep keeps it
     assert send(client, chunk("f1", 1, 100, 100), upload_token).status_code == 201
-    time.sleep(0.05)  # older than the refresh interval
-    shown = client.get(f"/api/v1/runs/{run_id}", headers=read).json()["run_timeline"]["steps"]
-    assert shown == 100  # the kept one, at once; a thread redoes it
-    deadline = time.monotonic() + 60
-    while client.get(f"/api/v1/runs/{run_id}", headers=read).json()["run_timeline"]["steps"] != 200:
-        assert time.monotonic() < deadline, "the kept timeline was never refreshed"
-        time.sleep(0.1)
+    assert shown() == 100  # the kept one, at once
+    assert refresh_run_timelines(db) == []  # younger than run_timeline_refresh_s: left as it is
+    assert shown() == 100
+    with db.session() as session:  # as if it were kept an hour ago
+        session.execute(
+            update(RunTimelineCache)
+            .where(RunTimelineCache.run_id == run_id)
+            .values(updated_at=utcnow() - timedelta(hours=1))
+        )
+    assert refresh_run_timelines(db) == [run_id]
+    assert shown() == 200
+    assert refresh_run_timelines(db) == []  # current: nothing to redo
     assert send(client, chunk("f1", 2, 200, 100), upload_token).status_code == 201
-    with app.state.db.session() as session:
+    before = kept()
+    with db.session(read_only=True) as session:  # exact, as a GET's check asks: computed, not kept
         exact = run_timeline_of(session, run_id)
         assert exact is not None and exact.steps == 300
+    assert kept() == before

@@ -15,11 +15,11 @@ from stepdoctor.cli import configure_logging
 from stepdoctor_server.core.settings import Settings, get_settings
 from stepdoctor_server.deep import job as deep_job
 from stepdoctor_server.jobs import pool, procrastinate_app
-from stepdoctor_server.runs import diagnosis_job, webhook
+from stepdoctor_server.runs import diagnosis_job, series, webhook
 from stepdoctor_server.traces import analysis_job
 from stepdoctor_server.traces.storage import make_store
 
-REGISTERED = (analysis_job, diagnosis_job, deep_job, webhook)
+REGISTERED = (analysis_job, diagnosis_job, deep_job, series, webhook)
 
 
 def start_pool(settings: Settings, size: int | None = None) -> pool.Pool:

@@ -70,8 +70,9 @@ class Settings(BaseSettings):
     metrics_host: str = "127.0.0.1"
     # Step series (runs/series.py): a chunk's size limit (the engine's own is 16 MiB; the agent's
     # chunks are ~40 KB), how long without a heartbeat (and no clean exit) a run is "stopped", and
-    # how often the kept run timeline the run page and API show is redone (in the background) while
-    # chunks keep arriving (0: redone before answering).
+    # how often the kept run timeline the run page and API show is redone (by the workers' sweep,
+    # ``runs.series.refresh_run_timelines``; a GET never writes it) while chunks keep arriving (0: the
+    # page and API answer the current one, computed without keeping it while the kept one is behind).
     max_series_chunk_bytes: int = Field(default=16 * 1024**2, gt=0)
     series_stale_after_s: float = Field(default=300.0, gt=0)
     run_timeline_refresh_s: float = Field(default=30.0, ge=0)

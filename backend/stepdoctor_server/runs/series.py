@@ -8,8 +8,9 @@ them, and whether the run is live, finished or stopped.
   go in with their row in one transaction (nothing half kept), and a run's timeline reads them in
   one query.
 * :func:`run_timeline_of` is the engine's ``run_timeline`` over the stored chunks (the same
-  function ``stepdoctor analyze RUN_DIR`` runs over the spool), cached per run while no chunk
-  arrived: at 10 million steps it takes seconds, its cached ``to_dict()`` milliseconds.
+  function ``stepdoctor analyze RUN_DIR`` runs over the spool), kept per run while no chunk
+  arrived: at 10 million steps it takes seconds, its kept ``to_dict()`` milliseconds. GETs only
+  read it; the :func:`refresh_run_timelines` sweep (and writing jobs) keep it.
 * :func:`liveness_of` is the one owner of a run's liveness, from the heartbeats kept per process
   (``SeriesStream``): ``live`` (a heartbeat within ``stale_after_s``, not every process exited
   cleanly), ``finished`` (every rank's latest process wrote its exit chunk) or ``stopped`` (no
@@ -20,11 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 from sqlalchemy import func, select
@@ -33,9 +34,10 @@ from sqlalchemy.orm import Session
 
 from stepdoctor_analysis import ENGINE_VERSION
 from stepdoctor_analysis.run.timeline import Chunk, RunTimeline, SeriesError, run_timeline, validate_chunk
-from stepdoctor_server.core.database import READ_ONLY, settings_of
+from stepdoctor_server.core.database import READ_ONLY, Database, settings_of
 from stepdoctor_server.core.errors import ApiError
 from stepdoctor_server.core.models import Run, RunTimelineCache, SeriesChunk, SeriesStream, utcnow
+from stepdoctor_server.jobs.defer import SWEEPS
 
 logger = logging.getLogger(__name__)
 Liveness = Literal["live", "finished", "stopped"]
@@ -140,26 +142,34 @@ def run_timeline_of(session: Session, run_id: int, *, fresh_within_s: float = 0.
 
     The last result is kept per run (``run_timelines``) and reused while no chunk arrived. With
     ``fresh_within_s`` (the run page and API: ``run_timeline_refresh_s``) a kept result is shown
-    while chunks keep arriving: as it is while younger than that, and once older it is still shown
-    while a background thread redoes it (a live 10-million-step run's timeline takes ~10 s; no
-    viewer waits for it). ``check`` and regressions pass 0: exact, computed here when needed.
+    while chunks keep arriving (a live 10-million-step run's timeline takes ~10 s; no viewer waits
+    for it); :func:`refresh_run_timelines` (a sweep) redoes it at most that often. ``check`` and
+    regressions pass 0: exact, computed here when needed. A read (a GET) only reads: what it
+    computes is not kept; a writing unit of work (a job) keeps it in its own transaction.
     """
     basis, count = _basis(session, run_id)
     if count == 0:
         return None
     cached = session.get(RunTimelineCache, run_id)
-    if cached is not None and cached.engine_version == ENGINE_VERSION:
-        kept = msgspec.convert(cached.timeline, RunTimeline)
-        if cached.basis == basis:
-            return kept
-        if fresh_within_s > 0:
-            if (utcnow() - _utc(cached.updated_at)).total_seconds() >= fresh_within_s:
-                _refresh_in_background(session.get_bind(), run_id)
-            return kept
-    return _compute_and_keep(session, run_id, basis)
+    usable = cached is not None and cached.engine_version == ENGINE_VERSION
+    if usable and cached is not None and (cached.basis == basis or fresh_within_s > 0):
+        return msgspec.convert(cached.timeline, RunTimeline)
+    timeline = _compute(session, run_id)
+    if timeline is not None and not _reads_only(session):
+        try:
+            with session.begin_nested():
+                _upsert(session, run_id, basis, timeline)
+        except IntegrityError:  # kept meanwhile by another unit of work: theirs is as good
+            pass
+    return timeline
 
 
-def _compute_and_keep(session: Session, run_id: int, basis: str) -> RunTimeline | None:
+def _reads_only(session: Session) -> bool:
+    """A GET's session (``Database.session(read_only=True)``): it never writes (issue #21)."""
+    return bool(session.get_bind().get_execution_options().get(READ_ONLY))
+
+
+def _compute(session: Session, run_id: int) -> RunTimeline | None:
     chunks = session.scalars(
         select(SeriesChunk.data)
         .join(SeriesStream, SeriesStream.id == SeriesChunk.stream_id)
@@ -167,31 +177,9 @@ def _compute_and_keep(session: Session, run_id: int, basis: str) -> RunTimeline 
         .order_by(SeriesStream.id, SeriesChunk.seq)
     )
     try:
-        timeline = run_timeline(bytes(data) for data in chunks)
+        return run_timeline(bytes(data) for data in chunks)
     except SeriesError:  # only chunks without steps (a process that exited before its first step)
         return None
-    _keep(session, run_id, basis, timeline)
-    return timeline
-
-
-def _keep(session: Session, run_id: int, basis: str, timeline: RunTimeline) -> None:
-    """Store the result: in the caller's unit of work when it writes (its transaction may hold
-    SQLite's write lock, which a second connection would wait on), else in a short write
-    transaction of its own (a GET's read-only one is refused a write once another connection
-    has written since it began)."""
-    bind = session.get_bind()
-    if not bind.get_execution_options().get(READ_ONLY):
-        try:
-            with session.begin_nested():
-                _upsert(session, run_id, basis, timeline)
-        except IntegrityError:  # stored meanwhile by another request: theirs is as good
-            pass
-        return
-    try:
-        with Session(bind.execution_options(**{READ_ONLY: False})) as own, own.begin():
-            _upsert(own, run_id, basis, timeline)
-    except (IntegrityError, OperationalError) as exc:  # stored meanwhile, or the database is busy
-        logger.info("run %s: the run timeline was not kept (%s)", run_id, type(exc).__name__)
 
 
 def _upsert(session: Session, run_id: int, basis: str, timeline: RunTimeline) -> None:
@@ -204,32 +192,86 @@ def _upsert(session: Session, run_id: int, basis: str, timeline: RunTimeline) ->
     session.flush()
 
 
-_refreshing: set[tuple[int, int]] = set()
-_refreshing_lock = threading.Lock()
+def _basis_count(basis: str) -> int:
+    return int(basis.partition(":")[0] or 0)
 
 
-def _refresh_in_background(bind: Any, run_id: int) -> None:
-    """Redo a run's kept timeline on a daemon thread, one at a time per run and database."""
-    key = (id(bind.engine if hasattr(bind, "engine") else bind), run_id)
-    with _refreshing_lock:
-        if key in _refreshing:
-            return
-        _refreshing.add(key)
+#: A sweep redoes at most this many runs (the most recently heard from first), and starts no other
+#: once it has worked this long: the embedded pool's supervisor runs it (and at start, before its
+#: workers); the rest wait for the next sweep.
+SWEEP_RUNS = 16
+SWEEP_BUDGET_S = 5.0
 
-    def work() -> None:
+
+def stale_run_timelines(session: Session, *, refresh_s: float) -> list[int]:
+    """Runs whose kept timeline is missing, of another engine, or behind their chunks and older
+    than ``refresh_s``: most recently heard from first. Chunks are only added, so a run whose
+    streams count the kept basis's chunks is current (one query over the streams, not the chunks)."""
+    rows = session.execute(
+        select(
+            SeriesStream.run_id,
+            func.sum(SeriesStream.chunks),
+            func.max(SeriesStream.heartbeat_at),
+            RunTimelineCache.basis,
+            RunTimelineCache.engine_version,
+            RunTimelineCache.updated_at,
+        )
+        .outerjoin(RunTimelineCache, RunTimelineCache.run_id == SeriesStream.run_id)
+        .group_by(
+            SeriesStream.run_id,
+            RunTimelineCache.basis,
+            RunTimelineCache.engine_version,
+            RunTimelineCache.updated_at,
+        )
+    ).all()
+    now = utcnow()
+    due: list[tuple[datetime, int]] = []
+    for run_id, chunks, heard, basis, engine, updated in rows:
+        if not chunks:
+            continue
+        if basis is not None and engine == ENGINE_VERSION:
+            if _basis_count(basis) == int(chunks):
+                continue
+            if (now - _utc(updated)).total_seconds() < refresh_s:
+                continue
+        due.append((_utc(heard), int(run_id)))
+    return [run_id for _, run_id in sorted(due, reverse=True)]
+
+
+def refresh_run_timelines(db: Database) -> list[int]:
+    """The sweep that keeps run timelines (the embedded pool's every 30 s, procrastinate's
+    ``sweep_pending``): GETs never write them (issue #21). Each run is read in a read-only session
+    (a 10-million-step run takes ~10 s, without holding SQLite's write lock) and kept in a short
+    transaction of its own; the runs it kept."""
+    with db.session(read_only=True) as session:
+        due = stale_run_timelines(session, refresh_s=db.settings.run_timeline_refresh_s)[:SWEEP_RUNS]
+    kept: list[int] = []
+    started = time.monotonic()
+    for run_id in due:
+        if run_id != due[0] and time.monotonic() - started > SWEEP_BUDGET_S:
+            break
         try:
-            reader = bind.execution_options(**{READ_ONLY: True})
-            with Session(reader) as own:
-                basis, count = _basis(own, run_id)
-                if count:
-                    _compute_and_keep(own, run_id, basis)
-        except Exception:  # a refresh is best effort: the next view tries again
-            logger.exception("run %s: refreshing the run timeline failed", run_id)
-        finally:
-            with _refreshing_lock:
-                _refreshing.discard(key)
+            with db.session(read_only=True) as session:
+                basis, count = _basis(session, run_id)
+                timeline = _compute(session, run_id) if count else None
+            if timeline is None:  # no steps yet: asked again at the next sweep
+                continue
+            with db.session() as session:
+                cached = session.get(RunTimelineCache, run_id)
+                if (
+                    cached is not None
+                    and cached.engine_version == ENGINE_VERSION
+                    and _basis_count(cached.basis) >= count
+                ):
+                    continue  # another worker kept this basis or a later one meanwhile
+                _upsert(session, run_id, basis, timeline)
+            kept.append(run_id)
+        except (IntegrityError, OperationalError) as exc:  # kept meanwhile, or the database is busy
+            logger.info("run %s: the run timeline was not kept (%s)", run_id, type(exc).__name__)
+    return kept
 
-    threading.Thread(target=work, name=f"run-timeline-{run_id}", daemon=True).start()
+
+SWEEPS.append(refresh_run_timelines)
 
 
 # --- storing a chunk ----------------------------------------------------------------------------
