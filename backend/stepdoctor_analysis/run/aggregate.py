@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import msgspec
 
 from .ranks import RankSummary, judge_ranks, sorted_groups, summarise_rank
+from .timeline import Memory as SeriesMemory
 from .trace_summary import TraceSummary
 from .verdict import RunVerdict, verdict_of
 
@@ -36,6 +37,7 @@ class RunAggregate:
         self._stale_ranks: set[Who] = set()
         self._verdict: RunVerdict | None = None
         self._counts: tuple[int, int, int] | None = None
+        self._series: SeriesMemory | None = None
         for s in summaries:
             self.add(s)
 
@@ -90,13 +92,22 @@ class RunAggregate:
         self._stale_ranks.clear()
         return [row for _, row in sorted_groups(self._rows)]
 
-    def verdict(self, *, failed: int = 0, pending: int = 0, outdated: int = 0) -> RunVerdict:
-        """The run's verdict (``run_verdict.verdict_of``); a copy, so a caller may stamp it."""
+    def verdict(
+        self, *, failed: int = 0, pending: int = 0, outdated: int = 0, series: SeriesMemory | None = None
+    ) -> RunVerdict:
+        """The run's verdict (``run_verdict.verdict_of``); a copy, so a caller may stamp it. ``series``:
+        the run's step-series memory (its leak over every step), as ``stepdoctor analyze RUN_DIR``
+        passes it; another series redoes the verdict."""
         counts = (failed, pending, outdated)
-        if self._verdict is None or self._counts != counts:
+        if self._verdict is None or self._counts != counts or self._series != series:
             ranks = judge_ranks(self.rank_rows(), windows=len(self._keys)) if self._keys else None
             self._verdict = verdict_of(
-                self.summaries(), ranks=ranks, failed=failed, pending=pending, outdated=outdated
+                self.summaries(),
+                ranks=ranks,
+                failed=failed,
+                pending=pending,
+                outdated=outdated,
+                series=series,
             )
-            self._counts = counts
+            self._counts, self._series = counts, series
         return msgspec.structs.replace(self._verdict)

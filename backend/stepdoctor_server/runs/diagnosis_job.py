@@ -2,7 +2,8 @@
 what another engine wrote (stale reports and diagnoses, ``traces.reports.is_stale``).
 
 Registered with the job engine (``jobs.defer``): ``AGGREGATE`` for procrastinate, a ``TRACE_DONE``
-hook for the embedded pool, and ``requeue_outdated`` as a sweep.
+hook for the embedded pool, and ``requeue_outdated`` and ``recheck_series_diagnoses`` (a run's step
+series, one of the verdict's inputs, grew) as sweeps.
 
 A run's verdict is folded from its traces' compact summaries (``rank_summaries``, one per analysis,
 made once from the report: ``store_summaries``), never from every report. Each process keeps the
@@ -24,7 +25,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import msgspec
-from sqlalchemy import func, select, update
+from sqlalchemy import case, func, select, update
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
@@ -33,12 +34,13 @@ from stepdoctor_analysis.run.aggregate import RunAggregate
 from stepdoctor_analysis.run.trace_summary import TraceSummary, decode, encode
 from stepdoctor_analysis.run.verdict import DIAGNOSIS_VERSION
 from stepdoctor_server.core.database import Database
-from stepdoctor_server.core.models import Analysis, Run, Trace, TraceSummaryRecord
+from stepdoctor_server.core.models import Analysis, Run, SeriesStream, Trace, TraceSummaryRecord
 from stepdoctor_server.jobs.claims import _now, reset_to_pending
 from stepdoctor_server.jobs.defer import AGGREGATE, SWEEPS, TRACE_DONE, handles
 from stepdoctor_server.jobs.pool import _observe, retry_db
 from stepdoctor_server.runs.diagnosis import StoredTrace, read_verdict, summary_of_stored
-from stepdoctor_server.runs.regressions import refresh_regression
+from stepdoctor_server.runs.regressions import LIVE_RECHECK, refresh_regression, series_chunks
+from stepdoctor_server.runs.series import run_timeline_of
 from stepdoctor_server.traces.reports import is_stale
 
 log = logging.getLogger("stepdoctor.worker")
@@ -103,9 +105,11 @@ def refresh_run_diagnosis(session: Session, run_id: int, *, force: bool = True) 
 
     The run row is locked first (``FOR UPDATE`` on PostgreSQL; SQLite serialises writers), so two
     aggregations of one run never interleave and the last one to commit saw every earlier commit:
-    no lost update. Without ``force`` nothing is re-read when the inputs (analysis ids and trace
-    states) are the ones the stored diagnosis was built from; then None is returned. The verdict
-    is folded from the traces' summaries (module docstring), not their reports.
+    no lost update. Without ``force`` nothing is re-read when the inputs (analysis ids, trace
+    states and the step series' chunk count) are the ones the stored diagnosis was built from; then
+    None is returned. The verdict is folded from the traces' summaries (module docstring), not their
+    reports, with the run's step-series memory (exact) as ``stepdoctor analyze RUN_DIR`` passes it:
+    a leak the series shows over the whole run is the server's finding too.
     """
     _lock_run(session, run_id)
     basis = _diagnosis_basis(session, run_id)
@@ -118,10 +122,12 @@ def refresh_run_diagnosis(session: Session, run_id: int, *, force: bool = True) 
             select(Trace.status, func.count()).where(Trace.run_id == run_id).group_by(Trace.status)
         ).all()
     )
+    timeline = run_timeline_of(session, run_id, fresh_within_s=0)
     verdict = aggregate.verdict(
         failed=int(counts.get("failed", 0)),
         pending=int(counts.get("pending", 0)) + int(counts.get("running", 0)),
         outdated=outdated,
+        series=timeline.memory if timeline is not None else None,
     )
     verdict.computed_at = _now().isoformat()
     diagnosis: dict[str, Any] = msgspec.to_builtins(verdict)
@@ -269,7 +275,8 @@ def _remake_summary(session: Session, analysis_id: int) -> TraceSummary | None:
 
 
 def _diagnosis_basis(session: Session, run_id: int) -> str:
-    """A digest of what a run diagnosis depends on: each trace's state and analysis id (no reports)."""
+    """A digest of what a run diagnosis depends on: each trace's state and analysis id (no reports),
+    and how many step-series chunks the run has (chunks are only added: a new one is a new basis)."""
 
     rows = session.execute(
         select(Trace.id, Trace.status, Analysis.id)
@@ -277,7 +284,45 @@ def _diagnosis_basis(session: Session, run_id: int) -> str:
         .where(Trace.run_id == run_id)
         .order_by(Trace.id)
     ).all()
-    return hashlib.sha256(json.dumps([list(r) for r in rows]).encode()).hexdigest()
+    basis = [[list(r) for r in rows], series_chunks(session, run_id)]
+    return hashlib.sha256(json.dumps(basis).encode()).hexdigest()
+
+
+def recheck_series_diagnoses(session: Session, *, within: timedelta = timedelta(days=1)) -> list[int]:
+    """Redo the diagnosis of analysed runs whose step series got chunks since it was computed (the
+    verdict reads the series' memory: a leak over the whole run). The workers' sweep, on both job
+    engines; only runs heard from within ``within`` are looked at, none with a trace still waiting
+    (its last trace refreshes it), and a run whose processes have not all ended at most every
+    ``LIVE_RECHECK`` (each redo reads its whole series once). Returns the runs redone."""
+    open_streams = func.sum(case((SeriesStream.final.is_(False), 1), else_=0))
+    analysed = select(Trace.run_id).join(Analysis, Analysis.trace_id == Trace.id)
+    waiting = select(Trace.run_id).where(Trace.status.in_(("pending", "running")))
+    rows = session.execute(
+        select(SeriesStream.run_id, open_streams)
+        .where(
+            SeriesStream.run_id.in_(
+                select(SeriesStream.run_id).where(SeriesStream.heartbeat_at >= _now() - within)
+            ),
+            SeriesStream.run_id.in_(analysed),
+            SeriesStream.run_id.not_in(waiting),
+        )
+        .group_by(SeriesStream.run_id)
+    ).all()
+    soon = (_now() - LIVE_RECHECK).isoformat()
+    redone = []
+    for run_id, still_open in rows:
+        computed = (session.scalar(select(Run.diagnosis).where(Run.id == run_id)) or {}).get("computed_at")
+        if still_open and isinstance(computed, str) and computed > soon:
+            continue  # live: its diagnosis is at most LIVE_RECHECK old
+        if refresh_run_diagnosis(session, run_id, force=False) is not None:
+            redone.append(int(run_id))
+    return redone
+
+
+def recheck_series_diagnoses_now(db: Database) -> list[int]:
+    """``recheck_series_diagnoses`` in its own transaction (the sweep's body)."""
+    with db.session() as session:
+        return recheck_series_diagnoses(session)
 
 
 def requeue_outdated_now(db: Database) -> list[int]:
@@ -328,3 +373,4 @@ def _refresh_run(db: Database, run_id: int) -> None:
 
 TRACE_DONE.append(_refresh_run)
 SWEEPS.append(requeue_outdated_now)
+SWEEPS.append(recheck_series_diagnoses_now)
