@@ -51,6 +51,18 @@ def test_with_a_server_it_says_what_was_uploaded(tmp_path: Path) -> None:
     )
 
 
+def test_an_older_server_without_the_series_endpoint_is_said_in_the_same_line(tmp_path: Path) -> None:
+    with FakeServer(series_endpoint=False) as server:
+        out = run_script(tmp_path, 8, STEPDOCTOR_SERVER=server.url, STEPDOCTOR_TOKEN=TOKEN)
+        assert len(server.uploads) == 2 and server.series  # it was tried
+    assert out.returncode == 0, out.stderr
+    (line,) = agent_lines(out.stderr)
+    assert line.endswith(
+        f"nothing left to send, the step series stays in {tmp_path} (the server has no step-series endpoint)"
+    )
+    assert list(tmp_path.rglob("*.stepdoctor.series"))
+
+
 def test_with_the_server_down_it_says_what_waits_and_how_to_send_it(tmp_path: Path) -> None:
     server = FakeServer(start=False)
     out = run_script(tmp_path, 8, STEPDOCTOR_SERVER=server.url, STEPDOCTOR_FLUSH_TIMEOUT="0.5")

@@ -116,7 +116,7 @@ def test_sync_ships_the_traces_and_leaves_the_series_complete(tmp_path: Path) ->
     run_loop(tmp_path, "later", 60, series_settings=SeriesSettings(chunk_steps=25, anomaly_capture=False))
     run_dir = tmp_path / "proj" / "later"
     before = sorted(p.name for p in rt.series_files(run_dir))
-    with FakeServer() as server:
+    with FakeServer(series_endpoint=False) as server:
         code = sync.main(
             ["--spool", str(tmp_path), "--server", server.url, "--token", TOKEN, "--timeout", "60"]
         )

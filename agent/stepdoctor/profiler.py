@@ -626,6 +626,8 @@ class Profile:
             )
         else:
             parts.append("nothing left to send")
+        if stats.series_unsupported:
+            parts.append(f"the step series stays in {spool.root} (the server has no step-series endpoint)")
         return f"{captured}; " + ", ".join(parts)
 
 

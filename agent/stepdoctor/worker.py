@@ -52,6 +52,7 @@ class Stats:
     delivered_keys: list[str] = field(default_factory=list)
     series_delivered: int = 0  # step-series chunks (stepdoctor.series) the server stored
     series_rejected: int = 0
+    series_unsupported: bool = False  # a server without the series endpoint (older): chunks stay
     snapshots: int = 0  # memory snapshots (stepdoctor.memory_snapshot) sent after their traces
 
 
@@ -283,9 +284,10 @@ class DeliveryWorker:
             return True
         if result.outcome == "rejected" and result.status == 404:
             self._no_series.add(server)
+            self.stats.series_unsupported = True  # the exit line says so: one line, not two
             log_once(
                 f"no-series:{server}",
-                logging.WARNING,
+                logging.INFO,
                 "stepdoctor: %s has no step-series endpoint (an older server); the series stays in %s",
                 server,
                 self.spool.root,

@@ -62,6 +62,7 @@ class _State:
     # Step-series chunks the agent sent (POST /api/v1/series): kept apart from the trace requests
     # and never given a scripted failure; answered 404, like a server without the endpoint.
     series: list[bytes] = field(default_factory=list)
+    series_endpoint: bool = True
 
 
 def free_port() -> int:
@@ -81,6 +82,7 @@ class FakeServer:
         start: bool = True,
         parse: bool = True,
         tls: ssl.SSLContext | None = None,
+        series_endpoint: bool = True,
     ) -> None:
         self.token = token
         self.parse = parse  # False: store bodies unparsed (the benchmark keeps the server's CPU use low)
@@ -88,6 +90,7 @@ class FakeServer:
         self.tls = tls  # a server-side context: HTTPS on https://localhost:PORT (the certificate's name)
         self.url = f"https://localhost:{self.port}" if tls else f"http://127.0.0.1:{self.port}"
         self.state = _State()
+        self.state.series_endpoint = series_endpoint  # False: an older server, 404 for the series
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         if start:
@@ -165,7 +168,9 @@ class _Handler(BaseHTTPRequestHandler):
         if url.path == "/api/v1/series":
             with state.lock:
                 state.series.append(body)
-            return self._answer(Attempt(None, None, "ok"), 404, {"detail": "not found"})
+            if not state.series_endpoint:
+                return self._answer(Attempt(None, None, "ok"), 404, {"detail": "not found"})
+            return self._answer(Attempt(None, None, "ok"), 201, {"stored": True})
         with state.lock:
             failure = state.failures.popleft() if state.failures else None
         attempt = Attempt(key, None, failure.mode if failure else "ok")
