@@ -176,7 +176,12 @@ def test_eight_rank_run_is_shared_by_two_workers_and_aggregated_once(cluster: Cl
             for rank, path in enumerate(EIGHT_RANKS):
                 body = path.read_bytes()
                 resp = upload(
-                    client, body, project="scale", run="eight", rank=rank, metadata={"host": f"n{rank}"}
+                    client,
+                    body,
+                    project="scale",
+                    run="eight",
+                    rank=rank,
+                    metadata={"host": f"n{rank}", "world_size": 8},
                 )
                 assert resp.status_code == 201, resp.text
                 bodies[resp.json()["id"]] = body
