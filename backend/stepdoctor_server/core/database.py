@@ -67,20 +67,21 @@ def _configure_sqlite(engine: Engine, settings: Settings) -> None:
 
 class AppSession(Session):
     """A session of this app's database; ``defers_jobs``: work queued in its transaction goes to a
-    job engine's table (procrastinate) rather than being claimed from ``traces`` by the pool."""
+    job engine's table (procrastinate) rather than being claimed from ``traces`` by the pool;
+    ``settings``: the app's, for work done inside the unit of work (``settings_of``)."""
 
-    def __init__(self, *args: Any, defers_jobs: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, defers_jobs: bool = False, settings: Settings | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.defers_jobs = defers_jobs
-
-
-SETTINGS = "stepdoctor.settings"
+        self.settings = settings
 
 
 def settings_of(session: Session) -> Settings:
     """The settings of the app whose database ``session`` belongs to (the process's otherwise)."""
-    found = session.info.get(SETTINGS)
-    return found if isinstance(found, Settings) else get_settings()
+    found = session.settings if isinstance(session, AppSession) else None
+    return found if found is not None else get_settings()
 
 
 def defers_jobs(session: Session) -> bool:
@@ -96,20 +97,19 @@ class Database:
         self.engine = make_engine(settings)
         # Sessions know whether their jobs are deferred to a job engine (``defers_jobs``).
         defer = settings.uses_procrastinate
-        # ``info["settings"]``: what jobs running inside a session read (``settings_of``).
         self.sessionmaker = sessionmaker(
             self.engine,
             class_=AppSession,
             expire_on_commit=False,
             defers_jobs=defer,
-            info={SETTINGS: settings},
+            settings=settings,
         )
         self.read_sessionmaker = sessionmaker(
             self.engine.execution_options(**{READ_ONLY: True}),
             class_=AppSession,
             expire_on_commit=False,
             defers_jobs=defer,
-            info={SETTINGS: settings},
+            settings=settings,
         )
 
     @contextmanager
