@@ -22,9 +22,10 @@ from stepdoctor_server.core.database import SessionDep
 from stepdoctor_server.core.errors import ApiError
 from stepdoctor_server.core.settings import Settings
 from stepdoctor_server.runs import series
+from stepdoctor_server.runs.service import get_or_create_project, get_or_create_run
 from stepdoctor_server.traces.ingest import validate_name
-from stepdoctor_server.web.api_traces import _get_or_create_project, _get_or_create_run
 from stepdoctor_server.web.schemas import ErrorResponse
+from stepdoctor_server.web.uploads import check_declared_length, read_bounded
 
 router = APIRouter(prefix="/api/v1/series", tags=["series"])
 
@@ -68,19 +69,9 @@ async def upload_series_chunk(
     settings: Settings = request.app.state.settings
     project_name, run_name = validate_name("project", project), validate_name("run", run)
     limit = settings.max_series_chunk_bytes
-    if content_length is not None:
-        try:
-            declared = int(content_length)
-        except ValueError:
-            raise ApiError(400, "invalid_content_length", "Content-Length is not an integer") from None
-        if declared > limit:
-            raise _too_large(limit)
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise _too_large(limit)
-    stored = await anyio.to_thread.run_sync(_record, session, principal, project_name, run_name, bytes(body))
+    check_declared_length(content_length, limit, _too_large(limit))
+    body = await read_bounded(request, limit, _too_large(limit))
+    stored = await anyio.to_thread.run_sync(_record, session, principal, project_name, run_name, body)
     result = SeriesUploadResult(
         run_id=stored.run_id,
         stream=stored.stream,
@@ -95,6 +86,6 @@ async def upload_series_chunk(
 def _record(session: Session, principal: Principal, project: str, run: str, data: bytes) -> series.Stored:
     # Validated before the project and run exist: a bad chunk creates neither.
     chunk = series.check_chunk(data)
-    owner = _get_or_create_project(session, principal.team_id, project)
-    target = _get_or_create_run(session, owner, run)
+    owner = get_or_create_project(session, principal.team_id, project)
+    target = get_or_create_run(session, owner, run)
     return series.store_chunk(session, target, data, chunk=chunk)

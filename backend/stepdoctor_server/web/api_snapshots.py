@@ -22,8 +22,9 @@ from stepdoctor_server.core.models import MemorySnapshot
 from stepdoctor_server.core.settings import Settings
 from stepdoctor_server.traces import snapshots
 from stepdoctor_server.traces.storage import TraceStore
-from stepdoctor_server.web.api_traces import _ERRORS, _check_declared_length
+from stepdoctor_server.web.api_traces import _ERRORS
 from stepdoctor_server.web.pages import Viewer
+from stepdoctor_server.web.uploads import check_declared_length
 
 router = APIRouter(prefix="/api/v1/traces", tags=["traces"])
 page_router = APIRouter(include_in_schema=False)
@@ -63,7 +64,7 @@ async def upload_snapshot(
     settings: Settings = request.app.state.settings
     store: TraceStore = request.app.state.store
     snapshots.check_content_type(content_type, content_encoding)
-    _check_declared_length(content_length, settings.max_upload_bytes)
+    check_declared_length(content_length, settings.max_upload_bytes)
     staged = await store.receive(
         request.stream(), max_bytes=settings.max_upload_bytes, inspect=snapshots.HeaderCheck().feed
     )

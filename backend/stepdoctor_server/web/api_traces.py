@@ -24,6 +24,7 @@ from stepdoctor_server.core.errors import ApiError
 from stepdoctor_server.core.models import Analysis, Project, Run, Trace
 from stepdoctor_server.core.settings import Settings
 from stepdoctor_server.jobs.claims import enqueue_analyses
+from stepdoctor_server.runs.service import get_or_create_project, get_or_create_run
 from stepdoctor_server.traces import service as traces
 from stepdoctor_server.traces.ingest import (
     BodyInspector,
@@ -35,9 +36,10 @@ from stepdoctor_server.traces.ingest import (
     validate_name,
 )
 from stepdoctor_server.traces.snapshots import snapshot_of
-from stepdoctor_server.traces.storage import StagedFile, TraceStore, too_large
+from stepdoctor_server.traces.storage import StagedFile, TraceStore
 from stepdoctor_server.web.api_catalog import trace_summary
 from stepdoctor_server.web.schemas import AnalysisOut, ErrorResponse, TraceOut, UploadResult
+from stepdoctor_server.web.uploads import check_declared_length
 
 router = APIRouter(prefix="/api/v1/traces", tags=["traces"])
 
@@ -92,7 +94,7 @@ async def upload_trace(
         ),
         gzipped=check_content_type(content_type, content_encoding),
     )
-    _check_declared_length(content_length, settings.max_upload_bytes)
+    check_declared_length(content_length, settings.max_upload_bytes)
     if upload.idempotency_key is not None:
         known = await anyio.to_thread.run_sync(_find_replay_now, request, principal, upload.idempotency_key)
         if known is not None:
@@ -163,17 +165,6 @@ def check_run_limits(session: Session, run_id: int, rank: int | None, settings: 
                 "run_rank_limit",
                 f"this run already has {count} ranks, the most a run accepts: STEPDOCTOR_MAX_RUN_RANKS={ranks}",
             )
-
-
-def _check_declared_length(content_length: str | None, max_bytes: int) -> None:
-    if content_length is None:
-        return
-    try:
-        declared = int(content_length)
-    except ValueError:
-        raise ApiError(400, "invalid_content_length", "Content-Length is not an integer") from None
-    if declared > max_bytes:
-        raise too_large(max_bytes)
 
 
 def _upload_response(trace: Trace, *, replay: bool) -> JSONResponse:
@@ -256,8 +247,8 @@ def _record_upload(
     known = _replay(session, principal, upload, staged.sha256)
     if known is not None:
         return known, True
-    project = _get_or_create_project(session, principal.team_id, upload.project)
-    run = _get_or_create_run(session, project, upload.run)
+    project = get_or_create_project(session, principal.team_id, upload.project)
+    run = get_or_create_run(session, project, upload.run)
     if upload.metadata.tags:
         merged = list(run.tags or []) + [t for t in upload.metadata.tags if t not in (run.tags or [])]
         if merged != run.tags:
@@ -298,36 +289,6 @@ def _record_upload(
     on_rollback(session, lambda: store.delete(key))
     enqueue_analyses(session, [trace.id])  # the job commits with the trace row, or neither does
     return trace, False
-
-
-def _get_or_create_project(session: Session, team_id: int, name: str) -> Project:
-    query = select(Project).where(Project.team_id == team_id, Project.name == name)
-    project = session.scalar(query)
-    if project is not None:
-        return project
-    try:
-        with session.begin_nested():
-            project = Project(team_id=team_id, name=name)
-            session.add(project)
-            session.flush()
-    except IntegrityError:  # created concurrently by another upload
-        project = session.scalars(query).one()
-    return project
-
-
-def _get_or_create_run(session: Session, project: Project, name: str) -> Run:
-    query = select(Run).where(Run.project_id == project.id, Run.name == name)
-    run = session.scalar(query)
-    if run is not None:
-        return run
-    try:
-        with session.begin_nested():
-            run = Run(project_id=project.id, name=name, tags=[])
-            session.add(run)
-            session.flush()
-    except IntegrityError:
-        run = session.scalars(query).one()
-    return run
 
 
 def download_filename(project: str, run: str, rank: int | None, trace_id: int, gzipped: bool) -> str:
