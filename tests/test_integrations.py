@@ -68,9 +68,8 @@ def check_windows(windows: list[tuple[dict[str, Any], dict[str, Any]]]) -> None:
 # -- PyTorch Lightning ---------------------------------------------------------------------------
 
 
-def test_lightning_callback(tmp_path: Path) -> None:
-    pl = pytest.importorskip("lightning.pytorch")
-    from stepdoctor.integrations.lightning import StepdoctorCallback
+def tiny_module(pl: Any, *, fail_at: int | None = None) -> Any:
+    """A one-layer LightningModule; ``fail_at``: the batch whose training step raises."""
 
     class Tiny(pl.LightningModule):  # type: ignore[misc, name-defined]
         def __init__(self) -> None:
@@ -78,16 +77,19 @@ def test_lightning_callback(tmp_path: Path) -> None:
             self.layer = torch.nn.Linear(8, 1)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            if batch_idx == fail_at:
+                raise RuntimeError("diverged")
             x, y = batch
             return torch.nn.functional.mse_loss(self.layer(x), y)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
-    loader = DataLoader(data, batch_size=4, num_workers=1, persistent_workers=True, pin_memory=False)
-    callback = StepdoctorCallback("pl", "tiny", spool=tmp_path, tags={"team": "vision"}, **SCHEDULE)
-    trainer = pl.Trainer(
+    return Tiny()
+
+
+def cpu_trainer(pl: Any, callback: Any) -> Any:
+    return pl.Trainer(
         max_steps=9,
         accelerator="cpu",
         devices=1,
@@ -97,7 +99,17 @@ def test_lightning_callback(tmp_path: Path) -> None:
         enable_model_summary=False,
         callbacks=[callback],
     )
-    trainer.fit(Tiny(), loader)
+
+
+def test_lightning_callback(tmp_path: Path) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from stepdoctor.integrations.lightning import StepdoctorCallback
+
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    loader = DataLoader(data, batch_size=4, num_workers=1, persistent_workers=True, pin_memory=False)
+    callback = StepdoctorCallback("pl", "tiny", spool=tmp_path, tags={"team": "vision"}, **SCHEDULE)
+    trainer = cpu_trainer(pl, callback)
+    trainer.fit(tiny_module(pl), loader)
     assert callback.prof is None  # stopped at the end of fit
 
     windows = spooled(tmp_path / "pl" / "tiny")
@@ -208,37 +220,14 @@ def test_lightning_failure_is_not_a_clean_exit(tmp_path: Path, fail_at: int | No
     pl = pytest.importorskip("lightning.pytorch")
     from stepdoctor.integrations.lightning import StepdoctorCallback
 
-    class Failing(pl.LightningModule):  # type: ignore[misc, name-defined]
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(8, 1)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            if batch_idx == fail_at:
-                raise RuntimeError("diverged")
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.layer(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
     loader = DataLoader(TensorDataset(torch.randn(64, 8), torch.randn(64, 1)), batch_size=4)
     callback = StepdoctorCallback("pl", "ends", spool=tmp_path, **SCHEDULE)
-    trainer = pl.Trainer(
-        max_steps=9,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[callback],
-    )
+    trainer = cpu_trainer(pl, callback)
     if fail_at is None:
-        trainer.fit(Failing(), loader)
+        trainer.fit(tiny_module(pl, fail_at=fail_at), loader)
     else:
         with pytest.raises(RuntimeError, match="diverged"):
-            trainer.fit(Failing(), loader)
+            trainer.fit(tiny_module(pl, fail_at=fail_at), loader)
     assert callback.prof is None
     assert last_chunk_clean(tmp_path / "pl" / "ends") is (fail_at is None)
 
