@@ -20,6 +20,7 @@ from stepdoctor_analysis.run.verdict import RunVerdict
 from stepdoctor_server.auth.tokens import Principal
 from stepdoctor_server.core.errors import ApiError, check_id, not_found
 from stepdoctor_server.core.models import Analysis, Project, Run, Trace
+from stepdoctor_server.runs import compare, regressions
 from stepdoctor_server.runs import export as tensorboard_export
 from stepdoctor_server.runs.diagnosis import read_verdict, worker_of
 from stepdoctor_server.runs.diagnosis_job import diagnosis_stale
@@ -462,3 +463,34 @@ def get_or_create_run(session: Session, project: Project, name: str) -> Run:
     except IntegrityError:
         run = session.scalars(query).one()
     return run
+
+
+@dataclass(frozen=True)
+class RunComparison:
+    """Two runs compared: the one answer the compare page and ``GET /api/v1/compare`` render."""
+
+    base: Run
+    base_project: Project
+    other: Run
+    other_project: Project
+    base_diagnosis: RunVerdict
+    other_diagnosis: RunVerdict
+    comparison: dict[str, Any]
+
+
+def compare_runs(session: Session, base: tuple[Run, Project], other: tuple[Run, Project]) -> RunComparison:
+    """``other`` against ``base`` (``compare.compare_diagnoses`` over their stored verdicts, the step
+    times on the basis ``regressions.step_comparison`` and ``stepdoctor check`` use); 409 while
+    either has no verdict (``run_diagnosis``)."""
+    (base_run, base_project), (other_run, other_project) = base, other
+    base_d, other_d = run_diagnosis(base_run), run_diagnosis(other_run)
+    step = regressions.step_comparison(session, base_run, base_project, other_run, other_project)
+    return RunComparison(
+        base_run,
+        base_project,
+        other_run,
+        other_project,
+        base_d,
+        other_d,
+        compare.compare_diagnoses(base_d, other_d, step),
+    )

@@ -16,12 +16,12 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 from sqlalchemy import select
 
+from stepdoctor_analysis.run.verdict import RunVerdict
 from stepdoctor_server.auth.tokens import AdminTeam, ReadTeam, UploadTeam
 from stepdoctor_server.core.database import SessionDep
-from stepdoctor_server.core.models import DeepAnalysis, Trace
+from stepdoctor_server.core.models import DeepAnalysis, Project, Run, Trace
 from stepdoctor_server.deep import service as deep
 from stepdoctor_server.jobs.claims import reset_to_pending
-from stepdoctor_server.runs import compare, regressions
 from stepdoctor_server.runs import service as runs
 from stepdoctor_server.traces import service as traces
 from stepdoctor_server.web.schemas import ErrorResponse, ReportJSON
@@ -139,29 +139,23 @@ def compare_runs(
     base: int = Query(description="id of the baseline run"),
     other: int = Query(description="id of the run compared with it"),
 ) -> CompareOut:
-    base_run, base_project = runs.load_run(session, principal, base)
-    other_run, other_project = runs.load_run(session, principal, other)
-    base_diag = runs.run_diagnosis(base_run)
-    other_diag = runs.run_diagnosis(other_run)
-    return CompareOut(
-        base={
-            "id": base_run.id,
-            "project": base_project.name,
-            "name": base_run.name,
-            "diagnosis": msgspec.to_builtins(base_diag),
-        },
-        other={
-            "id": other_run.id,
-            "project": other_project.name,
-            "name": other_run.name,
-            "diagnosis": msgspec.to_builtins(other_diag),
-        },
-        comparison=compare.compare_diagnoses(
-            base_diag,
-            other_diag,
-            regressions.step_comparison(session, base_run, base_project, other_run, other_project),
-        ),
+    c = runs.compare_runs(
+        session, runs.load_run(session, principal, base), runs.load_run(session, principal, other)
     )
+    return CompareOut(
+        base=_compared(c.base, c.base_project, c.base_diagnosis),
+        other=_compared(c.other, c.other_project, c.other_diagnosis),
+        comparison=c.comparison,
+    )
+
+
+def _compared(run: Run, project: Project, diagnosis: RunVerdict) -> dict[str, Any]:
+    return {
+        "id": run.id,
+        "project": project.name,
+        "name": run.name,
+        "diagnosis": msgspec.to_builtins(diagnosis),
+    }
 
 
 @router.get(

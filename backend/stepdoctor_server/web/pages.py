@@ -530,8 +530,7 @@ def compare_page(
     base_run, base_project = runs.load_run(session, viewer, base)
     other_run, other_project = runs.load_run(session, viewer, other)
     try:
-        base_d = runs.run_diagnosis(base_run)
-        other_d = runs.run_diagnosis(other_run)
+        c = runs.compare_runs(session, (base_run, base_project), (other_run, other_project))
     except ApiError as exc:  # a run without analysed traces yet
         return _render(
             request,
@@ -543,8 +542,7 @@ def compare_page(
             c=None,
             error=exc.message,
         )
-    step = regressions.step_comparison(session, base_run, base_project, other_run, other_project)
-    comparison = compare.compare_diagnoses(base_d, other_d, step)
+    comparison = c.comparison
     differences = compare.context_differences(
         runs.comparison_context(session, base_run), runs.comparison_context(session, other_run)
     )
