@@ -275,3 +275,26 @@ def test_a_flush_tries_a_server_that_was_down_at_once_and_gives_up_at_once_if_st
     finally:
         worker.close(1.0)
         server.down()
+
+
+def test_a_try_cut_by_the_exit_budget_keeps_the_cause_of_the_failures_before_it(tmp_path: Path) -> None:
+    """A server that accepts and never answers: the try ends at the caller's deadline (cut short,
+    which says nothing about the server), and the summary keeps the earlier real cause."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        chunk = tmp_path / "c.stepdoctor.series"
+        chunk.write_bytes(b"x")
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        cut = transport.upload_series(url, TOKEN, chunk, "p", "r", 30.0, deadline=time.monotonic() + 0.3)
+    assert cut.outcome == "retry" and cut.cut_short and "DeadlineExceeded" in cut.detail
+
+    worker = DeliveryWorker(Spool(tmp_path), None, FAST)
+    cause = transport.Result("retry", None, "SSLCertVerificationError: certificate verify failed")
+    worker._retry_later(url, cause)
+    worker._retry_later(url, cut)
+    assert worker.stats.last_error == cause.detail and worker.stats.retries == 2
+    worker._retry_later(url, transport.Result("retry", None, "ConnectionRefusedError"))
+    assert worker.stats.last_error == "ConnectionRefusedError"  # a real failure still replaces it

@@ -50,6 +50,7 @@ class Result:
     retry_after: float | None = None
     connected: bool = True  # False: no connection at all (refused, unreachable, DNS): the server is down
     body: str = ""  # the answer's first 4 KiB (a trace upload's answers with the trace's id)
+    cut_short: bool = False  # the caller's own deadline ended the try: it says nothing about the server
 
     def created_id(self) -> int | None:
         """The ``id`` of a delivered upload's JSON answer (the server's trace id), or None."""
@@ -211,7 +212,8 @@ def _post(
         try:
             conn.connect()
         except (OSError, http.client.HTTPException) as exc:
-            return Result("retry", None, _describe(watchdog.explain(exc), "connecting"), connected=False)
+            detail = _describe(watchdog.explain(exc), "connecting")
+            return Result("retry", None, detail, connected=False, cut_short=watchdog.fired)
         assert conn.sock is not None
         conn.sock.settimeout(timeout)
         try:
@@ -220,12 +222,15 @@ def _post(
         except OSError as exc:
             # A server may answer (401, 413) and close before reading a large body: use its answer.
             early = None if watchdog.fired else _early_response(conn)
-            return early if early is not None else Result("retry", None, _describe(watchdog.explain(exc)))
+            if early is not None:
+                return early
+            return Result("retry", None, _describe(watchdog.explain(exc)), cut_short=watchdog.fired)
         response = conn.getresponse()
         text = response.read(4096).decode("utf-8", "replace")
         return classify(response.status, text, response.getheader("Retry-After"))
     except (OSError, http.client.HTTPException) as exc:
-        return Result("retry", None, _describe(watchdog.explain(exc), "waiting for the answer"))
+        detail = _describe(watchdog.explain(exc), "waiting for the answer")
+        return Result("retry", None, detail, cut_short=watchdog.fired)
     finally:
         watchdog.cancel()
         conn.close()

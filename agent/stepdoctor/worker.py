@@ -442,7 +442,8 @@ class DeliveryWorker:
         """A try that may work later (no connection, 5xx, 429): back off, say so once."""
         delay = self._backoff.failed(result.retry_after, time.monotonic())
         self.stats.retries += 1
-        self.stats.last_error = result.detail
+        if not (result.cut_short and self.stats.last_error):  # keep the cause, not the exit budget's cut
+            self.stats.last_error = result.detail
         log_once(
             f"retry:{server}",
             logging.WARNING,
