@@ -6,6 +6,8 @@ import gzip
 import json
 import logging
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -191,6 +193,34 @@ def test_claim_is_exclusive(tmp_path: Path, real_trace: bytes) -> None:
         assert first is not None and second is None
     with spool.claim(sidecar) as again:
         assert again is not None
+
+
+# Another process (a second rank sharing the spool, or ``stepdoctor sync``) tries the same claim.
+_CLAIM_IN_ANOTHER_PROCESS = """
+import sys
+from pathlib import Path
+from stepdoctor.spool import Spool
+with Spool(Path(sys.argv[1])).claim_series(Path(sys.argv[2])) as mine:
+    print(mine)
+"""
+
+
+def test_a_claim_holds_while_its_holder_reads_the_file(tmp_path: Path) -> None:
+    """The holder reads the chunk to send it (its header, then the upload): closing those reads
+    must not free the claim for another rank, or both send it and one fails to move it."""
+    spool = Spool(tmp_path)
+    chunk = tmp_path / "proj" / "run" / "series-0123456789ab-0000000.stepdoctor.series"
+    chunk.parent.mkdir(parents=True)
+    chunk.write_bytes(b"not a real chunk: only the lock matters here")
+    probe = [sys.executable, "-c", _CLAIM_IN_ANOTHER_PROCESS, str(tmp_path), str(chunk)]
+    with spool.claim_series(chunk) as mine:
+        assert mine
+        Spool.series_meta(chunk)  # opens and closes the chunk, as the upload does
+        chunk.read_bytes()
+        other = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+        assert other.stdout.strip() == "False", other.stdout + other.stderr
+    freed = subprocess.run(probe, capture_output=True, text=True, timeout=60)
+    assert freed.stdout.strip() == "True", freed.stdout + freed.stderr
 
 
 def test_compression_is_atomic_and_valid(tmp_path: Path, real_trace: bytes) -> None:

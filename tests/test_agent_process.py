@@ -131,7 +131,7 @@ def test_two_ranks_as_separate_processes_land_in_one_run(tmp_path: Path) -> None
         ]
         outputs = [p.communicate(timeout=60)[0] for p in procs]
         assert [p.returncode for p in procs] == [0, 0], outputs
-        assert not any("Traceback" in out for out in outputs), outputs
+        assert not any("Traceback" in out for out in outputs), "\n".join(outputs)
         uploads = list(server.uploads.values())
     assert sorted(u.rank for u in uploads) == [0, 1]
     assert {(u.project, u.run) for u in uploads} == {("proc", "ddp")}

@@ -24,7 +24,7 @@ instant leaves either a complete file or a ``.partial`` that is never uploaded:
     first, sidecar last).
 
 The sidecar is the commit point: nothing without one is compressed or uploaded. Several processes
-(ranks, the next run's agent, ``stepdoctor sync``) may share a spool; a POSIX record lock on the
+(ranks, the next run's agent, ``stepdoctor sync``) may share a spool; an ``flock`` on the
 sidecar makes exactly one of them handle a trace at a time, and dies with its holder.
 """
 
@@ -186,8 +186,12 @@ class Spool:
 
     @contextlib.contextmanager
     def _locked(self, path: Path) -> Iterator[BinaryIO | None]:
-        """Exclusive handling of one file across threads and processes (a POSIX record lock on it,
-        which dies with its holder); yields its open handle, or None when busy or gone."""
+        """Exclusive handling of one file across threads and processes; yields its open handle, or
+        None when busy or gone.
+
+        An ``flock`` on this descriptor, which dies with its holder: a POSIX record lock (``lockf``)
+        is the process's and goes when *any* of its descriptors of the file closes, so reading the
+        chunk to upload it let another rank claim it mid-upload and both sent it."""
         key = str(path)
         with _claimed_lock:
             if key in _claimed:
@@ -203,7 +207,7 @@ class Spool:
             with fh:
                 if fcntl is not None:
                     try:
-                        fcntl.lockf(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
                     except OSError:
                         yield None
                         return
