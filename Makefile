@@ -11,6 +11,9 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 export STEPDOCTOR_DATA_DIR ?= $(CURDIR)/stepdoctor-data
 PYTEST_ARGS ?=
+# The suite runs in this many pytest-xdist processes, a test file per process at a time (its
+# module fixtures are built once); most tests wait on subprocesses, servers and sockets. 0: serially.
+PYTEST_WORKERS ?= 2
 # `make test LINT=0` skips lint and mypy (`make check` runs only those).
 LINT ?= 1
 # Compose v2 (`docker compose`, Docker's plugin) when it answers, else the `docker-compose` command:
@@ -82,7 +85,7 @@ test: install-dev system-deps ## install what the tests need, `make check` (unle
 ifneq ($(LINT),0)
 	$(MAKE) --no-print-directory check
 endif
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile )$(PYTEST_ARGS)
 
 docs: ## regenerate docs/rules.md and docs/report.schema.json from the code
 	$(BIN)/python tools/gen_docs.py

@@ -20,7 +20,18 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 
 # make's own state and the Makefile's knobs: a parent `make test LINT=0` exports them to its children.
 _MAKE_STATE = frozenset(
-    {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "LINT", "PYTEST_ARGS", "TORCH_SPEC", "HOST", "PORT"}
+    {
+        "MAKEFLAGS",
+        "MFLAGS",
+        "MAKELEVEL",
+        "MAKEOVERRIDES",
+        "LINT",
+        "PYTEST_ARGS",
+        "PYTEST_WORKERS",
+        "TORCH_SPEC",
+        "HOST",
+        "PORT",
+    }
     | {"COMPOSE", "PYTHON", "VENV"}
 )
 
@@ -90,10 +101,17 @@ def test_check_is_lint_and_typecheck_only() -> None:
 def test_test_runs_check_unless_lint_is_0() -> None:
     full = _recipe("test", "PYTEST_ARGS=-x -q tests/test_makefile.py")
     assert any("ruff check" in c for c in full) and _runs(full, "mypy")
-    assert full[-1].endswith("-m pytest -x -q tests/test_makefile.py"), full
+    assert "-m pytest " in full[-1] and full[-1].endswith(" -x -q tests/test_makefile.py"), full
     quick = _recipe("test", "LINT=0", "PYTEST_ARGS=-x -q tests/test_makefile.py")
     assert not any("ruff" in c or "mypy" in c for c in quick), quick
     assert quick[-1] == full[-1]
+
+
+def test_test_runs_the_suite_in_worker_processes_unless_told_0() -> None:
+    parallel = _recipe("test", "LINT=0", "PYTEST_ARGS=-q")[-1]
+    assert "-m pytest -n 2 --dist loadfile -q" in parallel, parallel
+    serial = _recipe("test", "LINT=0", "PYTEST_WORKERS=0", "PYTEST_ARGS=-q")[-1]
+    assert serial.endswith("-m pytest -q") and " -n " not in serial, serial
 
 
 def test_ci_runs_the_readmes_test_command_with_lint() -> None:
