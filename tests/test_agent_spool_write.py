@@ -23,9 +23,10 @@ import pytest
 from stepdoctor.spool import EXPORT_SUFFIX, META_SUFFIX, PARTIAL, TRACE_SUFFIX, Spool
 from support import spooling
 from support.fake_server import TOKEN, FakeServer
-from support.spooling import agent_lines, run_training, spool_traces
+from support.spooling import TrainingForks, agent_lines, spool_traces
 
 real_trace = spooling.real_trace  # a small real Kineto trace (module-scoped fixture)
+training_forks = spooling.training_forks  # each script in a fork of one process that imported torch
 
 # 2 windows of 2 steps; with a size limit, every file written past it is refused by the kernel.
 SCRIPT = """
@@ -74,10 +75,14 @@ def spool_below_a_file(tmp_path: Path) -> tuple[Path, int]:
     ids=["full-disk", "folder-cannot-be-created"],
 )
 def test_an_unwritable_spool_loses_the_windows_says_so_once_and_training_continues(
-    tmp_path: Path, make_spool: Callable[[Path], tuple[Path, int]], what: str, reason: str
+    tmp_path: Path,
+    training_forks: TrainingForks,
+    make_spool: Callable[[Path], tuple[Path, int]],
+    what: str,
+    reason: str,
 ) -> None:
     spool, limit = make_spool(tmp_path)
-    out = run_training(SCRIPT, str(spool), str(limit))  # agent errors raised: a mishandled one kills it
+    out = training_forks.run(SCRIPT, str(spool), str(limit))  # agent errors raised: a mishandled one kills it
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "trained 8"
     run_dir = spool / "out" / "r1"

@@ -35,10 +35,41 @@ def _dead_url() -> str:
     return f"http://127.0.0.1:{port}"  # nothing listens there once the socket is closed
 
 
-def _train(env: dict[str, str], run: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "stepdoctor.demo_train", "--run", run, "--steps", "14", "--skip-first", "3"]
-    cmd += ["--warmup", "1", "--active", "2", "--repeat", "2", "--sample-ms", "2", *extra]
-    return subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+class _Training:
+    """``demo_train`` started in the background (the test starts the server meanwhile: both cost
+    seconds of CPU start-up); ``result()`` waits for it. Output goes to files, not pipes nobody reads."""
+
+    def __init__(self, out_dir: Path, env: dict[str, str], run: str, *extra: str) -> None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "stepdoctor.demo_train",
+            "--run",
+            run,
+            "--steps",
+            "14",
+            "--skip-first",
+            "3",
+        ]
+        cmd += ["--warmup", "1", "--active", "2", "--repeat", "2", "--sample-ms", "2", *extra]
+        self.cmd = cmd
+        self.out, self.err = out_dir / f"{run}.stdout", out_dir / f"{run}.stderr"
+        with self.out.open("wb") as out, self.err.open("wb") as err:
+            self.process = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=err)
+
+    def __enter__(self) -> _Training:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+    def result(self) -> subprocess.CompletedProcess[str]:
+        self.process.wait(timeout=300)
+        return subprocess.CompletedProcess(
+            self.cmd, self.process.returncode, self.out.read_text(), self.err.read_text()
+        )
 
 
 def _wait_analysed(
@@ -50,7 +81,7 @@ def _wait_analysed(
         if len(traces) == expected and all(t["status"] in {"done", "failed"} for t in traces):
             return list(traces)
         assert time.monotonic() < deadline, f"analyses not finished: {traces}"
-        time.sleep(0.5)
+        time.sleep(0.2)
 
 
 def _run_id(api: httpx.Client, project: str, run: str) -> int:
@@ -71,24 +102,24 @@ def test_agent_uploads_are_analysed_and_download_byte_identical(tmp_path: Path) 
         "STEPDOCTOR_FLUSH_TIMEOUT": "20",
     }
 
-    # Phase 1: the server is down for the whole run; training finishes and the spool keeps both windows.
-    down = _train(
-        {**agent_env, "STEPDOCTOR_SERVER": _dead_url(), "STEPDOCTOR_TOKEN": "sdt_unused"},
-        "offline",
-        "--backoff-base",
-        "0.05",
-    )
-    assert down.returncode == 0, down.stderr[-2000:]
-    spooled = sorted(spool.rglob("*.pt.trace.json.gz"))
-    assert len(spooled) == 2, f"expected two capture windows in the spool, got {spooled}"
-    kept = tmp_path / "kept"
-    kept.mkdir()
-    originals = {hashlib.sha256(p.read_bytes()).hexdigest(): shutil.copy(p, kept) for p in spooled}
-    for path in spooled:  # each is a complete, valid Chrome trace
-        assert "traceEvents" in json.loads(gzip.decompress(path.read_bytes()))
-
-    with serve_subprocess(server_env) as server:
+    # Phase 1: the agent's server is unreachable for the whole run (the real one starts meanwhile,
+    # elsewhere); training finishes and the spool keeps both windows.
+    offline_env = {**agent_env, "STEPDOCTOR_SERVER": _dead_url(), "STEPDOCTOR_TOKEN": "sdt_unused"}
+    with (
+        _Training(tmp_path, offline_env, "offline", "--backoff-base", "0.05") as down_training,
+        serve_subprocess(server_env) as server,
+    ):
         upload_token, read_token = cli_token(server_env, "upload"), cli_token(server_env, "read")
+        down = down_training.result()
+        assert down.returncode == 0, down.stderr[-2000:]
+        spooled = sorted(spool.rglob("*.pt.trace.json.gz"))
+        assert len(spooled) == 2, f"expected two capture windows in the spool, got {spooled}"
+        kept = tmp_path / "kept"
+        kept.mkdir()
+        originals = {hashlib.sha256(p.read_bytes()).hexdigest(): shutil.copy(p, kept) for p in spooled}
+        for path in spooled:  # each is a complete, valid Chrome trace
+            assert "traceEvents" in json.loads(gzip.decompress(path.read_bytes()))
+
         sync = subprocess.run(
             [
                 sys.executable,
@@ -110,9 +141,15 @@ def test_agent_uploads_are_analysed_and_download_byte_identical(tmp_path: Path) 
         assert not list(spool.glob("*/*/*.pt.trace.json.gz")), "acknowledged traces leave the queue"
         assert len(list(spool.glob("uploaded/*/*/*.pt.trace.json.gz"))) == 2  # kept as local copies
 
-        with httpx.Client(
-            base_url=server.url, headers={"Authorization": f"Bearer {read_token}"}, timeout=30
-        ) as api:
+        # Phase 2: live server; metadata and the loader settings travel with each trace. It trains
+        # while the worker analyses phase 1's traces.
+        live_env = {**agent_env, "STEPDOCTOR_SERVER": server.url, "STEPDOCTOR_TOKEN": upload_token}
+        with (
+            _Training(tmp_path, live_env, "live", "--workers", "0") as live_training,
+            httpx.Client(
+                base_url=server.url, headers={"Authorization": f"Bearer {read_token}"}, timeout=30
+            ) as api,
+        ):
             offline = _wait_analysed(api, _run_id(api, "e2e", "offline"), expected=2)
             downloaded = {}
             for t in offline:
@@ -125,13 +162,7 @@ def test_agent_uploads_are_analysed_and_download_byte_identical(tmp_path: Path) 
             for digest, data in downloaded.items():
                 assert Path(originals[digest]).read_bytes() == data
 
-            # Phase 2: live server; metadata and the loader settings travel with each trace.
-            live = _train(
-                {**agent_env, "STEPDOCTOR_SERVER": server.url, "STEPDOCTOR_TOKEN": upload_token},
-                "live",
-                "--workers",
-                "0",
-            )
+            live = live_training.result()
             assert live.returncode == 0, live.stderr[-2000:]
             run_id = _run_id(api, "e2e", "live")
             traces = _wait_analysed(api, run_id, expected=2)

@@ -52,13 +52,22 @@ def _closed_by_server(sock: socket.socket, within_s: float) -> bytes | None:
     return data
 
 
-def test_half_sent_headers_and_slow_bodies_are_cut_off(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def guarded_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, int]]:
+    """One server with short header and body limits, for the tests that only send it requests (a
+    ``serve`` start costs seconds of CPU)."""
     env = {
         "STEPDOCTOR_HEADER_TIMEOUT_S": "1",
         "STEPDOCTOR_BODY_READ_TIMEOUT_S": "1",
         "STEPDOCTOR_BODY_MIN_RATE_BYTES_S": "1000",
     }
-    with _server(tmp_path, **env) as address, ExitStack() as stack:
+    with _server(tmp_path_factory.mktemp("guarded"), **env) as address:
+        yield address
+
+
+def test_half_sent_headers_and_slow_bodies_are_cut_off(guarded_server: tuple[str, int]) -> None:
+    address = guarded_server
+    with ExitStack() as stack:
         # 50 connections that never finish their request headers.
         half = [stack.enter_context(socket.create_connection(address)) for _ in range(50)]
         for sock in half:
@@ -134,15 +143,19 @@ def _stop_seconds(server: ServerProcess) -> float:
     return time.monotonic() - started
 
 
+GRACE_S = 1  # the stalled upload is answered 503 half a second before it ends
+
+
 @pytest.mark.parametrize("workers", ["0", "1"])
 def test_serve_stops_within_its_grace_period_with_a_request_in_flight(tmp_path: Path, workers: str) -> None:
     """An upload stalled mid-body and an idle keep-alive connection do not hold ``serve`` past
-    ``STEPDOCTOR_SHUTDOWN_GRACE_S`` (2 s): in-flight requests are abandoned and the process exits 0.
-    The bound below is the grace plus process start-up slack on a loaded machine, not a timing claim."""
+    ``STEPDOCTOR_SHUTDOWN_GRACE_S`` (1 s here; the body read timeout stays 30 s, the default): in-flight
+    requests are abandoned and the process exits 0. The bound below is the grace plus process
+    start-up slack on a loaded machine, not a timing claim."""
     env = {
         "STEPDOCTOR_DATA_DIR": str(tmp_path / "data"),
         "STEPDOCTOR_WORKERS": workers,
-        "STEPDOCTOR_SHUTDOWN_GRACE_S": "2",
+        "STEPDOCTOR_SHUTDOWN_GRACE_S": str(GRACE_S),
     }
     migrate.upgrade(Settings(data_dir=tmp_path / "data"))
     with serve_subprocess(env) as server, ExitStack() as stack:
@@ -159,7 +172,7 @@ def test_serve_stops_within_its_grace_period_with_a_request_in_flight(tmp_path: 
         assert idle.recv(65536).startswith(b"HTTP/1.1 200")
         time.sleep(0.5)
         took = _stop_seconds(server)
-        assert took < 2 + 6, f"serve took {took:.1f} s to stop:\n{server.output()}"
+        assert took < GRACE_S + 6, f"serve took {took:.1f} s to stop:\n{server.output()}"
         # uvicorn exits by re-raising the signal it handled once shut down (status -SIGTERM).
         assert server.process.returncode in (0, -signal.SIGTERM), server.output()
         assert "Traceback" not in server.output()
@@ -169,10 +182,10 @@ def test_serve_stops_within_its_grace_period_with_a_request_in_flight(tmp_path: 
         assert not [p for p in (tmp_path / "data" / "traces").rglob("*") if p.is_file()]
 
 
-def test_content_length_with_transfer_encoding_is_400_on_the_wire(tmp_path: Path) -> None:
+def test_content_length_with_transfer_encoding_is_400_on_the_wire(guarded_server: tuple[str, int]) -> None:
     """The real HTTP stack (h11 under uvicorn), not only the ASGI app: the request is refused and the
     connection closed, so nothing after it on the connection is read as a second request."""
-    with _server(tmp_path) as (host, port), socket.create_connection((host, port), timeout=10) as sock:
+    with socket.create_connection(guarded_server, timeout=10) as sock:
         body = b"5\r\nhello\r\n0\r\n\r\n"
         smuggled = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
         sock.sendall(
