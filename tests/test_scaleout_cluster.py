@@ -50,8 +50,13 @@ EIGHT_RANKS = [
     HTA / "trace_compare" / "test" / "test.json.gz",
     HTA / "trace_diff" / "test" / "test.json.gz",
 ]
-# Liveness settings short enough for a test; production defaults are 30 s and 5 s.
-FAST_LIVENESS = {"STEPDOCTOR_WORKER_STALLED_AFTER_S": "4", "STEPDOCTOR_WORKER_HEARTBEAT_S": "1"}
+# Liveness settings short enough for a test; production defaults are 30 s, 5 s and 5 s (a job
+# put back for a lost worker sends no NOTIFY: the survivor finds it at its next poll).
+FAST_LIVENESS = {
+    "STEPDOCTOR_WORKER_STALLED_AFTER_S": "4",
+    "STEPDOCTOR_WORKER_HEARTBEAT_S": "1",
+    "STEPDOCTOR_JOB_POLL_INTERVAL_S": "0.5",
+}
 
 
 @dataclass
@@ -137,6 +142,30 @@ def _wait(what: str, predicate: object, timeout_s: float, *logs: WorkerProcess) 
             detail = "\n".join(f"--- {w.name}:\n{w.output()[-3000:]}" for w in logs)
             raise AssertionError(f"{what}: not after {timeout_s:.0f} s\n{detail}")
         time.sleep(0.1)
+
+
+def _serve_on(database_url: str, cluster: Cluster, data_dir: Path) -> subprocess.Popen[str]:
+    """``stepdoctor serve --workers 0`` on ``database_url``, its output piped (for a refusal)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "stepdoctor", "serve", "--workers", "0", "--port", "0"],
+        env={
+            **os.environ,
+            **cluster.env,
+            "STEPDOCTOR_DATABASE_URL": database_url,
+            "STEPDOCTOR_DATA_DIR": str(data_dir),
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=str(REPO_ROOT),
+    )
+
+
+def _reap(process: subprocess.Popen[str]) -> None:
+    """Kill ``process`` if it still runs (a failed test must not leave a server behind)."""
+    if process.poll() is None:
+        process.kill()
+    process.communicate()
 
 
 def _live_workers(db: Database) -> int:
@@ -253,36 +282,28 @@ def test_worker_lost_mid_job_its_job_completes_on_the_other(cluster: Cluster, ho
 
 def test_api_with_no_workers_runs_no_analysis_and_no_migration(cluster: Cluster, tmp_path: Path) -> None:
     token = cluster.token()
-    with serve_subprocess({**cluster.env, "STEPDOCTOR_DATA_DIR": str(tmp_path / "api")}) as api:
-        with httpx.Client(
-            base_url=api.url, headers={"Authorization": f"Bearer {token}"}, timeout=60
-        ) as client:
-            trace_id = upload(client, EIGHT_RANKS[0].read_bytes(), run="idle").json()["id"]
-            time.sleep(3)  # long enough for an in-process worker to have picked it up
-            assert client.get(f"/api/v1/traces/{trace_id}").json()["status"] == "pending"
-        with cluster.db.session() as session:
-            job = session.execute(
-                text("SELECT status FROM procrastinate_jobs WHERE lock = :lock"),
-                {"lock": f"trace:{trace_id}"},
-            ).all()
-        assert [row[0] for row in job] == ["todo"]  # queued by the upload's transaction, waiting
-    # An API replica never migrates: on an empty database it refuses to start, with one line.
-    with _fresh_postgres_database() as empty_url:
-        result = subprocess.run(
-            [sys.executable, "-m", "stepdoctor", "serve", "--workers", "0", "--port", "0"],
-            env={
-                **os.environ,
-                **cluster.env,
-                "STEPDOCTOR_DATABASE_URL": empty_url,
-                "STEPDOCTOR_DATA_DIR": str(tmp_path),
-            },
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=str(REPO_ROOT),
-        )
-        assert result.returncode == 2, result.stderr  # a CLI error: one line, exit 2
-        (line,) = result.stderr.strip().splitlines()
+    with ExitStack() as stack:
+        empty_url = stack.enter_context(_fresh_postgres_database())
+        with serve_subprocess({**cluster.env, "STEPDOCTOR_DATA_DIR": str(tmp_path / "api")}) as api:
+            with httpx.Client(
+                base_url=api.url, headers={"Authorization": f"Bearer {token}"}, timeout=60
+            ) as client:
+                trace_id = upload(client, EIGHT_RANKS[0].read_bytes(), run="idle").json()["id"]
+                # An API replica never migrates: on an empty database it refuses to start, with
+                # one line (checked below; it starts up while this test waits).
+                refusing = _serve_on(empty_url, cluster, tmp_path)
+                stack.callback(_reap, refusing)
+                time.sleep(3)  # long enough for an in-process worker to have picked it up
+                assert client.get(f"/api/v1/traces/{trace_id}").json()["status"] == "pending"
+            with cluster.db.session() as session:
+                job = session.execute(
+                    text("SELECT status FROM procrastinate_jobs WHERE lock = :lock"),
+                    {"lock": f"trace:{trace_id}"},
+                ).all()
+            assert [row[0] for row in job] == ["todo"]  # queued by the upload's transaction, waiting
+        _, stderr = refusing.communicate(timeout=60)
+        assert refusing.returncode == 2, stderr  # a CLI error: one line, exit 2
+        (line,) = stderr.strip().splitlines()
         assert "not at the latest schema revision: run `stepdoctor db upgrade` first" in line
         assert migrate.current_revision(Settings(data_dir=tmp_path, database_url=empty_url)) is None
 

@@ -97,7 +97,7 @@ def server_settings(db_url: str, tmp_path: Path, weed: Weed) -> Settings:
         workers=0,
         storage_url=f"s3://{BUCKET}/t{uuid.uuid4().hex[:12]}",
         analysis_tries=8,
-        analysis_retry_wait_s=1.0,
+        analysis_retry_wait_s=0.25,
     )
 
 
@@ -167,7 +167,9 @@ def test_analysis_waits_out_a_store_outage_and_completes_when_it_is_back(
     for name, value in {
         "STEPDOCTOR_STORAGE_URL": server_settings.storage_url,
         "STEPDOCTOR_ANALYSIS_TRIES": tries,
-        "STEPDOCTOR_ANALYSIS_RETRY_WAIT_S": "1",
+        "STEPDOCTOR_ANALYSIS_RETRY_WAIT_S": "0.25",  # then 0.5, 1, 2, ... s
+        # Procrastinate finds a retry that is due by polling (no NOTIFY): 5 s by default.
+        "STEPDOCTOR_JOB_POLL_INTERVAL_S": "0.2",
     }.items():
         monkeypatch.setenv(name, value)
     weed.stop()
@@ -200,7 +202,7 @@ def _follow_the_outage(outcome: str, status: Callable[[], dict[str, object]], we
         "a failed try", lambda: "waiting to retry" in str(status()["status_reason"] or ""), state=status
     )
     _no_secrets(str(status()["status_reason"]), weed)
-    time.sleep(3.0)
+    time.sleep(1.0)  # two more tries fail meanwhile (0.25 s, then 0.5 s, after the first)
     assert status()["status"] in ("pending", "running"), status()
     weed.start()
     # Bounded generously: a try that starts while weed is still coming up may hang until the

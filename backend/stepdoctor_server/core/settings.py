@@ -65,6 +65,9 @@ class Settings(BaseSettings):
     # A worker silent this long is presumed dead and its jobs run elsewhere (issue: within 60 s).
     worker_stalled_after_s: float = Field(default=30.0, gt=0)
     worker_heartbeat_s: float = Field(default=5.0, gt=0)
+    # Procrastinate workers learn of new jobs by NOTIFY; a job due later (a retry after an outage,
+    # a stalled worker's job put back) is found by polling this often.
+    job_poll_interval_s: float = Field(default=5.0, gt=0)
     # Prometheus metrics of ``stepdoctor worker`` (0 = off), bound to metrics_host.
     metrics_port: int = Field(default=0, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"

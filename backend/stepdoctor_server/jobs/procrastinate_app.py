@@ -286,7 +286,7 @@ async def _serve(
                 update_heartbeat_interval=settings.worker_heartbeat_s,
                 stalled_worker_timeout=settings.worker_stalled_after_s,
                 listen_notify=True,
-                fetch_job_polling_interval=5.0,
+                fetch_job_polling_interval=settings.job_poll_interval_s,
                 shutdown_graceful_timeout=10.0,
             )
         )
