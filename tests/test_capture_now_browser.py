@@ -3,8 +3,9 @@
 loop's agent has polled, captured and delivered the window, the page (which reloads itself while
 the request is on its way) links the captured trace.
 
-The run is made live by one step-series chunk sent the way the agent sends its series; the loop
-starts after the clicks, so the pending state is seen whatever the machine's speed.
+The run is made live by one step-series chunk sent the way the agent sends its series; the loop's
+process starts with the server (importing torch meanwhile), its profile and poller only after the
+clicks, so the pending state is seen whatever the machine's speed.
 """
 
 from __future__ import annotations
@@ -14,18 +15,22 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support.capture import cpu_loop, make_live
+from support.capture import cpu_loop, free_port, make_live, mint_token, sqlite_env
 from support.dashboard import launch_chromium
-from support.server import bearer, cli_token, migrated_sqlite_env, serve_subprocess
+from support.server import bearer, serve_subprocess
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 
 def test_capture_now_from_the_run_page_reaches_the_loop_and_links_its_trace(tmp_path: Path) -> None:
     playwright = pytest.importorskip("playwright.sync_api")
-    env = migrated_sqlite_env(tmp_path / "server")
-    with serve_subprocess(env) as server:
-        agent_token, admin, reader = (cli_token(env, scope) for scope in ("upload", "admin", "read"))
+    env = sqlite_env(tmp_path / "server")
+    agent_token, admin, reader = (mint_token(env, scope) for scope in ("upload", "admin", "read"))
+    url = f"http://127.0.0.1:{free_port()}"
+    with (
+        cpu_loop(tmp_path, url, agent_token, "browser", poll_s=0.2, held=True) as loop,
+        serve_subprocess(env, port=int(url.rsplit(":", 1)[1])) as server,
+    ):
         with httpx.Client(base_url=server.url, timeout=60) as api:
             run_id = make_live(api, agent_token, "capture", "browser")
         with playwright.sync_playwright() as pw:
@@ -50,12 +55,12 @@ def test_capture_now_from_the_run_page_reaches_the_loop_and_links_its_trace(tmp_
                 ).json()["items"]
                 assert [i["status"] for i in items] == ["pending"]
 
-                with cpu_loop(tmp_path, server.url, agent_token, "browser", poll_s=0.5) as loop:
-                    page.goto(f"{server.url}/runs/{run_id}")
-                    link = page.locator("#capture-state a")  # the page reloads every 5 s meanwhile
-                    link.wait_for(state="attached", timeout=300_000)
-                    text = page.locator("#capture-state").inner_text()
-                    summary, _ = loop.stop()
+                loop.go()
+                page.goto(f"{server.url}/runs/{run_id}")
+                link = page.locator("#capture-state a")  # the page reloads every 5 s meanwhile
+                link.wait_for(state="attached", timeout=300_000)
+                text = page.locator("#capture-state").inner_text()
+                summary, _ = loop.stop()
                 assert text.startswith("Captured: trace #"), text
                 trace_id = int(text.removeprefix("Captured: trace #").split()[0])
                 assert link.get_attribute("href") == f"/traces/{trace_id}"

@@ -2,9 +2,10 @@
 the agent's polling thread (``stepdoctor.on_demand``), which captures the next window of a real CPU
 loop, says why in the trace's metadata, and acknowledges.
 
-The API tests run on SQLite and PostgreSQL. The end-to-end tests start ``stepdoctor serve`` and a
-CPU torch loop in subprocesses; the poll interval and the backoff are checked by counting the
-requests on the server's side (its ``/metrics``, or a small counting server), never by timing.
+The API tests run on SQLite and PostgreSQL. The end-to-end tests start ``stepdoctor serve`` (once
+for the module) and a CPU torch loop in subprocesses; the poll interval and the backoff are checked
+by counting the requests on the server's side (its ``/metrics``, or a small counting server), never
+by timing.
 A run is made live by one step-series chunk sent the way the agent sends its series.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
@@ -21,16 +23,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from support.capture import cpu_loop, http_polls, make_live, wait_for
-from support.server import (
-    bearer,
-    cli_token,
-    logged_in,
-    migrated_sqlite_env,
-    serve_subprocess,
-    small_trace_bytes,
-    upload,
-)
+from support.capture import cpu_loop, http_polls, make_live, mint_token, sqlite_env, wait_for
+from support.server import bearer, logged_in, serve_subprocess, small_trace_bytes, upload
 
 # -- the API -------------------------------------------------------------------------------------
 
@@ -179,32 +173,43 @@ def test_the_run_page_offers_capture_now_to_uploaders_while_the_run_is_live(
 # -- end to end: a real server, a real CPU loop --------------------------------------------------
 
 
-@pytest.mark.slow
-def test_a_request_reaches_a_running_cpu_loop_through_a_real_server(tmp_path: Path) -> None:
-    env = migrated_sqlite_env(tmp_path / "server")
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str]]:
+    """One ``stepdoctor serve`` for the module's end-to-end tests: (its URL, an upload token, an
+    admin token). Each test has a run of its own, and a test's loop has exited before the next starts
+    (the poll counter is the server's, over every run)."""
+    env = sqlite_env(tmp_path_factory.mktemp("capture-server"))
     with serve_subprocess(env) as server:
-        agent_token, admin = cli_token(env, "upload"), cli_token(env, "admin")
-        with httpx.Client(base_url=server.url, headers=bearer(admin), timeout=60) as api:
-            run_id = make_live(api, agent_token, "capture", "demand")
-            with cpu_loop(tmp_path, server.url, agent_token, "demand", poll_s=0.5) as loop:
-                wait_for("a first poll", lambda: http_polls(server.url, admin) >= 1, loop)
-                made = api.post(f"/api/v1/runs/{run_id}/capture-requests")
-                assert made.status_code == 201, made.text
-                request_id = made.json()["id"]
+        yield server.url, mint_token(env, "upload"), mint_token(env, "admin")
 
-                def captured() -> dict[str, Any] | None:
-                    items = api.get(f"/api/v1/runs/{run_id}/capture-requests").json()["items"]
-                    mine = next(r for r in items if r["id"] == request_id)
-                    return mine if mine["status"] != "pending" and mine["trace_id"] is not None else None
 
-                answer = wait_for("the captured trace", captured, loop)
-                summary, _ = loop.stop()
-        assert answer["status"] == "captured" and answer["detail"] is None
-        trace = api_get(server.url, admin, f"/api/v1/traces/{answer['trace_id']}")
-        capture = trace["metadata"]["capture"]
-        assert capture["reason"] == "on_demand" and capture["request_id"] == request_id
-        assert trace["metadata"]["window"]["reason"] == "on_demand"
-        assert summary["captured"] == 1  # the only window: the schedule never opens one
+@pytest.mark.slow
+def test_a_request_reaches_a_running_cpu_loop_through_a_real_server(
+    tmp_path: Path, served: tuple[str, str, str]
+) -> None:
+    url, agent_token, admin = served
+    with httpx.Client(base_url=url, headers=bearer(admin), timeout=60) as api:
+        run_id = make_live(api, agent_token, "capture", "demand")
+        polled = http_polls(url, admin)
+        with cpu_loop(tmp_path, url, agent_token, "demand", poll_s=0.2) as loop:
+            wait_for("a first poll", lambda: http_polls(url, admin) > polled, loop)
+            made = api.post(f"/api/v1/runs/{run_id}/capture-requests")
+            assert made.status_code == 201, made.text
+            request_id = made.json()["id"]
+
+            def captured() -> dict[str, Any] | None:
+                items = api.get(f"/api/v1/runs/{run_id}/capture-requests").json()["items"]
+                mine = next(r for r in items if r["id"] == request_id)
+                return mine if mine["status"] != "pending" and mine["trace_id"] is not None else None
+
+            answer = wait_for("the captured trace", captured, loop)
+            summary, _ = loop.stop()
+    assert answer["status"] == "captured" and answer["detail"] is None
+    trace = api_get(url, admin, f"/api/v1/traces/{answer['trace_id']}")
+    capture = trace["metadata"]["capture"]
+    assert capture["reason"] == "on_demand" and capture["request_id"] == request_id
+    assert trace["metadata"]["window"]["reason"] == "on_demand"
+    assert summary["captured"] == 1  # the only window: the schedule never opens one
 
 
 def api_get(server: str, token: str, path: str) -> Any:
@@ -214,29 +219,28 @@ def api_get(server: str, token: str, path: str) -> Any:
 
 
 @pytest.mark.slow
-def test_polls_come_at_most_once_per_interval(tmp_path: Path) -> None:
+def test_polls_come_at_most_once_per_interval(tmp_path: Path, served: tuple[str, str, str]) -> None:
     """Every poll answered 200 with nothing pending. Between two reads of the server's own request
     counter, ``t`` seconds apart, the agent may have polled at most ``t / interval + 1`` times (each
-    poll starts ``interval`` after the previous one ended); a loop polling as fast as it can would
-    make dozens a second."""
-    env = migrated_sqlite_env(tmp_path / "server")
-    interval = 0.5
-    with serve_subprocess(env) as server:
-        agent_token, admin = cli_token(env, "upload"), cli_token(env, "admin")
-        with httpx.Client(base_url=server.url, timeout=60) as api:
-            make_live(api, agent_token, "capture", "steady")
-        with cpu_loop(tmp_path, server.url, agent_token, "steady", poll_s=interval) as loop:
-            wait_for("a first poll", lambda: http_polls(server.url, admin) >= 1, loop)
-            started = time.monotonic()  # before the first read: the window covers both reads
-            first = http_polls(server.url, admin)
-            seen: list[tuple[int, float]] = []
+    poll starts ``interval`` after the previous one ended, however long the polls take); a loop
+    polling as fast as it can would make dozens a second."""
+    url, agent_token, admin = served
+    interval = 0.2
+    with httpx.Client(base_url=url, timeout=60) as api:
+        make_live(api, agent_token, "capture", "steady")
+    before = http_polls(url, admin)  # the module's server: earlier tests' loops polled it too
+    with cpu_loop(tmp_path, url, agent_token, "steady", poll_s=interval) as loop:
+        wait_for("a first poll", lambda: http_polls(url, admin) > before, loop)
+        started = time.monotonic()  # before the first read: the window covers both reads
+        first = http_polls(url, admin)
+        seen: list[tuple[int, float]] = []
 
-            def six_more() -> bool:
-                seen.append((http_polls(server.url, admin) - first, time.monotonic() - started))
-                return seen[-1][0] >= 6
+        def six_more() -> bool:
+            seen.append((http_polls(url, admin) - first, time.monotonic() - started))
+            return seen[-1][0] >= 6
 
-            wait_for("six more polls", six_more, loop)
-            summary, _ = loop.stop()
+        wait_for("six more polls", six_more, loop)
+        summary, _ = loop.stop()
     assert summary["steps"] > 0 and summary["captured"] == 0
     for polls, window_s in seen:
         assert polls <= window_s / interval + 1, (polls, window_s)
@@ -271,7 +275,7 @@ def test_polls_back_off_while_the_server_fails(tmp_path: Path) -> None:
     """A server answering 503: after the k-th failed poll the next waits at least interval * 2**k, so
     the server sees its 1st and 5th polls at least interval * (2 + 4 + 8 + 16) apart (at one poll per
     interval they would be 4 intervals apart), and training goes on unharmed."""
-    interval = 0.25
+    interval = 0.05
     _Failing.polls, _Failing.status = [], 503
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -279,7 +283,7 @@ def test_polls_back_off_while_the_server_fails(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{httpd.server_address[1]}"
     try:
         with cpu_loop(
-            tmp_path, url, "sdt_test", "failing", poll_s=interval, STEPDOCTOR_FLUSH_TIMEOUT="2"
+            tmp_path, url, "sdt_test", "failing", poll_s=interval, STEPDOCTOR_FLUSH_TIMEOUT="0.5"
         ) as loop:
             wait_for("five polls", lambda: len(_Failing.polls) >= 5, loop, timeout=180)
             summary, _ = loop.stop()
@@ -301,10 +305,10 @@ def test_a_server_without_capture_requests_is_polled_once(tmp_path: Path) -> Non
     url = f"http://127.0.0.1:{httpd.server_address[1]}"
     try:
         with cpu_loop(
-            tmp_path, url, "sdt_test", "old-server", poll_s=0.1, STEPDOCTOR_FLUSH_TIMEOUT="2"
+            tmp_path, url, "sdt_test", "old-server", poll_s=0.05, STEPDOCTOR_FLUSH_TIMEOUT="2"
         ) as loop:
             wait_for("a first poll", lambda: len(_Failing.polls) >= 1, loop)
-            time.sleep(3)  # 30 intervals in which a poller that did not stop would ask again
+            time.sleep(1.5)  # 30 intervals in which a poller that did not stop would ask again
             summary, _ = loop.stop()
     finally:
         httpd.shutdown()

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from stepdoctor_server.runs.series import StreamBeat, liveness_rule
-from support.server import cli_token, migrated_sqlite_env, serve_subprocess
+from support.capture import mint_token, sqlite_env
+from support.server import serve_subprocess
 
 STALE_S = 3.0
 LOOP = """
@@ -44,10 +45,10 @@ with stepdoctor.profile("proj", run, server=server, token=token, spool=spool, sk
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    env = migrated_sqlite_env(tmp_path_factory.mktemp("liveness-server"))
+    env = sqlite_env(tmp_path_factory.mktemp("liveness-server"))
     env["STEPDOCTOR_SERIES_STALE_AFTER_S"] = str(STALE_S)
     with serve_subprocess(env) as served:
-        yield {"url": served.url, "upload": cli_token(env, "upload"), "read": cli_token(env, "read")}
+        yield {"url": served.url, "upload": mint_token(env, "upload"), "read": mint_token(env, "read")}
 
 
 def start_loop(
@@ -85,46 +86,81 @@ def liveness(server: dict[str, str], run: str) -> Any:
         return detail["liveness"]
 
 
-def wait_for(server: dict[str, str], run: str, wanted: str, timeout: float = 180.0) -> list[Any]:
-    """Poll until the run is ``wanted``; returns every state seen on the way."""
+def wait_for(
+    server: dict[str, str],
+    run: str,
+    wanted: str,
+    timeout: float = 180.0,
+    meanwhile: Callable[[], object] = lambda: None,
+) -> list[Any]:
+    """Poll until the run is ``wanted`` (calling ``meanwhile`` at each poll); returns every state
+    seen on the way."""
     seen: list[Any] = []
     deadline = time.monotonic() + timeout
     while True:
+        meanwhile()
         state = liveness(server, run)
         if not seen or seen[-1] != state:
             seen.append(state)
         if state == wanted:
             return seen
         assert time.monotonic() < deadline, f"{run} never became {wanted}: {seen}"
-        time.sleep(0.3)
+        time.sleep(0.2)
+
+
+class Exits:
+    """Loops expected to exit by themselves: as each does, its exit code and its run's liveness are
+    checked at once (well within the threshold, so its exit chunk decides, not the staleness)."""
+
+    def __init__(self, server: dict[str, str], loops: dict[str, tuple[subprocess.Popen[bytes], int, str]]):
+        self.server, self.loops = server, loops
+        self.at: dict[str, float] = {}  # when each exited (monotonic)
+
+    def check(self) -> bool:
+        for run, (process, code, state) in self.loops.items():
+            if run not in self.at and process.poll() is not None:
+                self.at[run] = time.monotonic()
+                assert process.returncode == code, run
+                assert liveness(self.server, run) == state, run
+        return len(self.at) == len(self.loops)
+
+    def wait(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.check():
+            assert time.monotonic() < deadline, (
+                f"still running after {timeout} s: {set(self.loops) - set(self.at)}"
+            )
+            time.sleep(0.1)
 
 
 @pytest.mark.slow
 def test_a_killed_agent_loop_becomes_stopped_and_a_clean_exit_finished(
     tmp_path: Path, server: dict[str, str]
 ) -> None:
+    """The three loops run at once (each run is judged by its own heartbeats): the clean and the
+    crashing one start up and exit while the killed one's heartbeats go stale."""
     killed = start_loop(server, tmp_path / "a", "killed", -1)
-    try:
-        wait_for(server, "killed", "live")
-        killed.send_signal(signal.SIGKILL)
-        killed.wait(timeout=60)
-    finally:
-        if killed.poll() is None:
-            killed.kill()
-    seen = wait_for(server, "killed", "stopped")
-    assert "finished" not in seen
-
     clean = start_loop(server, tmp_path / "b", "clean", 60)
-    assert clean.wait(timeout=300) == 0
-    assert liveness(server, "clean") == "finished"  # the exit chunk went in the exit flush
-    time.sleep(STALE_S + 0.5)
-    assert liveness(server, "clean") == "finished"  # past the threshold: still finished, not stopped
-    assert liveness(server, "killed") == "stopped"
-
     # a loop that raises: its exit chunk says so, and the run is stopped, not finished
     crashed = start_loop(server, tmp_path / "c", "crashed", 60, fail_at=40)
-    assert crashed.wait(timeout=300) == 1
-    assert liveness(server, "crashed") == "stopped"
+    # the clean exit's chunk went in the exit flush: finished at once
+    exits = Exits(server, {"clean": (clean, 0, "finished"), "crashed": (crashed, 1, "stopped")})
+    try:
+        wait_for(server, "killed", "live", meanwhile=exits.check)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=60)
+        seen = wait_for(server, "killed", "stopped", meanwhile=exits.check)
+        assert "finished" not in seen
+        exits.wait()
+    finally:
+        for loop in (killed, clean, crashed):
+            if loop.poll() is None:
+                loop.kill()
+                loop.wait()
+
+    time.sleep(max(0.0, exits.at["clean"] + STALE_S + 0.5 - time.monotonic()))
+    assert liveness(server, "clean") == "finished"  # past the threshold: still finished, not stopped
+    assert liveness(server, "killed") == "stopped"
 
 
 NOW = datetime(2026, 11, 26, 12, 0, tzinfo=timezone.utc)

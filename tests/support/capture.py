@@ -1,16 +1,24 @@
 """Shared pieces of the capture-on-demand tests: a run made live the way the agent's series does it,
-the CPU loop of ``capture_loop.py`` in a subprocess, and the server's own count of polls."""
+the CPU loop of ``capture_loop.py`` in a subprocess, the server's own count of polls, and the
+database and tokens of a ``stepdoctor serve`` subprocess made in this process.
+
+The database is migrated and the tokens minted by the CLI's own functions (``migrate.upgrade``,
+``cli.token_create``) in the test process rather than by ``python -m stepdoctor`` subprocesses: each
+such subprocess costs about 3 s of CPU importing the server, on a 2-core box shared with other tests.
+"""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,10 +26,49 @@ from typing import Any
 import httpx
 from fastapi.testclient import TestClient
 
+from stepdoctor_server import cli
+from stepdoctor_server.core import migrate
+from stepdoctor_server.core.settings import Settings
 from support import series_chunks
 from support.server import bearer
 
 LOOP = Path(__file__).parent / "capture_loop.py"
+
+
+def sqlite_env(data_dir: Path) -> dict[str, str]:
+    """Environment for ``serve_subprocess`` on a fresh, migrated SQLite database in ``data_dir`` (no
+    workers), what ``support.server.migrated_sqlite_env`` gives without its CLI subprocess."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    migrate.upgrade(_settings(data_dir))
+    return {"STEPDOCTOR_DATA_DIR": str(data_dir), "STEPDOCTOR_DATABASE_URL": "", "STEPDOCTOR_WORKERS": "0"}
+
+
+def mint_token(env: Mapping[str, str], scope: str) -> str:
+    """A token of the team 'default' for the database in ``env``, by ``stepdoctor token create
+    --create-team``'s own function: what ``support.server.cli_token`` gives, also before the server's
+    first start (which then makes no team and bootstrap token of its own)."""
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = cli.token_create(
+            _settings(Path(env["STEPDOCTOR_DATA_DIR"])),
+            team="default",
+            scope=scope,
+            name=None,
+            create_team=True,
+        )
+    assert code == 0, out.getvalue()
+    return out.getvalue().strip().splitlines()[-1]
+
+
+def free_port() -> int:
+    """A port nobody listens on now, for a server whose URL a loop needs before the server starts."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _settings(data_dir: Path) -> Settings:
+    return Settings(data_dir=data_dir, database_url="", workers=0)
 
 
 def make_live(
@@ -45,6 +92,12 @@ class Loop:
     stop_file: Path
     out_path: Path
     started: float
+    start_file: Path | None = None
+
+    def go(self) -> None:
+        """Start the profile of a loop made with ``held=True`` (its process is up, torch imported)."""
+        assert self.start_file is not None
+        self.start_file.touch()
 
     def stop(self, timeout: float = 180.0) -> tuple[dict[str, Any], float]:
         """Ask the loop to finish; (what it printed, seconds it ran in all)."""
@@ -65,10 +118,12 @@ class Loop:
 
 @contextmanager
 def cpu_loop(
-    tmp_path: Path, server: str, token: str, run: str, *, poll_s: float, **env: str
+    tmp_path: Path, server: str, token: str, run: str, *, poll_s: float, held: bool = False, **env: str
 ) -> Iterator[Loop]:
     """``tests/support/capture_loop.py`` under ``stepdoctor.profile`` (no scheduled window), pointed at
-    ``server``, until the test stops it (at most 10 minutes)."""
+    ``server``, until the test stops it (at most 10 minutes). ``held``: the process starts (and pays
+    for importing torch) now, its profile only at :meth:`Loop.go`."""
+    start_file = tmp_path / f"start-{run}" if held else None
     stop_file = tmp_path / f"stop-{run}"
     out_path = tmp_path / f"loop-{run}.log"
     agent_env = {
@@ -81,11 +136,13 @@ def cpu_loop(
     }
     cmd = [sys.executable, str(LOOP), "--project", "capture", "--run", run, "--poll-s", str(poll_s)]
     cmd += ["--stop-file", str(stop_file)]
+    if start_file is not None:
+        cmd += ["--start-file", str(start_file)]
     with out_path.open("w") as out:
         process = subprocess.Popen(
             cmd, env={**os.environ, **agent_env}, stdout=out, stderr=subprocess.STDOUT, text=True
         )
-    loop = Loop(process, stop_file, out_path, time.monotonic())
+    loop = Loop(process, stop_file, out_path, time.monotonic(), start_file)
     try:
         yield loop
     finally:
@@ -111,7 +168,7 @@ def wait_for(what: str, check: Any, loop: Loop, timeout: float = 240.0) -> Any:
         assert time.monotonic() < deadline, (
             f"no {what} after {timeout} s:\n{loop.out_path.read_text()[-3000:]}"
         )
-        time.sleep(0.5)
+        time.sleep(0.2)
 
 
 def http_polls(server: str, admin: str) -> int:
