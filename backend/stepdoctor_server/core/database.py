@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, Select, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from stepdoctor_server.core.settings import Settings, get_settings
@@ -152,6 +153,25 @@ def run_rollback_hooks(session: Session) -> None:
             hook()
         except Exception:  # a failing cleanup must not mask the original error
             continue
+
+
+_Row = TypeVar("_Row")
+
+
+def get_or_create(session: Session, query: Select[_Row], make: Callable[[], _Row]) -> _Row:
+    """The row ``query`` finds, else ``make()``'s, added in a savepoint; when a concurrent creator
+    wins the unique constraint, theirs. ``query`` must select by that unique key."""
+    found = session.scalar(query)
+    if found is not None:
+        return found
+    try:
+        with session.begin_nested():
+            row = make()
+            session.add(row)
+            session.flush()
+    except IntegrityError:  # created concurrently (another upload, the same process's next chunk)
+        row = session.scalars(query).one()
+    return row
 
 
 def get_db(request: Request) -> Database:

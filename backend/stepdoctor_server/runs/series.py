@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session
 
 from stepdoctor_analysis import ENGINE_VERSION
 from stepdoctor_analysis.run.timeline import Chunk, RunTimeline, SeriesError, run_timeline, validate_chunk
-from stepdoctor_server.core.database import READ_ONLY, Database, settings_of
+from stepdoctor_server.core.database import READ_ONLY, Database, get_or_create, settings_of
 from stepdoctor_server.core.errors import ApiError
 from stepdoctor_server.core.models import Run, RunTimelineCache, SeriesChunk, SeriesStream, utcnow
 from stepdoctor_server.jobs.defer import SWEEPS
@@ -390,23 +390,17 @@ def _get_or_create_stream(
     session: Session, run_id: int, name: str, rank: int | None, heartbeat: datetime
 ) -> SeriesStream:
     query = select(SeriesStream).where(SeriesStream.run_id == run_id, SeriesStream.stream == name)
-    stream = session.scalar(query)
-    if stream is not None:
-        return stream
-    try:
-        with session.begin_nested():
-            stream = SeriesStream(
-                run_id=run_id,
-                stream=name,
-                rank=rank,
-                chunks=0,
-                steps=0,
-                heartbeat_at=heartbeat,
-                final=False,
-                clean_exit=False,
-            )
-            session.add(stream)
-            session.flush()
-    except IntegrityError:  # created concurrently by the same process's next chunk
-        stream = session.scalars(query).one()
-    return stream
+    return get_or_create(
+        session,
+        query,
+        lambda: SeriesStream(
+            run_id=run_id,
+            stream=name,
+            rank=rank,
+            chunks=0,
+            steps=0,
+            heartbeat_at=heartbeat,
+            final=False,
+            clean_exit=False,
+        ),
+    )

@@ -13,11 +13,11 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 from sqlalchemy import ColumnElement, cast, exists, func, null, select
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from stepdoctor_analysis.run.verdict import RunVerdict
 from stepdoctor_server.auth.tokens import Principal
+from stepdoctor_server.core.database import get_or_create
 from stepdoctor_server.core.errors import ApiError, check_id, not_found
 from stepdoctor_server.core.models import Analysis, Project, Run, Trace
 from stepdoctor_server.runs import compare, regressions
@@ -436,33 +436,13 @@ def comparison_context(session: Session, run: Run) -> dict[str, Any]:
 def get_or_create_project(session: Session, team_id: int, name: str) -> Project:
     """The team's project of this name, created on first upload (a concurrent creator wins)."""
     query = select(Project).where(Project.team_id == team_id, Project.name == name)
-    project = session.scalar(query)
-    if project is not None:
-        return project
-    try:
-        with session.begin_nested():
-            project = Project(team_id=team_id, name=name)
-            session.add(project)
-            session.flush()
-    except IntegrityError:  # created concurrently by another upload
-        project = session.scalars(query).one()
-    return project
+    return get_or_create(session, query, lambda: Project(team_id=team_id, name=name))
 
 
 def get_or_create_run(session: Session, project: Project, name: str) -> Run:
     """The project's run of this name, created on first upload (a concurrent creator wins)."""
     query = select(Run).where(Run.project_id == project.id, Run.name == name)
-    run = session.scalar(query)
-    if run is not None:
-        return run
-    try:
-        with session.begin_nested():
-            run = Run(project_id=project.id, name=name, tags=[])
-            session.add(run)
-            session.flush()
-    except IntegrityError:
-        run = session.scalars(query).one()
-    return run
+    return get_or_create(session, query, lambda: Run(project_id=project.id, name=name, tags=[]))
 
 
 @dataclass(frozen=True)
