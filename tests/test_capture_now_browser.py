@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support.capture import cpu_loop, free_port, make_live, mint_token, sqlite_env
+from support.capture import cpu_loop, make_live, mint_token, sqlite_env
 from support.dashboard import launch_chromium
+from support.fake_server import free_port
 from support.server import bearer, serve_subprocess
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]

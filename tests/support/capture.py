@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -58,13 +57,6 @@ def mint_token(env: Mapping[str, str], scope: str) -> str:
         )
     assert code == 0, out.getvalue()
     return out.getvalue().strip().splitlines()[-1]
-
-
-def free_port() -> int:
-    """A port nobody listens on now, for a server whose URL a loop needs before the server starts."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _settings(data_dir: Path) -> Settings:
