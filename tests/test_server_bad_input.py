@@ -337,3 +337,38 @@ def test_bad_pagination_values_are_422_json(client: TestClient) -> None:
         error = response.json()["error"]
         assert error["code"] in {"invalid_request", "invalid_cursor", "invalid_name"}, query
         assert error["message"], query
+
+
+@pytest.mark.parametrize("route", ["traces", "memory-snapshot", "series"])
+@pytest.mark.parametrize(
+    ("declared", "status", "code"),
+    [("twelve", 400, "invalid_content_length"), (str(MAX_UPLOAD + 1), 413, None)],
+)
+def test_every_upload_route_judges_the_declared_length_before_reading(
+    tight_client: TestClient,
+    app: FastAPI,
+    admin_token: str,
+    route: str,
+    declared: str,
+    status: int,
+    code: str | None,
+) -> None:
+    """The three routes share one check (``web.uploads.check_declared_length``): a Content-Length
+    that is not a number is 400, one over the limit 413, and nothing is kept either way."""
+    trace_id = upload(tight_client, synthetic_trace(), token=admin_token).json()["id"]
+    rows, files = row_counts(app), store_files(app)
+    url, params, kind = {
+        "traces": ("/api/v1/traces", {"project": "proj", "run": "run1", "rank": 0}, "application/json"),
+        "memory-snapshot": (f"/api/v1/traces/{trace_id}/memory-snapshot", {}, "application/octet-stream"),
+        "series": ("/api/v1/series", {"project": "proj", "run": "run1"}, "application/octet-stream"),
+    }[route]
+    tight_settings = tight_client.app.state.settings  # type: ignore[attr-defined]
+    if route == "series" and code is None:  # the series limit is its own
+        declared = str(tight_settings.max_series_chunk_bytes + 1)
+    answer = tight_client.post(
+        url, params=params, content=b"{}", headers={"Content-Type": kind, "Content-Length": declared}
+    )
+    assert answer.status_code == status, answer.text
+    if code is not None:
+        assert answer.json()["error"]["code"] == code, answer.text
+    assert (row_counts(app), store_files(app)) == (rows, files)
