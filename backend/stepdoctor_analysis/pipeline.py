@@ -57,7 +57,8 @@ def analyze_path(
     """Diagnose a trace file, or a directory of per-rank traces (adds the ``ranks`` section).
 
     ``workers`` > 1: a directory of more than two files is analysed by that many processes
-    (``rank_pool``), each file's summary streamed back, ``done(analysed, total)`` after each."""
+    (``rank_pool``), each file's summary streamed back, ``done(analysed, total)`` after each;
+    fewer files are each parsed by two processes (``parsing.forked``)."""
     say = progress or (lambda _msg: None)
     p = Path(path)
     if rank is None and workers > 1 and p.is_dir() and len(files := job_files(p)) > 2:
@@ -75,7 +76,7 @@ def analyze_path(
         )
         return _with_verdict(p, top, verdict)
     say(f"loading {p.name}")
-    traces = parse.load_job(p, max_bytes=max_bytes)
+    traces = parse.load_job(p, max_bytes=max_bytes, workers=workers)
     if rank is not None:
         traces = [t for t in traces if t.rank == rank or (t.rank is None and len(traces) == 1)]
         if not traces:

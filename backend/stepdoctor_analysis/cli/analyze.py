@@ -11,7 +11,8 @@ arbitrary files. A progress line appears on stderr only once the analysis has ta
 
 A directory of more than two traces is analysed by a process pool over every core (``--jobs``),
 each rank's summary streamed back (``rank_pool``); ``analysed 412/1000 ranks`` is shown while it
-runs when stderr is a terminal or with ``--progress``.
+runs when stderr is a terminal or with ``--progress``. A single file of 1 MiB or more is parsed by
+two processes where there are two cores (``parsing.forked``): the same trace, sooner.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class _Progress:
         self.shown = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        # It only waits and writes to stderr: the parser may still fork a second process (``forked``).
+        self._thread.stepdoctor_fork_safe = True  # type: ignore[attr-defined]
         self.tty = bool(getattr(stream, "isatty", lambda: False)())
 
     def __call__(self, stage: str) -> None:
@@ -134,7 +137,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="processes for a directory of many traces (default: every core; 1: in this process)",
+        help="processes for a directory of many traces, or 2 to parse one large file "
+        "(default: every core; 1: in this process)",
     )
     p.add_argument(
         "--progress",

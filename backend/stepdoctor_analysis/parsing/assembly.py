@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 _MEMCPY = int(GpuKind.MEMCPY)
 # Op-arg columns (``Arg.sparse``) are not in the chunks' columns: ``_Sparse`` builds them.
 _SPARSE_COLUMNS = {t.name: tuple(dict.fromkeys(t.column(a) for a in t.sparse)) for t in (HOST, GPU)}
-_TEXT_COLUMNS = {t.name: frozenset(t.column(a) for a in t.sparse if a.text) for t in (HOST, GPU)}
+TEXT_COLUMNS = {t.name: frozenset(t.column(a) for a in t.sparse if a.text) for t in (HOST, GPU)}
 _DENSE = {
     t.name: {k: dt for k, dt in t.dtypes.items() if k not in _SPARSE_COLUMNS[t.name]} for t in (HOST, GPU)
 }
@@ -141,7 +141,7 @@ class _Sparse:
         for column, got in gathered.items():
             rows = np.concatenate([r for r, _ in got])
             values = np.concatenate([v for _, v in got])
-            if column in _TEXT_COLUMNS[table.name]:
+            if column in TEXT_COLUMNS[table.name]:
                 values = np.where(values != NONE, self.renumber[np.maximum(values, 0)], NONE)
             out[column][at[rows]] = values
         return out

@@ -14,6 +14,8 @@ from ..errors import TraceError
 from ..model.trace import RankTrace
 from .assembly import assemble
 from .columns import Builder
+from .forked import load as load_forked
+from .forked import usable as fork_usable
 from .reading import DEFAULT_MAX_BYTES, decompressed_blocks
 from .splitting import StreamParser
 
@@ -21,7 +23,11 @@ __all__ = ["DEFAULT_MAX_BYTES", "job_files", "job_order", "load_job", "load_trac
 
 
 def load_trace(
-    path: str | Path | BinaryIO, *, max_bytes: int | None = None, name: str | None = None
+    path: str | Path | BinaryIO,
+    *,
+    max_bytes: int | None = None,
+    name: str | None = None,
+    workers: int = 1,
 ) -> RankTrace:
     """Parse one rank's trace (``.json`` or gzip, detected by content) into a ``RankTrace``.
 
@@ -29,6 +35,9 @@ def load_trace(
     back, so a server worker needs no local copy. ``name`` labels it in messages and as the
     trace's source (default: the file name), so a server names what its users know, never a
     storage key.
+
+    ``workers`` > 1: a large enough file is parsed by two processes where this one may fork
+    (``forked``); the trace is the same, column for column.
     """
     cap = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
     if isinstance(path, str | Path):
@@ -37,6 +46,10 @@ def load_trace(
             raise TraceError(f"{p.name}: no such trace file")
         source: Path | BinaryIO = p
         label = name or p.name
+        if workers > 1 and fork_usable(p):
+            shared = load_forked(p, cap, label, name or str(p))
+            if shared is not None:
+                return assemble(shared)
         builder = Builder(name or str(p))
     else:
         source = path
@@ -52,12 +65,12 @@ def load_trace(
     return assemble(builder)
 
 
-def load_job(path: str | Path, *, max_bytes: int | None = None) -> list[RankTrace]:
+def load_job(path: str | Path, *, max_bytes: int | None = None, workers: int = 1) -> list[RankTrace]:
     """Parse a file, or a directory of per-rank ``.json``/``.json.gz`` files, sorted by rank."""
     p = Path(path)
     if p.is_file():
-        return [load_trace(p, max_bytes=max_bytes)]
-    traces = [load_trace(f, max_bytes=max_bytes) for f in job_files(p)]
+        return [load_trace(p, max_bytes=max_bytes, workers=workers)]
+    traces = [load_trace(f, max_bytes=max_bytes, workers=workers) for f in job_files(p)]
     order = job_order([t.rank for t in traces])
     return [traces[i] for i in order]
 

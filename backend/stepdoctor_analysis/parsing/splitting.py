@@ -9,7 +9,7 @@ the builder, so peak memory is the columns plus a few chunks, whatever the file 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -35,10 +35,26 @@ _ARRAY_END = re.compile(rb'\]\s*(?:,\s*"|\})')  # the events' ']' is followed by
 BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark
 
 
-class StreamParser:
-    """Cuts the decompressed text into header, event chunks and tail."""
+class Diverged(Exception):
+    """A chunk cut without decoding (``StreamParser.skip``) would have been cut elsewhere: the
+    processes sharing the trace no longer agree on its chunks (``forked`` parses it alone)."""
 
-    def __init__(self, builder: Builder, name: str) -> None:
+
+class StreamParser:
+    """Cuts the decompressed text into header, event chunks and tail.
+
+    ``skip(k)``: chunk ``k`` (0-based) is another process's (``forked``): it is cut where the chunk
+    would be, at the first candidate, and dropped undecoded; ``on_chunk()`` runs after each chunk
+    this parser absorbs, the tail included.
+    """
+
+    def __init__(
+        self,
+        builder: Builder,
+        name: str,
+        skip: Callable[[int], bool] | None = None,
+        on_chunk: Callable[[int], None] | None = None,
+    ) -> None:
         self.b = builder
         self.name = name
         self.buf = bytearray()
@@ -49,6 +65,9 @@ class StreamParser:
         self.decoder = LEAN_DECODER  # switched to EVENTS_DECODER once flows turn out to be needed
         self.searched = 0  # the header search resumes here (no rescanning: linear time)
         self.begun = False  # a leading byte order mark was looked for (``_skip_bom``)
+        self.skip = skip
+        self.on_chunk = on_chunk
+        self.chunks = 0  # chunks cut so far
 
     def run(self, blocks: Iterator[bytes]) -> None:
         for block in blocks:
@@ -129,6 +148,9 @@ class StreamParser:
         """Decode all whole events buffered so far, in place (no copy of the text)."""
         if len(self.buf) <= self.failed_at:
             return
+        if self.skip is not None and self.skip(self.chunks):
+            self._drop_chunk()
+            return
         for cut in self._split_candidates(len(self.buf)):
             comma = self.buf.index(b",", cut + 1)
             saved = self.buf[cut + 1]
@@ -136,6 +158,8 @@ class StreamParser:
             with memoryview(self.buf) as view:
                 events = self._decode_events(view[: cut + 2])
             if events is None:
+                if self.skip is not None:  # the other process cut here, undecoded
+                    raise Diverged
                 self.buf[cut + 1] = saved
                 continue
             self.b.absorb(events)
@@ -146,8 +170,25 @@ class StreamParser:
             del self.buf[:comma]
             self.buf[0] = 0x5B  # '['
             self.failed_at = 0
+            self._absorbed()
             return
         self._note_failure()
+
+    def _drop_chunk(self) -> None:
+        """Cut another process's chunk where it cuts it (the first candidate), without decoding it."""
+        cut = next(self._split_candidates(len(self.buf), tries=1), None)
+        if cut is None:
+            self._note_failure()
+            return
+        del self.buf[: self.buf.index(b",", cut + 1)]
+        self.buf[0] = 0x5B  # '['
+        self.failed_at = 0
+        self.chunks += 1
+
+    def _absorbed(self) -> None:
+        if self.on_chunk is not None:
+            self.on_chunk(self.chunks)
+        self.chunks += 1
 
     def _note_failure(self) -> None:
         """No cut worked (a giant event, or odd nesting): wait for more text (up to _MAX_UNCUT)."""
@@ -221,6 +262,7 @@ class StreamParser:
                 with memoryview(rest) as view:
                     self._absorb_flows(view[: pos + 1])
             self.b.set_top(top if isinstance(top, dict) else {})
+            self._absorbed()
             return
         # No clean end: let the decoder name the problem.
         raise TraceError(f"{self.name}: not valid JSON ({_json_error(self.header + self.key + rest)})")
@@ -242,6 +284,7 @@ class StreamParser:
         del raw
         self.b.absorb(events)
         self.b.set_top(top)
+        self._absorbed()
 
 
 def _json_error(text: bytes) -> str:

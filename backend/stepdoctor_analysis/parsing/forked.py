@@ -1,0 +1,329 @@
+"""One trace parsed by two processes: a forked child decodes every other chunk, the parent the rest.
+
+Decoding events and folding them into columns is most of a load and runs under the GIL, so a second
+core helps only from another process. Both processes read the whole file and cut it into the same
+chunks (the cuts depend only on the text); each decodes its own and drops the other's undecoded.
+The child sends its columns back through a pipe (pickle protocol 5, the arrays out of band: no
+copy of them is pickled), and ``merge`` joins the two builders in chunk order, renumbering names
+and string values as one builder reading the file front to back would have numbered them, so the
+trace is the one ``loading.load_trace`` builds alone, column for column.
+
+Anything out of the ordinary (a chunk the parent cannot cut where the child did, more
+``[OutOfMemory]`` rows than one process keeps, a refused trace, a child that dies) returns None, and the caller
+parses the file alone: its errors, with their event numbers, are the serial parser's own.
+Only forked on Linux, from a process without other threads (a fork copies no thread, and a lock
+another thread held would stay held in the child) but those marked ``FORK_SAFE``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import signal
+import struct
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import TraceError
+from ..model.trace import NONE
+from .assembly import TEXT_COLUMNS
+from .columns import MAX_OOM_ROWS, Builder
+from .reading import decompressed_blocks
+from .splitting import Diverged, StreamParser
+
+# Below this many bytes on disk the fork, the pipe and the merge cost more than the second core saves.
+MIN_FILE_BYTES = 1 << 20
+# The child's share of the chunks: it also decompresses and cuts the whole file, but the parent
+# then merges and assembles, so the child takes 3 chunks of every 5.
+_PATTERN = (False, True)  # chunk k % 2 -> the child's
+_LISTS = ("host", "gpu", "mem", "flows", "oom_mem")
+_HEADER = struct.Struct("<QQ")  # pickle bytes, number of out-of-band buffers
+_LENGTH = struct.Struct("<Q")
+
+
+# A thread whose holder sets this attribute on it holds no lock the child may need (it only waits
+# and writes to a terminal): ``cli.analyze``'s progress line. Any other thread rules a fork out.
+FORK_SAFE = "stepdoctor_fork_safe"
+
+
+def usable(path: Path) -> bool:
+    """Forking pays here: Linux, two cores for this process, no thread but fork-safe ones, a
+    large enough file."""
+    if sys.platform != "linux":
+        return False
+    main = threading.current_thread()
+    if any(t is not main and not getattr(t, FORK_SAFE, False) for t in threading.enumerate()):
+        return False
+    try:
+        return len(os.sched_getaffinity(0)) >= 2 and path.stat().st_size >= MIN_FILE_BYTES
+    except OSError:
+        return False
+
+
+def _childs(k: int) -> bool:
+    return _PATTERN[k % len(_PATTERN)]
+
+
+def _parents(k: int) -> bool:
+    return not _PATTERN[k % len(_PATTERN)]
+
+
+class _Marks:
+    """After each chunk a builder absorbs: the chunk's number and the builder's sizes then."""
+
+    def __init__(self, b: Builder) -> None:
+        self.b = b
+        self.rows: list[tuple[int, ...]] = []
+
+    def __call__(self, chunk: int) -> None:
+        b = self.b
+        self.rows.append(
+            (
+                chunk,
+                *(len(getattr(b, name)) for name in _LISTS),
+                len(b.sparse["host"]),
+                len(b.sparse["gpu"]),
+                b.rows["host"],
+                b.rows["gpu"],
+                len(b.ids),
+                len(b.values),
+                len(b.labels),
+            )
+        )
+
+
+def load(path: Path, cap: int, label: str, source: str) -> Builder | None:
+    """The trace's builder with every chunk absorbed, or None: parse the file alone instead."""
+    read_end, write_end = os.pipe()
+    try:  # a 1 MiB pipe: the child's columns cross in fewer, larger writes (Linux's default cap)
+        import fcntl
+
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 1 << 20)
+    except (ImportError, AttributeError, OSError):
+        pass
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            os.close(read_end)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            _child(path, cap, label, source, write_end)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    try:
+        b, marks = _share(path, cap, label, source, _childs, tail=True)
+        theirs = _receive(read_end)
+    except (TraceError, Diverged):
+        return None
+    finally:
+        os.close(read_end)
+        _reap(pid)
+    if theirs is None:
+        return None
+    try:
+        return merge(b, marks.rows, theirs)
+    except _Unshared:
+        return None
+
+
+def _share(
+    path: Path, cap: int, label: str, source: str, skip: Callable[[int], bool], *, tail: bool
+) -> tuple[Builder, _Marks]:
+    """This process's chunks of the file (all but those ``skip`` names), and the tail's if ``tail``."""
+    b = Builder(source)
+    marks = _Marks(b)
+    parser = StreamParser(b, label, skip=skip, on_chunk=marks)
+    blocks = decompressed_blocks(path, cap, label)
+    try:
+        for block in blocks:
+            parser.feed(block)
+        if tail:
+            parser.finish()
+    finally:
+        blocks.close()
+    return b, marks
+
+
+def _child(path: Path, cap: int, label: str, source: str, out: int) -> None:
+    """Decode the child's chunks and send back its builder's state (None: it could not)."""
+    state: dict[str, Any] | None = None
+    try:
+        b, marks = _share(path, cap, label, source, _parents, tail=False)
+        state = {
+            **{name: getattr(b, name) for name in _LISTS},
+            "sparse": b.sparse,
+            "ids": list(b.ids),
+            "values": list(b.values),
+            "labels": list(b.labels),
+            "codes": list(b.codes),
+            "oom": b.oom,
+            "marks": marks.rows,
+        }
+    except (TraceError, Diverged, MemoryError, RecursionError):
+        state = None
+    _send(out, state)
+
+
+def _send(fd: int, obj: Any) -> None:
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
+    raws = [b.raw() for b in buffers]
+    head = [_HEADER.pack(len(data), len(raws)), *(_LENGTH.pack(r.nbytes) for r in raws), data]
+    with io.FileIO(fd, "wb", closefd=True) as out:
+        for view in [*(memoryview(h) for h in head), *raws]:
+            while view.nbytes:
+                view = view[out.write(view) or 0 :]
+
+
+def _receive(fd: int) -> Any:
+    """The child's state (None when it sent none, or died before sending it all)."""
+    f = io.FileIO(fd, "rb", closefd=False)
+
+    def exactly(n: int) -> bytearray | None:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            k = f.readinto(view[got:])
+            if not k:
+                return None
+            got += k
+        return buf
+
+    head = exactly(_HEADER.size)
+    if head is None:
+        return None
+    size, count = _HEADER.unpack(head)
+    lengths = exactly(_LENGTH.size * count)
+    if lengths is None:
+        return None
+    data = exactly(size)
+    buffers = [exactly(n) for (n,) in _LENGTH.iter_unpack(lengths)]
+    if data is None or any(b is None for b in buffers):
+        return None
+    return pickle.loads(data, buffers=buffers)
+
+
+def _reap(pid: int) -> None:
+    """The child is done or no longer wanted: end it and collect its exit status."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+class _Renumber:
+    """One builder's ids (names or string values) -> the merged builder's, grown as chunks arrive."""
+
+    def __init__(self, keys: list[Any], into: dict[Any, int], reserved: int = 0) -> None:
+        self.keys = keys[reserved:]
+        self.into = into
+        self.table = np.empty(0, np.int32)
+
+    def upto(self, n: int) -> np.ndarray:
+        """Intern this builder's first ``n`` keys (in its order) and give its id -> merged id table."""
+        have = len(self.table)
+        if n > have:
+            new = np.fromiter(map(self.into.__getitem__, self.keys[have:n]), np.int32, n - have)
+            self.table = np.concatenate([self.table, new])
+        return self.table
+
+
+def merge(parent: Builder, parent_marks: list[tuple[int, ...]], child: dict[str, Any]) -> Builder | None:
+    """The two builders' chunks in file order, as one builder that read them all would hold them."""
+    if None in parent.ids or None in child["ids"]:
+        return None  # an event without a name: the serial parser refuses the trace
+    if parent.oom + child["oom"] > MAX_OOM_ROWS:
+        return None  # each kept its first rows; the file's first ones are the serial parser's to pick
+    out = Builder(parent.source)
+    out.top = parent.top
+    out.oom = parent.oom + child["oom"]
+    for code in (*parent.codes, *child["codes"]):
+        out.codes[code]  # interns the categories seen: the format check reads them
+    own = {
+        "parent": (parent_marks, {name: getattr(parent, name) for name in _LISTS}, parent.sparse),
+        "child": (child["marks"], {name: child[name] for name in _LISTS}, child["sparse"]),
+    }
+    names = {
+        "parent": _Renumber(list(parent.ids), out.ids),
+        "child": _Renumber(child["ids"], out.ids),
+    }
+    values = {
+        "parent": _Renumber(list(parent.values), out.values, reserved=1),
+        "child": _Renumber(child["values"], out.values, reserved=1),
+    }
+    labels = {"parent": _Labels(list(parent.labels), out), "child": _Labels(child["labels"], out)}
+    order = sorted((m[0], who, i) for who, (marks, _, _) in own.items() for i, m in enumerate(marks))
+    before = {who: (0,) * 13 for who in own}
+    for _, who, i in order:
+        marks, lists, sparse = own[who]
+        mark = marks[i]
+        prev = before[who]
+        name_ids = names[who].upto(mark[10])
+        value_ids = values[who].upto(mark[11] - 1)
+        relabel = labels[who].upto(mark[12])
+        for j, list_name in enumerate(_LISTS, start=1):
+            for cols in lists[list_name][prev[j] : mark[j]]:
+                if list_name in ("host", "gpu"):
+                    cols = {**cols, "name": name_ids[cols["name"]]}
+                if relabel is not None:
+                    cols = {k: relabel(v) if k in _LABELLED else v for k, v in cols.items()}
+                getattr(out, list_name).append(cols)
+        for j, table in ((6, "host"), (7, "gpu")):
+            shift = out.rows[table] - prev[j + 2]
+            for column, rows, got in sparse[table][prev[j] : mark[j]]:
+                if column in TEXT_COLUMNS[table]:
+                    got = np.where(got != NONE, value_ids[np.maximum(got, 0)], NONE).astype(got.dtype)
+                out.sparse[table].append((column, rows + shift, got))
+        out.rows["host"] += mark[8] - prev[8]
+        out.rows["gpu"] += mark[9] - prev[9]
+        before[who] = mark
+    out.ids.account()
+    out.values.account()
+    return out
+
+
+# The columns that hold a pid/tid label's id (``Builder._label``): pid and tid, a flow's id, and a GPU
+# op's stream where it had none (``schema``: the stream falls back to the tid).
+_LABELLED = frozenset({"pid", "tid", "id", "stream"})
+
+
+class _Labels:
+    """One builder's string pid/tid labels -> the merged builder's ids (``Builder._label``)."""
+
+    def __init__(self, keys: list[Any], into: Builder) -> None:
+        self.keys = keys
+        self.into = into
+        self.table = np.empty(0, np.int64)
+
+    def upto(self, n: int) -> Callable[[np.ndarray], np.ndarray] | None:
+        """Label this builder's first ``n`` labels; a column renumbering, None where ids stay as they are."""
+        have = len(self.table)
+        if n > have:
+            new = np.fromiter(map(self.into._label, self.keys[have:n]), np.int64, n - have)
+            self.table = np.concatenate([self.table, new])
+        if np.array_equal(self.table, -2 - np.arange(len(self.table))):
+            return None
+        return self._relabel
+
+    def _relabel(self, col: np.ndarray) -> np.ndarray:
+        at = np.flatnonzero(col <= -2)
+        if not at.size:
+            return col
+        index = -2 - col[at]
+        if int(index.max()) >= len(self.table):
+            raise _Unshared  # a negative id that is no label of this builder's: parse alone
+        out = col.copy()
+        out[at] = self.table[index].astype(col.dtype)
+        return out
+
+
+class _Unshared(Exception):
+    """The merge met something it cannot renumber for sure: the file is parsed by one process."""

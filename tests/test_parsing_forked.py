@@ -1,0 +1,166 @@
+"""Two-process parsing (``parsing.forked``): the trace it builds is the one a single process builds,
+column for column, and whatever it cannot share is parsed by one process, with the same result or
+the same error."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from stepdoctor_analysis.errors import TraceError
+from stepdoctor_analysis.model.trace import RankTrace
+from stepdoctor_analysis.parsing import forked, load_trace, reading, splitting
+from stepdoctor_analysis.parsing.assembly import assemble
+from stepdoctor_analysis.parsing.reading import DEFAULT_MAX_BYTES
+from support.fixtures import TRACES, write_trace
+
+FIXTURES = sorted(p for p in TRACES.rglob("*.json.gz") if p.stat().st_size > 40_000)
+
+
+@pytest.fixture
+def many_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small chunks and blocks, so even a small trace is cut into many chunks shared by both."""
+    monkeypatch.setattr(forked, "MIN_FILE_BYTES", 0)
+    monkeypatch.setattr(splitting, "_CHUNK", 16 << 10)
+    monkeypatch.setattr(reading, "_OUT_BLOCK", 16 << 10)
+    monkeypatch.setattr(reading, "_SMALL_FILE", 0)
+
+
+def _shared(path: Path) -> RankTrace | None:
+    b = forked.load(path, DEFAULT_MAX_BYTES, path.name, str(path))
+    return None if b is None else assemble(b)
+
+
+def _assert_same(a: Any, b: Any, where: str = "trace") -> None:
+    """Every field equal: arrays by dtype and value (NaN equal to NaN), the rest by ``==``."""
+    if dataclasses.is_dataclass(a):
+        assert type(a) is type(b), where
+        for f in dataclasses.fields(a):
+            _assert_same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype, where
+        assert np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), where
+    else:
+        assert a == b, where
+
+
+@pytest.mark.usefixtures("many_chunks")
+@pytest.mark.parametrize("path", FIXTURES, ids=lambda p: str(p.relative_to(TRACES)))
+def test_every_fixture_parsed_by_two_processes_is_the_single_process_trace(path: Path) -> None:
+    alone = load_trace(path)
+    shared = _shared(path)
+    assert shared is not None, "the fixture was not shared between two processes"
+    _assert_same(alone, shared)
+
+
+def _ops(n: int, **extra: Any) -> list[dict[str, Any]]:
+    return [
+        {"ph": "X", "cat": "cpu_op", "name": f"op{i % 13}", "pid": 10, "tid": 20 + i % 2, "ts": 10 + i,
+         "dur": 1, "args": {"External id": i}, **extra}
+        for i in range(n)
+    ]  # fmt: skip
+
+
+@pytest.mark.usefixtures("many_chunks")
+def test_names_values_and_op_args_first_seen_in_the_childs_chunks_keep_file_order(tmp_path: Path) -> None:
+    """Names new in each chunk (so each process numbers them its own way), string args (collective
+    names), matmul input types and flow-recovered correlations all come out as one process numbers them."""
+    events: list[dict[str, Any]] = []
+    for chunk in range(12):
+        for i in range(150):
+            k = chunk * 150 + i
+            events.append({"ph": "X", "cat": "cpu_op", "name": f"op{chunk}_{i % 5}", "pid": 1, "tid": 1,
+                           "ts": 10 * k, "dur": 2, "args": {"External id": k}})  # fmt: skip
+        events.append({"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", "pid": 1, "tid": 1,
+                       "ts": 10 * k + 1, "dur": 1,
+                       "args": {"Collective name": f"coll{chunk % 4}", "dtype": "Float"}})  # fmt: skip
+        events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 10 * k + 2,
+                       "dur": 1, "args": {"Input type": ["float", "c10::BFloat16"][chunk % 2:]}})  # fmt: skip
+        events.append({"ph": "X", "cat": "kernel", "name": f"kernel{chunk}", "pid": 0, "tid": 7,
+                       "ts": 10 * k + 3, "dur": 1, "args": {"correlation": chunk, "stream": 7}})  # fmt: skip
+    path = write_trace(tmp_path / "names.json", events)
+    alone, shared = load_trace(path), _shared(path)
+    assert shared is not None
+    _assert_same(alone, shared)
+    assert alone.strings.index("op11_0") > alone.strings.index("op1_0")  # numbered in file order
+
+
+@pytest.mark.usefixtures("many_chunks")
+def test_label_pids_and_flow_ids_in_both_processes_chunks_get_the_single_process_ids(tmp_path: Path) -> None:
+    """String pid/tid labels ("Spans") and string flow ids get negative ids in order of first
+    appearance; each process numbers its own, and the merge gives them the file's order."""
+    events = _ops(3000)
+    for i in range(0, 3000, 250):
+        events[i] = {**events[i], "pid": "Spans", "tid": f"window {i}"}
+    for i in range(40, 3000, 300):  # an old trace's launch flows, their ids written as hex strings
+        events.insert(i, {"ph": "X", "cat": "Kernel", "name": "k", "pid": 0, "tid": f"stream {i % 3}",
+                          "ts": 10 + i, "dur": 1})  # fmt: skip
+        events.insert(i, {"ph": "f", "cat": "async", "id": hex(i), "name": "launch", "pid": 0,
+                          "tid": f"stream {i % 3}", "ts": 10 + i, "bp": "e"})  # fmt: skip
+    path = write_trace(tmp_path / "labels.json", events)
+    alone, shared = load_trace(path), _shared(path)
+    assert shared is not None
+    _assert_same(alone, shared)
+    assert len(set(alone.host.tid[alone.host.tid < -1].tolist())) == 12
+    assert (alone.gpu.correlation != -1).all()  # the flows were read (their ids are labels too)
+
+
+@pytest.mark.usefixtures("many_chunks")
+def test_a_cut_the_child_made_inside_a_name_falls_back_to_one_process(tmp_path: Path) -> None:
+    """Each process cuts the other's chunks without decoding them: a name holding ``}, {`` makes the
+    owner of that chunk refuse the cut, and the file is parsed by one process, which gets it right."""
+    events = [{**e, "name": e["name"] + "}, {" + "x" * 300} for e in _ops(2000)]
+    path = write_trace(tmp_path / "tricky.json", events)
+    assert _shared(path) is None
+    _assert_same(load_trace(path), load_trace(path, workers=2))
+
+
+@pytest.mark.usefixtures("many_chunks")
+def test_a_bad_event_late_in_the_file_gives_the_single_process_error(tmp_path: Path) -> None:
+    """The event number in the message counts every event, not just one process's."""
+    events = _ops(4000)
+    events[3500] = {k: v for k, v in events[3500].items() if k != "dur"}
+    path = write_trace(tmp_path / "bad.json", events)
+    with pytest.raises(TraceError) as alone:
+        load_trace(path)
+    with pytest.raises(TraceError) as shared:
+        load_trace(path, workers=2)
+    assert str(shared.value) == str(alone.value)
+    assert "event #3500" in str(alone.value)
+
+
+@pytest.mark.usefixtures("many_chunks")
+def test_out_of_memory_rows_past_the_kept_count_are_parsed_by_one_process(tmp_path: Path) -> None:
+    events = _ops(3000)
+    for i in range(0, 3000, 30):
+        events.insert(i, {"ph": "i", "s": "t", "cat": "cpu_instant_event", "name": "[OutOfMemory]", "pid": 10,
+                          "tid": 20, "ts": 10 + i, "args": {"Bytes": 1 << 20, "Device Id": 0,
+                          "Device Type": 1, "Total Allocated": 1 << 30, "Total Reserved": 1 << 31}})  # fmt: skip
+    path = write_trace(tmp_path / "ooms.json", events)
+    assert _shared(path) is None
+    alone = load_trace(path)
+    _assert_same(alone, load_trace(path, workers=2))
+    assert alone.out_of_memory == 100
+
+
+def test_only_fork_safe_threads_allow_a_fork(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_trace(tmp_path / "t.json", _ops(10))
+    monkeypatch.setattr(forked, "MIN_FILE_BYTES", 0)
+    assert forked.usable(path)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        assert not forked.usable(path)
+        setattr(other, forked.FORK_SAFE, True)
+        assert forked.usable(path)
+    finally:
+        stop.set()
+        other.join()
+    monkeypatch.setattr(forked, "MIN_FILE_BYTES", path.stat().st_size + 1)
+    assert not forked.usable(path)
