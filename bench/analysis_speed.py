@@ -13,6 +13,8 @@ imports included) and how far that peak rose above what the imports alone reache
 - stream: our own streaming decompress + chunked typed decode with the column building switched off
   (the lower bound of our design: ours/stream is what the columnar model costs).
 Targets: ≥ 10× faster than HTA at ≤ 1/4 of its memory; the large trace in ≤ 15 s under 1.5 GB.
+Memory of the whole ``stepdoctor analyze``, forked parser included, is sampled from outside in one
+more untimed run (``sampled_peak_mb``: peak PSS over the process tree), for the large trace always.
 Times are medians over ``--repeat`` fresh runs; ours whole (cli) and HTA run alternately, round by
 round, and their ratio is the median of the per-round ratios (the machine's load drifts).
 
@@ -162,6 +164,52 @@ def run_child(
     return result
 
 
+def sampled_peak_mb(mode: str, path: Path, timeout: float = 900) -> float | None:
+    """One more fresh run, its memory watched from outside: the largest sum of the proportional set
+    sizes (PSS: a page two processes share counts half in each) of the process and every process it
+    forked, read every 10 ms. Its own run, so the sampling never touches a timed one: with
+    ``parsing.forked`` the analysis is two processes, and their two peak RSS counted apart would
+    count the pages they share twice, and their peaks, which come at different times, as one."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, mode, str(path), "0"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    peak, deadline = 0.0, time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        peak = max(peak, sum(_pss_kb(pid) for pid in _tree(proc.pid)) / 1024)
+        time.sleep(0.01)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+        return None
+    return peak if proc.returncode == 0 else None
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its descendants, as /proc lists them now."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as fh:
+                    todo.extend(int(c) for c in fh.read().split())
+        except OSError:
+            continue
+    return out
+
+
+def _pss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            return next((int(line.split()[1]) for line in fh if line.startswith("Pss:")), 0)
+    except OSError:
+        return 0  # it ended between the listing and the read
+
+
 def run_best(mode: str, path: Path, repeat: int, timeout: float = 900) -> dict[str, float] | None:
     """Median of ``repeat`` fresh runs (and the fastest), with the largest peak RSS seen: sub-second
     timings on a shared 2-core machine vary by tens of percent from one run to the next."""
@@ -292,6 +340,11 @@ def main(argv: list[str] | None = None) -> int:
         "--large-repeat", type=int, default=1, help="runs of cli, HTA and pipelines on the large trace"
     )
     ap.add_argument(
+        "--sample-memory",
+        action="store_true",
+        help="also sample every trace's whole-process-tree peak PSS in one more run (always for the large one)",
+    )
+    ap.add_argument(
         "--min-mb", type=float, default=0.0, help="only traces of at least this many MB decompressed"
     )
     ap.add_argument(
@@ -360,6 +413,14 @@ def main(argv: list[str] | None = None) -> int:
                     note = "HTA failed or timed out"
                 elif label.startswith("df_index"):
                     hta_rate = hta["seconds"] / mb
+            if is_large or args.sample_memory:
+                ours_pss = sampled_peak_mb("cli", path)
+                hta_pss = sampled_peak_mb("hta", tmp / f"hta-{len(rows)}") if hta is not None else None
+                print(
+                    f"  {label}: peak PSS, every process together (sampled, untimed run): "
+                    f"stepdoctor analyze {_mb(ours_pss)}, HTA {_mb(hta_pss)}, ratio {_ratio(ours_pss, hta_pss)}",
+                    flush=True,
+                )
             rows.append((label, mb, ours, pipe, hta, floor, stream, note, cli))
             print_row(rows[-1])
             if engine is not None:
@@ -386,6 +447,10 @@ def print_row(row: tuple[Any, ...]) -> None:
         f"stream={sec(stream)} cli={sec(cli)} {note}",
         flush=True,
     )
+
+
+def _mb(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f} MB"
 
 
 def _ratio(a: float | None, b: float | None, unit: str = "") -> str:
