@@ -119,3 +119,21 @@ def test_a_database_without_the_schema_says_to_migrate(
         get_settings.cache_clear()
     assert line.startswith("stepdoctor token: database error at sqlite:")
     assert line.endswith("run `stepdoctor db upgrade` first)")
+
+
+def test_a_reader_that_closes_the_pipe_early_gets_no_traceback() -> None:
+    """``stepdoctor analyze trace | head``: the report's reader leaves after a few bytes."""
+    from support.fixtures import fixture
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stepdoctor.cli", "analyze", "--format", "json",
+         str(fixture("trace_filter/sampled_rank-0.json.gz"))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(10).startswith(b"{")
+    proc.stdout.close()  # the reader is gone; the report is longer than a pipe holds
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert err == ""

@@ -148,6 +148,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(install_hint(command, needed, exc.name or str(exc)), file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """The output's reader closed it (``stepdoctor analyze ... | head``): stop quietly, as ``cat``
+    does, with the status a shell gives a process SIGPIPE ended. Python would otherwise print a
+    traceback, and another when it flushes stdout at exit, so stdout is pointed at /dev/null first."""
+    import os
+
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
+    return 141
 
 
 if __name__ == "__main__":  # pragma: no cover
