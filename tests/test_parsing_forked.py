@@ -5,6 +5,9 @@ the same error."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,7 +17,7 @@ import pytest
 
 from stepdoctor_analysis.errors import TraceError
 from stepdoctor_analysis.model.trace import RankTrace
-from stepdoctor_analysis.parsing import forked, load_trace, reading, splitting
+from stepdoctor_analysis.parsing import forked, load_trace, reading, splitting, start_trace
 from stepdoctor_analysis.parsing.assembly import assemble
 from stepdoctor_analysis.parsing.reading import DEFAULT_MAX_BYTES
 from support.fixtures import TRACES, write_trace
@@ -164,3 +167,47 @@ def test_only_fork_safe_threads_allow_a_fork(tmp_path: Path, monkeypatch: pytest
         other.join()
     monkeypatch.setattr(forked, "MIN_FILE_BYTES", path.stat().st_size + 1)
     assert not forked.usable(path)
+
+
+@pytest.mark.usefixtures("many_chunks")
+def test_a_parser_started_ahead_gives_the_same_trace_and_is_collected(tmp_path: Path) -> None:
+    """``start_trace`` forks the child before the caller's other work (the CLI's imports); the
+    child then takes 3 chunks of every 5. Loading with it gives the single-process trace, and the
+    child is collected; one that is never loaded is collected by ``cancel``."""
+    path = TRACES / "hta" / "trace_diff" / "control" / "control.json.gz"
+    started = start_trace(path)
+    assert started is not None and started.pattern.count(True) == 3
+    pid = started.pid
+    _assert_same(load_trace(path), load_trace(path, started=started))
+    assert started.pid is None
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)  # collected: no zombie left
+    unused = start_trace(path)
+    assert unused is not None
+    pid = unused.pid
+    unused.cancel()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    other = write_trace(tmp_path / "other.json", _ops(500))
+    mismatched = start_trace(path)
+    assert mismatched is not None
+    _assert_same(load_trace(other), load_trace(other, started=mismatched))  # not this file's: ignored
+    mismatched.cancel()
+
+
+def test_the_cli_report_is_the_same_with_one_process_or_two() -> None:
+    """``stepdoctor analyze`` forks the second parser before importing the analysis; ``--jobs 1``
+    parses in one process. The report is the same, byte for byte."""
+    trace = TRACES / "hta" / "df_index_resolver" / "df_index_resolver.json.gz"
+    assert forked.usable(trace), "this test needs Linux and two cores, as CI has"
+
+    def report(*extra: str) -> bytes:
+        done = subprocess.run(
+            [sys.executable, "-m", "stepdoctor.cli", "analyze", "--format", "json", *extra, str(trace)],
+            capture_output=True,
+            timeout=300,
+            check=True,
+        )
+        return done.stdout
+
+    assert report() == report("--jobs", "1")

@@ -39,6 +39,7 @@ from .rules.memory_advice import report_section as memory_section
 from .rules.record import Context
 
 if TYPE_CHECKING:
+    from .parsing.forked import Started
     from .run.verdict import RunVerdict
 
 Progress = Callable[[str], None]
@@ -53,12 +54,14 @@ def analyze_path(
     metadata: dict[str, Any] | None = None,
     workers: int = 1,
     done: Callable[[int, int], None] | None = None,
+    started: Started | None = None,
 ) -> Report:
     """Diagnose a trace file, or a directory of per-rank traces (adds the ``ranks`` section).
 
     ``workers`` > 1: a directory of more than two files is analysed by that many processes
     (``rank_pool``), each file's summary streamed back, ``done(analysed, total)`` after each;
-    fewer files are each parsed by two processes (``parsing.forked``)."""
+    fewer files are each parsed by two processes (``parsing.forked``). ``started``: the second
+    parser ``parsing.start_trace`` forked for the file ``path``."""
     say = progress or (lambda _msg: None)
     p = Path(path)
     if rank is None and workers > 1 and p.is_dir() and len(files := job_files(p)) > 2:
@@ -76,7 +79,7 @@ def analyze_path(
         )
         return _with_verdict(p, top, verdict)
     say(f"loading {p.name}")
-    traces = parse.load_job(p, max_bytes=max_bytes, workers=workers)
+    traces = parse.load_job(p, max_bytes=max_bytes, workers=workers, started=started)
     if rank is not None:
         traces = [t for t in traces if t.rank == rank or (t.rank is None and len(traces) == 1)]
         if not traces:

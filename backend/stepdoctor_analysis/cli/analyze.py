@@ -24,12 +24,16 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ..errors import TraceError
 from ..parsing import logdir
+
+if TYPE_CHECKING:
+    from ..parsing.forked import Started
+    from ..report.document import Report
 
 PROGRESS_AFTER_S = 1.0
 
@@ -314,8 +318,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.path is None:
         parser.error("the following arguments are required: path")
     with _one_blas_thread():
-        from ..pipeline import analyze_path
+        started = _start_parsing(args)
+        try:
+            from ..pipeline import analyze_path  # imported while the forked child parses
+        except BaseException:
+            if started is not None:
+                started.cancel()
+            raise
+    try:
+        return _analyze(args, analyze_path, started)
+    finally:
+        if started is not None:
+            started.cancel()  # collected already when the report was made; not when it failed early
 
+
+def _start_parsing(args: argparse.Namespace) -> Started | None:
+    """One trace file, more than one worker: fork its second parser before importing the analysis,
+    which then overlaps the child's parse (``parsing.start_trace``)."""
+    jobs = args.jobs if args.jobs is not None else _cores()
+    if jobs < 2 or not Path(args.path).is_file():
+        return None
+    from ..parsing import start_trace
+
+    try:
+        return start_trace(args.path, max_bytes=args.max_bytes)
+    except OSError:
+        return None  # the analysis names what is wrong with the file
+
+
+def _analyze(args: argparse.Namespace, analyze_path: Callable[..., Report], started: Started | None) -> int:
     folder = Path(args.path)
     if folder.is_dir() and not logdir.has_traces(folder) and (found := logdir.runs(folder)):
         if len(found) > 1:
@@ -338,6 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 progress=progress,
                 workers=args.jobs if args.jobs is not None else _cores(),
                 done=(lambda n, total: progress(f"analysed {n}/{total} ranks")) if counts else None,
+                started=started,
             )
             deep_result = _deep(args, progress)
     except TraceError as exc:

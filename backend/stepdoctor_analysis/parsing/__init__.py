@@ -24,9 +24,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .loading import DEFAULT_MAX_BYTES, job_files, job_order, load_job, load_trace
+    from .loading import DEFAULT_MAX_BYTES, job_files, job_order, load_job, load_trace, start_trace
 
-__all__ = ["DEFAULT_MAX_BYTES", "job_files", "job_order", "load_job", "load_trace"]
+__all__ = ["DEFAULT_MAX_BYTES", "job_files", "job_order", "load_job", "load_trace", "start_trace"]
 
 
 def __getattr__(name: str) -> Any:

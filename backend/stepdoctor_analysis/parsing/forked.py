@@ -40,9 +40,6 @@ from .splitting import Diverged, StreamParser
 
 # Below this many bytes on disk the fork, the pipe and the merge cost more than the second core saves.
 MIN_FILE_BYTES = 1 << 20
-# The child's share of the chunks: it also decompresses and cuts the whole file, but the parent
-# then merges and assembles, so the child takes 3 chunks of every 5.
-_PATTERN = (False, True)  # chunk k % 2 -> the child's
 _LISTS = ("host", "gpu", "mem", "flows", "oom_mem")
 _HEADER = struct.Struct("<QQ")  # pickle bytes, number of out-of-band buffers
 _LENGTH = struct.Struct("<Q")
@@ -65,14 +62,6 @@ def usable(path: Path) -> bool:
         return len(os.sched_getaffinity(0)) >= 2 and path.stat().st_size >= MIN_FILE_BYTES
     except OSError:
         return False
-
-
-def _childs(k: int) -> bool:
-    return _PATTERN[k % len(_PATTERN)]
-
-
-def _parents(k: int) -> bool:
-    return not _PATTERN[k % len(_PATTERN)]
 
 
 class _Marks:
@@ -99,40 +88,78 @@ class _Marks:
         )
 
 
-def load(path: Path, cap: int, label: str, source: str) -> Builder | None:
-    """The trace's builder with every chunk absorbed, or None: parse the file alone instead."""
-    read_end, write_end = os.pipe()
-    try:  # a 1 MiB pipe: the child's columns cross in fewer, larger writes (Linux's default cap)
-        import fcntl
+class Started:
+    """A forked child already parsing its share of the file; ``finish`` parses the parent's.
 
-        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 1 << 20)
-    except (ImportError, AttributeError, OSError):
-        pass
-    pid = os.fork()
-    if pid == 0:  # the child: never returns
-        code = 1
+    ``head_start``: the parent has other work before ``finish`` (``cli.analyze`` imports the
+    analysis while the child parses), so the child takes 3 chunks of every 5 instead of every other.
+    """
+
+    def __init__(self, path: Path, cap: int, label: str, source: str, *, head_start: bool = False) -> None:
+        self.path, self.cap, self.label, self.source = path, cap, label, source
+        self.of = (path, cap, label, source)  # what ``loading.load_trace`` checks it was started for
+        self.pattern = (False, True, False, True, True) if head_start else (False, True)
+        read_end, write_end = os.pipe()
+        try:  # a 1 MiB pipe: the child's columns cross in fewer, larger writes (Linux's default cap)
+            import fcntl
+
+            fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 1 << 20)
+        except (ImportError, AttributeError, OSError):
+            pass
+        pid = os.fork()
+        if pid == 0:  # the child: never returns
+            code = 1
+            try:
+                os.close(read_end)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                _child(path, cap, label, source, write_end, lambda k: not self._childs(k))
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write_end)
+        self.pid: int | None = pid
+        self.read_end = read_end
+
+    def _childs(self, k: int) -> bool:
+        return self.pattern[k % len(self.pattern)]
+
+    def finish(self) -> Builder | None:
+        """The trace's builder with every chunk absorbed, or None: parse the file alone instead."""
+        if self.pid is None:
+            return None  # cancelled, or finished already
         try:
-            os.close(read_end)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            _child(path, cap, label, source, write_end)
-            code = 0
+            b, marks = _share(self.path, self.cap, self.label, self.source, self._childs, tail=True)
+            theirs = _receive(self.read_end)
+        except (TraceError, Diverged):
+            return None
         finally:
-            os._exit(code)
-    os.close(write_end)
-    try:
-        b, marks = _share(path, cap, label, source, _childs, tail=True)
-        theirs = _receive(read_end)
-    except (TraceError, Diverged):
-        return None
-    finally:
-        os.close(read_end)
-        _reap(pid)
-    if theirs is None:
-        return None
-    try:
-        return merge(b, marks.rows, theirs)
-    except _Unshared:
-        return None
+            self.cancel()
+        if theirs is None:
+            return None
+        try:
+            return merge(b, marks.rows, theirs)
+        except _Unshared:
+            return None
+
+    def cancel(self) -> None:
+        """End the child (done or no longer wanted) and collect it; nothing once it is collected."""
+        if self.pid is None:
+            return
+        os.close(self.read_end)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+        self.pid = None
+
+
+def start(path: Path, cap: int, label: str, source: str, *, head_start: bool = False) -> Started | None:
+    """A child parsing its share of ``path`` from now on, where forking pays (``usable``)."""
+    return Started(path, cap, label, source, head_start=head_start) if usable(path) else None
+
+
+def load(path: Path, cap: int, label: str, source: str) -> Builder | None:
+    """The trace's builder, parsed by two processes, or None: parse the file alone instead."""
+    return Started(path, cap, label, source).finish()
 
 
 def _share(
@@ -153,11 +180,11 @@ def _share(
     return b, marks
 
 
-def _child(path: Path, cap: int, label: str, source: str, out: int) -> None:
+def _child(path: Path, cap: int, label: str, source: str, out: int, skip: Callable[[int], bool]) -> None:
     """Decode the child's chunks and send back its builder's state (None: it could not)."""
     state: dict[str, Any] | None = None
     try:
-        b, marks = _share(path, cap, label, source, _parents, tail=False)
+        b, marks = _share(path, cap, label, source, skip, tail=False)
         state = {
             **{name: getattr(b, name) for name in _LISTS},
             "sparse": b.sparse,
@@ -210,13 +237,6 @@ def _receive(fd: int) -> Any:
     if data is None or any(b is None for b in buffers):
         return None
     return pickle.loads(data, buffers=buffers)
-
-
-def _reap(pid: int) -> None:
-    """The child is done or no longer wanted: end it and collect its exit status."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
 
 
 class _Renumber:

@@ -14,12 +14,14 @@ from ..errors import TraceError
 from ..model.trace import RankTrace
 from .assembly import assemble
 from .columns import Builder
+from .forked import Started
 from .forked import load as load_forked
+from .forked import start as start_forked
 from .forked import usable as fork_usable
 from .reading import DEFAULT_MAX_BYTES, decompressed_blocks
 from .splitting import StreamParser
 
-__all__ = ["DEFAULT_MAX_BYTES", "job_files", "job_order", "load_job", "load_trace"]
+__all__ = ["DEFAULT_MAX_BYTES", "job_files", "job_order", "load_job", "load_trace", "start_trace"]
 
 
 def load_trace(
@@ -28,6 +30,7 @@ def load_trace(
     max_bytes: int | None = None,
     name: str | None = None,
     workers: int = 1,
+    started: Started | None = None,
 ) -> RankTrace:
     """Parse one rank's trace (``.json`` or gzip, detected by content) into a ``RankTrace``.
 
@@ -37,7 +40,8 @@ def load_trace(
     storage key.
 
     ``workers`` > 1: a large enough file is parsed by two processes where this one may fork
-    (``forked``); the trace is the same, column for column.
+    (``forked``); the trace is the same, column for column. ``started``: the second process
+    ``start_trace`` forked for this file, which is already parsing its share.
     """
     cap = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
     if isinstance(path, str | Path):
@@ -46,10 +50,13 @@ def load_trace(
             raise TraceError(f"{p.name}: no such trace file")
         source: Path | BinaryIO = p
         label = name or p.name
-        if workers > 1 and fork_usable(p):
+        shared = None
+        if started is not None and started.of == (p, cap, label, name or str(p)):
+            shared = started.finish()
+        elif workers > 1 and fork_usable(p):
             shared = load_forked(p, cap, label, name or str(p))
-            if shared is not None:
-                return assemble(shared)
+        if shared is not None:
+            return assemble(shared)
         builder = Builder(name or str(p))
     else:
         source = path
@@ -65,11 +72,24 @@ def load_trace(
     return assemble(builder)
 
 
-def load_job(path: str | Path, *, max_bytes: int | None = None, workers: int = 1) -> list[RankTrace]:
+def start_trace(path: str | Path, *, max_bytes: int | None = None) -> Started | None:
+    """Fork the second parser of a trace file now, where that pays (``forked.start``), so that
+    what the caller does before ``load_trace(path, started=...)`` overlaps the child's parse
+    (``cli.analyze`` imports the analysis meanwhile). The caller cancels it if it never loads."""
+    p = Path(path)
+    if not p.is_file():
+        return None
+    cap = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+    return start_forked(p, cap, p.name, str(p), head_start=True)
+
+
+def load_job(
+    path: str | Path, *, max_bytes: int | None = None, workers: int = 1, started: Started | None = None
+) -> list[RankTrace]:
     """Parse a file, or a directory of per-rank ``.json``/``.json.gz`` files, sorted by rank."""
     p = Path(path)
     if p.is_file():
-        return [load_trace(p, max_bytes=max_bytes, workers=workers)]
+        return [load_trace(p, max_bytes=max_bytes, workers=workers, started=started)]
     traces = [load_trace(f, max_bytes=max_bytes, workers=workers) for f in job_files(p)]
     order = job_order([t.rank for t in traces])
     return [traces[i] for i in order]
