@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
+import numpy.ma  # np.unique imports it lazily (~8 ms): paid here, after the parser's fork (cli.analyze)
 
 from . import parsing as parse
 from .analyzers import breakdown as bd

@@ -17,7 +17,6 @@ from functools import cached_property
 from typing import Any, TypeVar
 
 import numpy as np
-import numpy.ma  # np.unique imports it lazily (~25 ms): pay that at import, not per analysis
 import numpy.typing as npt
 
 I64 = npt.NDArray[np.int64]
