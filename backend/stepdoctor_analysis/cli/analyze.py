@@ -12,7 +12,8 @@ arbitrary files. A progress line appears on stderr only once the analysis has ta
 A directory of more than two traces is analysed by a process pool over every core (``--jobs``),
 each rank's summary streamed back (``rank_pool``); ``analysed 412/1000 ranks`` is shown while it
 runs when stderr is a terminal or with ``--progress``. A single file of 1 MiB or more is parsed by
-two processes where there are two cores (``parsing.forked``): the same trace, sooner.
+two processes where there are two cores (``parsing.forked``), the child forked before the analysis
+is imported: the same trace, sooner.
 """
 
 from __future__ import annotations

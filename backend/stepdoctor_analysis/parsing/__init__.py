@@ -12,7 +12,8 @@ Traces of 1-2 GB are normal, so the file is never held as Python dicts:
   missing in old traces are recovered from flow events.
 
 Peak memory is the columns plus a few chunks, whatever the file size. ``forked``: where the caller
-allows it, a second process decodes every other chunk, and the two builders merge into the same trace. Every format generation of
+allows it, a forked second process decodes the chunks it reaches first, and the two builders merge
+into the same trace. Every format generation of
 anchors §1 is accepted: fractional-µs Kineto, float ns-resolution, 2021 ``Operator/Runtime/Kernel/
 Memcpy/Memset`` categories, ``ac2g``/``async_cpu_to_gpu``/``async``/``launch`` flows (used to recover a
 missing correlation id), AMD ``hip*`` runtime calls, Triton's ``cuLaunchKernel`` (``cuda_driver``),

@@ -1,16 +1,17 @@
-"""One trace parsed by two processes: a forked child decodes every other chunk, the parent the rest.
+"""One trace parsed by two processes: a forked child and the parent share its chunks.
 
 Decoding events and folding them into columns is most of a load and runs under the GIL, so a second
 core helps only from another process. Both processes read the whole file and cut it into the same
-chunks (the cuts depend only on the text); each decodes its own and drops the other's undecoded.
-The child sends its columns back through a pipe (pickle protocol 5, the arrays out of band: no
-copy of them is pickled), and ``merge`` joins the two builders in chunk order, renumbering names
+chunks (the cuts depend only on the text); each chunk is decoded by the process that reaches it
+first (``_Claims``), and the other drops it undecoded.
+The child sends its columns back pickled through a pipe, their arrays out of band in a shared
+memory file that the parent maps (no copy through the pipe), and ``merge`` joins the two builders in chunk order, renumbering names
 and string values as one builder reading the file front to back would have numbered them, so the
 trace is the one ``loading.load_trace`` builds alone, column for column.
 
-Anything out of the ordinary (a chunk the parent cannot cut where the child did, more
-``[OutOfMemory]`` rows than one process keeps, a refused trace, a child that dies) returns None, and the caller
-parses the file alone: its errors, with their event numbers, are the serial parser's own.
+Anything out of the ordinary (a chunk one process cannot cut where the other did, more
+``[OutOfMemory]`` rows than one process keeps, a refused trace, a child that dies) returns None,
+and the caller parses the file alone: its errors, with their event numbers, are the serial parser's.
 Only forked on Linux, from a process without other threads (a fork copies no thread, and a lock
 another thread held would stay held in the child) but those marked ``FORK_SAFE``.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import mmap
 import os
 import pickle
 import signal
@@ -38,11 +40,14 @@ from .columns import MAX_OOM_ROWS, Builder
 from .reading import decompressed_blocks
 from .splitting import Diverged, StreamParser
 
+if sys.platform == "linux":  # ``usable`` forks only there
+    import fcntl
+
 # Below this many bytes on disk the fork, the pipe and the merge cost more than the second core saves.
 MIN_FILE_BYTES = 1 << 20
 _LISTS = ("host", "gpu", "mem", "flows", "oom_mem")
 _HEADER = struct.Struct("<QQ")  # pickle bytes, number of out-of-band buffers
-_LENGTH = struct.Struct("<Q")
+_SPAN = struct.Struct("<QQ")  # an out-of-band buffer's offset and length in the columns file
 
 
 # A thread whose holder sets this attribute on it holds no lock the child may need (it only waits
@@ -53,7 +58,7 @@ FORK_SAFE = "stepdoctor_fork_safe"
 def usable(path: Path) -> bool:
     """Forking pays here: Linux, two cores for this process, no thread but fork-safe ones, a
     large enough file."""
-    if sys.platform != "linux":
+    if sys.platform != "linux" or not hasattr(os, "memfd_create"):
         return False
     main = threading.current_thread()
     if any(t is not main and not getattr(t, FORK_SAFE, False) for t in threading.enumerate()):
@@ -88,31 +93,65 @@ class _Marks:
         )
 
 
-class Started:
-    """A forked child already parsing its share of the file; ``finish`` parses the parent's.
+class _Claims:
+    """Which process decodes chunk ``k``: the first to reach it. Both cut the same chunks in the
+    same order, so one shared number, the next chunk nobody has claimed, decides; the process that
+    is busy (importing the analysis, decoding a chunk) leaves the chunks it has not reached to the
+    other, so the two stay balanced however their speeds differ. The number lives in shared memory,
+    under a POSIX record lock (held per process: unlike ``flock``, it excludes across ``fork``)."""
 
-    ``head_start``: the parent has other work before ``finish`` (``cli.analyze`` imports the
-    analysis while the child parses), so the child takes 3 chunks of every 5 instead of every other.
+    def __init__(self) -> None:
+        self.fd = os.memfd_create("stepdoctor-chunk-claims")
+        os.ftruncate(self.fd, 8)
+        self.next = mmap.mmap(self.fd, 8)
+        self.mine = -1  # the last chunk this process claimed (asked again after a failed cut)
+        self.count = 0  # chunks this process claimed
+
+    def claim(self, k: int) -> bool:
+        if k == self.mine:
+            return True
+        fcntl.lockf(self.fd, fcntl.LOCK_EX)
+        try:
+            free = int.from_bytes(self.next[:8], "little")
+            if k < free:
+                return False
+            self.next[:8] = (k + 1).to_bytes(8, "little")
+        finally:
+            fcntl.lockf(self.fd, fcntl.LOCK_UN)
+        self.mine, self.count = k, self.count + 1
+        return True
+
+    def close(self) -> None:
+        self.next.close()
+        os.close(self.fd)
+
+
+class Started:
+    """A forked child already parsing the file; ``finish`` parses with it, chunk by chunk, each
+    chunk decoded by whichever of the two reaches it first (``_Claims``).
+
+    Forked ahead of other work (``cli.analyze`` imports the analysis meanwhile), the child decodes
+    the chunks the parent has not reached yet. ``shares``: the chunks each decoded (parent, child),
+    the tail included in the parent's.
     """
 
-    def __init__(self, path: Path, cap: int, label: str, source: str, *, head_start: bool = False) -> None:
+    def __init__(self, path: Path, cap: int, label: str, source: str) -> None:
         self.path, self.cap, self.label, self.source = path, cap, label, source
         self.of = (path, cap, label, source)  # what ``loading.load_trace`` checks it was started for
-        self.pattern = (False, True, False, True, True) if head_start else (False, True)
+        self.shares = (0, 0)
+        self.claims = _Claims()
+        self.columns = os.memfd_create("stepdoctor-child-columns")  # the child's arrays, shared
         read_end, write_end = os.pipe()
-        try:  # a 1 MiB pipe: the child's columns cross in fewer, larger writes (Linux's default cap)
-            import fcntl
-
+        # A 1 MiB pipe (Linux's default cap): the child's columns cross in fewer, larger writes.
+        with contextlib.suppress(OSError):
             fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 1 << 20)
-        except (ImportError, AttributeError, OSError):
-            pass
         pid = os.fork()
         if pid == 0:  # the child: never returns
             code = 1
             try:
                 os.close(read_end)
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
-                _child(path, cap, label, source, write_end, lambda k: not self._childs(k))
+                _child(path, cap, label, source, write_end, self.columns, self._theirs)
                 code = 0
             finally:
                 os._exit(code)
@@ -120,22 +159,24 @@ class Started:
         self.pid: int | None = pid
         self.read_end = read_end
 
-    def _childs(self, k: int) -> bool:
-        return self.pattern[k % len(self.pattern)]
+    def _theirs(self, k: int) -> bool:
+        """Chunk ``k`` is the other process's to decode (this one skips it)."""
+        return not self.claims.claim(k)
 
     def finish(self) -> Builder | None:
         """The trace's builder with every chunk absorbed, or None: parse the file alone instead."""
         if self.pid is None:
             return None  # cancelled, or finished already
         try:
-            b, marks = _share(self.path, self.cap, self.label, self.source, self._childs, tail=True)
-            theirs = _receive(self.read_end)
+            b, marks = _share(self.path, self.cap, self.label, self.source, self._theirs, tail=True)
+            theirs = _receive(self.read_end, self.columns)
         except (TraceError, Diverged):
             return None
         finally:
             self.cancel()
         if theirs is None:
             return None
+        self.shares = (len(marks.rows), len(theirs["marks"]))
         try:
             return merge(b, marks.rows, theirs)
         except _Unshared:
@@ -146,15 +187,17 @@ class Started:
         if self.pid is None:
             return
         os.close(self.read_end)
+        os.close(self.columns)  # a mapping of it lives on while arrays use it
+        self.claims.close()
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
         os.waitpid(self.pid, 0)
         self.pid = None
 
 
-def start(path: Path, cap: int, label: str, source: str, *, head_start: bool = False) -> Started | None:
-    """A child parsing its share of ``path`` from now on, where forking pays (``usable``)."""
-    return Started(path, cap, label, source, head_start=head_start) if usable(path) else None
+def start(path: Path, cap: int, label: str, source: str) -> Started | None:
+    """A child parsing ``path`` from now on, where forking pays (``usable``)."""
+    return Started(path, cap, label, source) if usable(path) else None
 
 
 def load(path: Path, cap: int, label: str, source: str) -> Builder | None:
@@ -180,13 +223,20 @@ def _share(
     return b, marks
 
 
-def _child(path: Path, cap: int, label: str, source: str, out: int, skip: Callable[[int], bool]) -> None:
+def _child(
+    path: Path, cap: int, label: str, source: str, out: int, columns: int, skip: Callable[[int], bool]
+) -> None:
     """Decode the child's chunks and send back its builder's state (None: it could not)."""
     state: dict[str, Any] | None = None
     try:
         b, marks = _share(path, cap, label, source, skip, tail=False)
         state = {
-            **{name: getattr(b, name) for name in _LISTS},
+            # Contiguous, so pickle passes every array out of band (a strided record field would
+            # be copied into the pickle, then out of it again in the parent).
+            **{
+                name: [{k: np.ascontiguousarray(v) for k, v in cols.items()} for cols in getattr(b, name)]
+                for name in _LISTS
+            },
             "sparse": b.sparse,
             "ids": list(b.ids),
             "values": list(b.values),
@@ -197,23 +247,37 @@ def _child(path: Path, cap: int, label: str, source: str, out: int, skip: Callab
         }
     except (TraceError, Diverged, MemoryError, RecursionError):
         state = None
-    _send(out, state)
+    _send(out, columns, state)
 
 
-def _send(fd: int, obj: Any) -> None:
+def _send(pipe: int, columns: int, obj: Any) -> None:
+    """``obj`` pickled down the pipe, its arrays' bytes written apart into the shared ``columns``
+    file (64-byte aligned), which the parent maps instead of reading them through the pipe."""
     buffers: list[pickle.PickleBuffer] = []
     data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
-    raws = [b.raw() for b in buffers]
-    head = [_HEADER.pack(len(data), len(raws)), *(_LENGTH.pack(r.nbytes) for r in raws), data]
-    with io.FileIO(fd, "wb", closefd=True) as out:
-        for view in [*(memoryview(h) for h in head), *raws]:
-            while view.nbytes:
-                view = view[out.write(view) or 0 :]
+    spans, at = [], 0
+    with io.FileIO(columns, "wb", closefd=False) as out:
+        for buffer in buffers:
+            at += _write_all(out, memoryview(bytes(-at % 64)))
+            raw = buffer.raw()
+            spans.append(_SPAN.pack(at, raw.nbytes))
+            at += _write_all(out, raw)
+    with io.FileIO(pipe, "wb", closefd=True) as out:
+        for part in (_HEADER.pack(len(data), len(spans)), *spans, data):
+            _write_all(out, memoryview(part))
 
 
-def _receive(fd: int) -> Any:
-    """The child's state (None when it sent none, or died before sending it all)."""
-    f = io.FileIO(fd, "rb", closefd=False)
+def _write_all(out: io.FileIO, view: memoryview) -> int:
+    n = view.nbytes
+    while view.nbytes:
+        view = view[out.write(view) or 0 :]
+    return n
+
+
+def _receive(pipe: int, columns: int) -> Any:
+    """The child's state (None when it sent none, or died before sending it all); its arrays are
+    views of the ``columns`` file mapped copy-on-write (writable: the assembly repairs some)."""
+    f = io.FileIO(pipe, "rb", closefd=False)
 
     def exactly(n: int) -> bytearray | None:
         buf = bytearray(n)
@@ -229,13 +293,20 @@ def _receive(fd: int) -> Any:
     if head is None:
         return None
     size, count = _HEADER.unpack(head)
-    lengths = exactly(_LENGTH.size * count)
-    if lengths is None:
-        return None
+    spans = exactly(_SPAN.size * count)
     data = exactly(size)
-    buffers = [exactly(n) for (n,) in _LENGTH.iter_unpack(lengths)]
-    if data is None or any(b is None for b in buffers):
+    if spans is None or data is None:
         return None
+    buffers: list[memoryview] = []
+    if count:
+        total = os.fstat(columns).st_size
+        mapped = memoryview(
+            mmap.mmap(columns, total, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        )
+        for at, n in _SPAN.iter_unpack(spans):
+            if at + n > total:
+                return None
+            buffers.append(mapped[at : at + n])
     return pickle.loads(data, buffers=buffers)
 
 

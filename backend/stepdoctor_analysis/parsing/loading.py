@@ -80,7 +80,7 @@ def start_trace(path: str | Path, *, max_bytes: int | None = None) -> Started | 
     if not p.is_file():
         return None
     cap = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
-    return start_forked(p, cap, p.name, str(p), head_start=True)
+    return start_forked(p, cap, p.name, str(p))
 
 
 def load_job(
