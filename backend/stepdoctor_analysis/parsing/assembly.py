@@ -115,6 +115,11 @@ def _intern_values(b: Builder, strings: list[str]) -> np.ndarray:
     return renumber
 
 
+def renumbered(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Ids through ``table`` (old id -> new), NONE (missing) kept; in ``ids``' dtype."""
+    return np.where(ids != NONE, table[np.maximum(ids, 0)], NONE).astype(ids.dtype, copy=False)
+
+
 class _Sparse:
     """A table's op-arg values as the builder read them, (column, rows, values) per chunk and arg."""
 
@@ -142,7 +147,7 @@ class _Sparse:
             rows = np.concatenate([r for r, _ in got])
             values = np.concatenate([v for _, v in got])
             if column in TEXT_COLUMNS[table.name]:
-                values = np.where(values != NONE, self.renumber[np.maximum(values, 0)], NONE)
+                values = renumbered(values, self.renumber)
             out[column][at[rows]] = values
         return out
 

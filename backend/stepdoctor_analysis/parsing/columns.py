@@ -254,8 +254,8 @@ class Builder:
         self.flows_skipped = False  # the last chunk needs flow events its lean decoding skipped
         self._label_seen = False  # ``_ids`` met a label pid/tid in the column it just read
 
-    def _label(self, v: Any) -> int:
-        """Stable negative id for a non-integer pid/tid label."""
+    def label(self, v: Any) -> int:
+        """Stable negative id for a non-integer pid/tid label (``forked`` renumbers with it)."""
         if type(v) is int:
             return v
         got = self.labels.get(v)
@@ -424,7 +424,7 @@ class Builder:
         vals = list(map(getter, evs))
         for v in set(vals):
             if v.__class__ is not int:
-                self._label(v)
+                self.label(v)
                 self._label_seen = True
         return np.fromiter(map(self.labels.get, vals, vals), np.int64, n)
 

@@ -29,13 +29,12 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..errors import TraceError
-from ..model.trace import NONE
-from .assembly import TEXT_COLUMNS
+from .assembly import TEXT_COLUMNS, renumbered
 from .columns import MAX_OOM_ROWS, Builder
 from .reading import decompressed_blocks
 from .splitting import Diverged, StreamParser
@@ -69,26 +68,52 @@ def usable(path: Path) -> bool:
         return False
 
 
+class _Mark(NamedTuple):
+    """A builder's sizes after it absorbed a chunk: what that chunk added is the difference from
+    the mark before it."""
+
+    chunk: int
+    host: int
+    gpu: int
+    mem: int
+    flows: int
+    oom_mem: int
+    sparse_host: int
+    sparse_gpu: int
+    rows_host: int
+    rows_gpu: int
+    ids: int
+    values: int  # the reserved None included
+    labels: int
+
+
+_NO_MARK = _Mark._make((0,) * len(_Mark._fields))
+
+
 class _Marks:
-    """After each chunk a builder absorbs: the chunk's number and the builder's sizes then."""
+    """A builder's ``_Mark`` after each chunk it absorbs (``StreamParser.on_chunk``)."""
 
     def __init__(self, b: Builder) -> None:
         self.b = b
-        self.rows: list[tuple[int, ...]] = []
+        self.rows: list[_Mark] = []
 
     def __call__(self, chunk: int) -> None:
         b = self.b
         self.rows.append(
-            (
+            _Mark(
                 chunk,
-                *(len(getattr(b, name)) for name in _LISTS),
-                len(b.sparse["host"]),
-                len(b.sparse["gpu"]),
-                b.rows["host"],
-                b.rows["gpu"],
-                len(b.ids),
-                len(b.values),
-                len(b.labels),
+                host=len(b.host),
+                gpu=len(b.gpu),
+                mem=len(b.mem),
+                flows=len(b.flows),
+                oom_mem=len(b.oom_mem),
+                sparse_host=len(b.sparse["host"]),
+                sparse_gpu=len(b.sparse["gpu"]),
+                rows_host=b.rows["host"],
+                rows_gpu=b.rows["gpu"],
+                ids=len(b.ids),
+                values=len(b.values),
+                labels=len(b.labels),
             )
         )
 
@@ -105,7 +130,6 @@ class _Claims:
         os.ftruncate(self.fd, 8)
         self.next = mmap.mmap(self.fd, 8)
         self.mine = -1  # the last chunk this process claimed (asked again after a failed cut)
-        self.count = 0  # chunks this process claimed
 
     def claim(self, k: int) -> bool:
         if k == self.mine:
@@ -118,7 +142,7 @@ class _Claims:
             self.next[:8] = (k + 1).to_bytes(8, "little")
         finally:
             fcntl.lockf(self.fd, fcntl.LOCK_UN)
-        self.mine, self.count = k, self.count + 1
+        self.mine = k
         return True
 
     def close(self) -> None:
@@ -136,28 +160,32 @@ class Started:
     """
 
     def __init__(self, path: Path, cap: int, label: str, source: str) -> None:
-        self.path, self.cap, self.label, self.source = path, cap, label, source
         self.of = (path, cap, label, source)  # what ``loading.load_trace`` checks it was started for
         self.shares = (0, 0)
+        self.pid: int | None = None
         self.claims = _Claims()
         self.columns = os.memfd_create("stepdoctor-child-columns")  # the child's arrays, shared
-        read_end, write_end = os.pipe()
-        # A 1 MiB pipe (Linux's default cap): the child's columns cross in fewer, larger writes.
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 1 << 20)
-        pid = os.fork()
-        if pid == 0:  # the child: never returns
-            code = 1
-            try:
-                os.close(read_end)
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                _child(path, cap, label, source, write_end, self.columns, self._theirs)
-                code = 0
-            finally:
-                os._exit(code)
-        os.close(write_end)
-        self.pid: int | None = pid
-        self.read_end = read_end
+        self.read_end, write_end = os.pipe()
+        try:
+            # A 1 MiB pipe (Linux's default cap): the child's state crosses in fewer writes.
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 1 << 20)
+            pid = os.fork()
+            if pid == 0:  # the child: never returns; an error is an empty pipe, and the parent
+                code = 1  # then parses the file alone
+                try:
+                    os.close(self.read_end)
+                    signal.signal(signal.SIGINT, signal.SIG_DFL)
+                    _child(self.of, write_end, self.columns, self._theirs)
+                    code = 0
+                finally:
+                    os._exit(code)
+        except BaseException:
+            self._close()
+            raise
+        finally:
+            os.close(write_end)
+        self.pid = pid
 
     def _theirs(self, k: int) -> bool:
         """Chunk ``k`` is the other process's to decode (this one skips it)."""
@@ -168,7 +196,7 @@ class Started:
         if self.pid is None:
             return None  # cancelled, or finished already
         try:
-            b, marks = _share(self.path, self.cap, self.label, self.source, self._theirs, tail=True)
+            b, marks = _share(self.of, self._theirs, tail=True)
             theirs = _receive(self.read_end, self.columns)
         except (TraceError, Diverged):
             return None
@@ -186,29 +214,35 @@ class Started:
         """End the child (done or no longer wanted) and collect it; nothing once it is collected."""
         if self.pid is None:
             return
-        os.close(self.read_end)
-        os.close(self.columns)  # a mapping of it lives on while arrays use it
-        self.claims.close()
+        self._close()
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
         os.waitpid(self.pid, 0)
         self.pid = None
 
+    def _close(self) -> None:
+        os.close(self.read_end)
+        os.close(self.columns)  # a mapping of it lives on while arrays use it
+        self.claims.close()
+
 
 def start(path: Path, cap: int, label: str, source: str) -> Started | None:
-    """A child parsing ``path`` from now on, where forking pays (``usable``)."""
-    return Started(path, cap, label, source) if usable(path) else None
+    """A child parsing ``path`` from now on, where forking pays (``usable``) and works: a fork
+    refused (no memory, too many processes) leaves the file to one process, not an error."""
+    if not usable(path):
+        return None
+    try:
+        return Started(path, cap, label, source)
+    except OSError:
+        return None
 
 
-def load(path: Path, cap: int, label: str, source: str) -> Builder | None:
-    """The trace's builder, parsed by two processes, or None: parse the file alone instead."""
-    return Started(path, cap, label, source).finish()
+_Of = tuple[Path, int, str, str]  # path, byte cap, label in messages, source name (``Started.of``)
 
 
-def _share(
-    path: Path, cap: int, label: str, source: str, skip: Callable[[int], bool], *, tail: bool
-) -> tuple[Builder, _Marks]:
+def _share(of: _Of, skip: Callable[[int], bool], *, tail: bool) -> tuple[Builder, _Marks]:
     """This process's chunks of the file (all but those ``skip`` names), and the tail's if ``tail``."""
+    path, cap, label, source = of
     b = Builder(source)
     marks = _Marks(b)
     parser = StreamParser(b, label, skip=skip, on_chunk=marks)
@@ -223,30 +257,24 @@ def _share(
     return b, marks
 
 
-def _child(
-    path: Path, cap: int, label: str, source: str, out: int, columns: int, skip: Callable[[int], bool]
-) -> None:
-    """Decode the child's chunks and send back its builder's state (None: it could not)."""
-    state: dict[str, Any] | None = None
-    try:
-        b, marks = _share(path, cap, label, source, skip, tail=False)
-        state = {
-            # Contiguous, so pickle passes every array out of band (a strided record field would
-            # be copied into the pickle, then out of it again in the parent).
-            **{
-                name: [{k: np.ascontiguousarray(v) for k, v in cols.items()} for cols in getattr(b, name)]
-                for name in _LISTS
-            },
-            "sparse": b.sparse,
-            "ids": list(b.ids),
-            "values": list(b.values),
-            "labels": list(b.labels),
-            "codes": list(b.codes),
-            "oom": b.oom,
-            "marks": marks.rows,
-        }
-    except (TraceError, Diverged, MemoryError, RecursionError):
-        state = None
+def _child(of: _Of, out: int, columns: int, skip: Callable[[int], bool]) -> None:
+    """Decode the child's chunks and send back its builder's state."""
+    b, marks = _share(of, skip, tail=False)
+    state = {
+        # Contiguous, so pickle passes every array out of band (a strided record field would be
+        # copied into the pickle, then out of it again in the parent).
+        **{
+            name: [{k: np.ascontiguousarray(v) for k, v in cols.items()} for cols in getattr(b, name)]
+            for name in _LISTS
+        },
+        "sparse": b.sparse,
+        "ids": list(b.ids),
+        "values": list(b.values),
+        "labels": list(b.labels),
+        "codes": list(b.codes),
+        "oom": b.oom,
+        "marks": marks.rows,
+    }
     _send(out, columns, state)
 
 
@@ -275,7 +303,7 @@ def _write_all(out: io.FileIO, view: memoryview) -> int:
 
 
 def _receive(pipe: int, columns: int) -> Any:
-    """The child's state (None when it sent none, or died before sending it all); its arrays are
+    """The child's state (None when it died before sending it all); its arrays are
     views of the ``columns`` file mapped copy-on-write (writable: the assembly repairs some)."""
     f = io.FileIO(pipe, "rb", closefd=False)
 
@@ -311,26 +339,51 @@ def _receive(pipe: int, columns: int) -> Any:
 
 
 class _Renumber:
-    """One builder's ids (names or string values) -> the merged builder's, grown as chunks arrive."""
+    """One builder's ids (names, string values or pid/tid labels) -> the merged builder's, in
+    the order that builder met them, grown as its chunks arrive."""
 
-    def __init__(self, keys: list[Any], into: dict[Any, int], reserved: int = 0) -> None:
-        self.keys = keys[reserved:]
-        self.into = into
-        self.table = np.empty(0, np.int32)
+    def __init__(self, keys: list[Any], intern: Callable[[Any], int], dtype: type[np.integer[Any]]) -> None:
+        self.keys = keys
+        self.intern = intern
+        self.table = np.empty(0, dtype)
 
     def upto(self, n: int) -> np.ndarray:
-        """Intern this builder's first ``n`` keys (in its order) and give its id -> merged id table."""
+        """Intern this builder's first ``n`` keys; its id -> merged id table."""
         have = len(self.table)
         if n > have:
-            new = np.fromiter(map(self.into.__getitem__, self.keys[have:n]), np.int32, n - have)
+            new = np.fromiter(map(self.intern, self.keys[have:n]), self.table.dtype, n - have)
             self.table = np.concatenate([self.table, new])
         return self.table
 
 
-def merge(parent: Builder, parent_marks: list[tuple[int, ...]], child: dict[str, Any]) -> Builder | None:
-    """The two builders' chunks in file order, as one builder that read them all would hold them."""
-    if None in parent.ids or None in child["ids"]:
-        return None  # an event without a name: the serial parser refuses the trace
+# The columns that hold a pid/tid label's id (``Builder.label``): pid and tid, a flow's id, and a GPU
+# op's stream where it had none (``schema``: the stream falls back to the tid).
+_LABELLED = frozenset({"pid", "tid", "id", "stream"})
+
+
+def _relabel(col: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Label ids (-2, -3, ...: index 0, 1, ... of ``table``) through ``table``; other values kept."""
+    at = np.flatnonzero(col <= -2)
+    if not at.size:
+        return col
+    index = -2 - col[at]
+    if int(index.max()) >= len(table):
+        raise _Unshared  # a negative id that is no label of this builder's: parse alone
+    out = col.copy()
+    out[at] = table[index].astype(col.dtype)
+    return out
+
+
+class _Unshared(Exception):
+    """The merge met something it cannot renumber for sure: the file is parsed by one process."""
+
+
+def merge(parent: Builder, parent_marks: list[_Mark], child: dict[str, Any]) -> Builder | None:
+    """The two builders' chunks in file order, as one builder that read them all would hold them.
+
+    Names, string values and labels are renumbered as they first appear in file order: chunk by
+    chunk, each builder's new ones (the difference between its marks) are interned in its order.
+    """
     if parent.oom + child["oom"] > MAX_OOM_ROWS:
         return None  # each kept its first rows; the file's first ones are the serial parser's to pick
     out = Builder(parent.source)
@@ -338,83 +391,45 @@ def merge(parent: Builder, parent_marks: list[tuple[int, ...]], child: dict[str,
     out.oom = parent.oom + child["oom"]
     for code in (*parent.codes, *child["codes"]):
         out.codes[code]  # interns the categories seen: the format check reads them
-    own = {
-        "parent": (parent_marks, {name: getattr(parent, name) for name in _LISTS}, parent.sparse),
-        "child": (child["marks"], {name: child[name] for name in _LISTS}, child["sparse"]),
+    sides = {
+        "parent": ({name: getattr(parent, name) for name in _LISTS}, parent.sparse),
+        "child": ({name: child[name] for name in _LISTS}, child["sparse"]),
     }
-    names = {
-        "parent": _Renumber(list(parent.ids), out.ids),
-        "child": _Renumber(child["ids"], out.ids),
+    keys = {
+        "parent": (list(parent.ids), list(parent.values)[1:], list(parent.labels)),
+        "child": (child["ids"], child["values"][1:], child["labels"]),
     }
-    values = {
-        "parent": _Renumber(list(parent.values), out.values, reserved=1),
-        "child": _Renumber(child["values"], out.values, reserved=1),
+    renumber = {
+        who: (
+            _Renumber(ids, out.ids.__getitem__, np.int32),
+            _Renumber(values, out.values.__getitem__, np.int32),
+            _Renumber(labels, out.label, np.int64),
+        )
+        for who, (ids, values, labels) in keys.items()
     }
-    labels = {"parent": _Labels(list(parent.labels), out), "child": _Labels(child["labels"], out)}
-    order = sorted((m[0], who, i) for who, (marks, _, _) in own.items() for i, m in enumerate(marks))
-    before = {who: (0,) * 13 for who in own}
-    for _, who, i in order:
-        marks, lists, sparse = own[who]
-        mark = marks[i]
-        prev = before[who]
-        name_ids = names[who].upto(mark[10])
-        value_ids = values[who].upto(mark[11] - 1)
-        relabel = labels[who].upto(mark[12])
-        for j, list_name in enumerate(_LISTS, start=1):
-            for cols in lists[list_name][prev[j] : mark[j]]:
-                if list_name in ("host", "gpu"):
+    order = sorted([(m, "parent") for m in parent_marks] + [(m, "child") for m in child["marks"]])
+    before = {"parent": _NO_MARK, "child": _NO_MARK}
+    for mark, who in order:
+        prev, (lists, sparse) = before[who], sides[who]
+        names, values, labels = renumber[who]
+        name_ids, value_ids = names.upto(mark.ids), values.upto(mark.values - 1)
+        label_ids = labels.upto(mark.labels)
+        same_labels = np.array_equal(label_ids, -2 - np.arange(len(label_ids)))
+        for name in _LISTS:
+            for cols in lists[name][getattr(prev, name) : getattr(mark, name)]:
+                if name in ("host", "gpu"):
                     cols = {**cols, "name": name_ids[cols["name"]]}
-                if relabel is not None:
-                    cols = {k: relabel(v) if k in _LABELLED else v for k, v in cols.items()}
-                getattr(out, list_name).append(cols)
-        for j, table in ((6, "host"), (7, "gpu")):
-            shift = out.rows[table] - prev[j + 2]
-            for column, rows, got in sparse[table][prev[j] : mark[j]]:
-                if column in TEXT_COLUMNS[table]:
-                    got = np.where(got != NONE, value_ids[np.maximum(got, 0)], NONE).astype(got.dtype)
+                if not same_labels:
+                    cols = {k: _relabel(v, label_ids) if k in _LABELLED else v for k, v in cols.items()}
+                getattr(out, name).append(cols)
+        for table in ("host", "gpu"):
+            shift = out.rows[table] - getattr(prev, f"rows_{table}")
+            done, upto = getattr(prev, f"sparse_{table}"), getattr(mark, f"sparse_{table}")
+            for column, rows, got in sparse[table][done:upto]:
+                got = renumbered(got, value_ids) if column in TEXT_COLUMNS[table] else got
                 out.sparse[table].append((column, rows + shift, got))
-        out.rows["host"] += mark[8] - prev[8]
-        out.rows["gpu"] += mark[9] - prev[9]
+            out.rows[table] += getattr(mark, f"rows_{table}") - getattr(prev, f"rows_{table}")
         before[who] = mark
     out.ids.account()
     out.values.account()
     return out
-
-
-# The columns that hold a pid/tid label's id (``Builder._label``): pid and tid, a flow's id, and a GPU
-# op's stream where it had none (``schema``: the stream falls back to the tid).
-_LABELLED = frozenset({"pid", "tid", "id", "stream"})
-
-
-class _Labels:
-    """One builder's string pid/tid labels -> the merged builder's ids (``Builder._label``)."""
-
-    def __init__(self, keys: list[Any], into: Builder) -> None:
-        self.keys = keys
-        self.into = into
-        self.table = np.empty(0, np.int64)
-
-    def upto(self, n: int) -> Callable[[np.ndarray], np.ndarray] | None:
-        """Label this builder's first ``n`` labels; a column renumbering, None where ids stay as they are."""
-        have = len(self.table)
-        if n > have:
-            new = np.fromiter(map(self.into._label, self.keys[have:n]), np.int64, n - have)
-            self.table = np.concatenate([self.table, new])
-        if np.array_equal(self.table, -2 - np.arange(len(self.table))):
-            return None
-        return self._relabel
-
-    def _relabel(self, col: np.ndarray) -> np.ndarray:
-        at = np.flatnonzero(col <= -2)
-        if not at.size:
-            return col
-        index = -2 - col[at]
-        if int(index.max()) >= len(self.table):
-            raise _Unshared  # a negative id that is no label of this builder's: parse alone
-        out = col.copy()
-        out[at] = self.table[index].astype(col.dtype)
-        return out
-
-
-class _Unshared(Exception):
-    """The merge met something it cannot renumber for sure: the file is parsed by one process."""

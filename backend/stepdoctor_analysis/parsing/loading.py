@@ -15,9 +15,7 @@ from ..model.trace import RankTrace
 from .assembly import assemble
 from .columns import Builder
 from .forked import Started
-from .forked import load as load_forked
 from .forked import start as start_forked
-from .forked import usable as fork_usable
 from .reading import DEFAULT_MAX_BYTES, decompressed_blocks
 from .splitting import StreamParser
 
@@ -50,11 +48,10 @@ def load_trace(
             raise TraceError(f"{p.name}: no such trace file")
         source: Path | BinaryIO = p
         label = name or p.name
-        shared = None
-        if started is not None and started.of == (p, cap, label, name or str(p)):
-            shared = started.finish()
-        elif workers > 1 and fork_usable(p):
-            shared = load_forked(p, cap, label, name or str(p))
+        of = (p, cap, label, name or str(p))
+        if started is None or started.of != of:  # another file's is the caller's to cancel
+            started = start_forked(*of) if workers > 1 else None
+        shared = started.finish() if started is not None else None
         if shared is not None:
             return assemble(shared)
         builder = Builder(name or str(p))

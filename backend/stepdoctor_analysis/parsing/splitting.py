@@ -44,7 +44,7 @@ class StreamParser:
     """Cuts the decompressed text into header, event chunks and tail.
 
     ``skip(k)``: chunk ``k`` (0-based) is another process's (``forked``): it is cut where the chunk
-    would be, at the first candidate, and dropped undecoded; ``on_chunk()`` runs after each chunk
+    would be, at the first candidate, and dropped undecoded; ``on_chunk(k)`` runs after each chunk
     this parser absorbs, the tail included.
     """
 
@@ -167,9 +167,7 @@ class StreamParser:
             if self.b.flows_skipped:
                 with memoryview(self.buf) as view:
                     self._absorb_flows(view[: cut + 2])
-            del self.buf[:comma]
-            self.buf[0] = 0x5B  # '['
-            self.failed_at = 0
+            self._drop_through(comma)
             self._absorbed()
             return
         self._note_failure()
@@ -180,10 +178,14 @@ class StreamParser:
         if cut is None:
             self._note_failure()
             return
-        del self.buf[: self.buf.index(b",", cut + 1)]
+        self._drop_through(self.buf.index(b",", cut + 1))
+        self.chunks += 1
+
+    def _drop_through(self, comma: int) -> None:
+        """The chunk before ``comma`` is done: the buffer starts a new array there."""
+        del self.buf[:comma]
         self.buf[0] = 0x5B  # '['
         self.failed_at = 0
-        self.chunks += 1
 
     def _absorbed(self) -> None:
         if self.on_chunk is not None:
