@@ -240,3 +240,30 @@ def test_the_cli_report_is_the_same_with_one_process_or_two() -> None:
         return done.stdout
 
     assert report() == report("--jobs", "1")
+
+
+@pytest.mark.usefixtures("many_chunks")
+def test_the_cli_collects_its_started_parser_when_the_analysis_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stepdoctor analyze`` forks before the analysis runs; a failure before the trace loads (here
+    an interrupt) still ends and collects the child: no process left parsing, no zombie."""
+    from stepdoctor_analysis import parsing, pipeline
+    from stepdoctor_analysis.cli import analyze as analyze_cli
+
+    pids: list[int | None] = []
+
+    def start_and_note(*args: Any, **kwargs: Any) -> forked.Started | None:
+        got = start_trace(*args, **kwargs)
+        pids.append(got.pid if got else None)
+        return got
+
+    def interrupted(*_args: Any, **_kwargs: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(parsing, "start_trace", start_and_note)
+    monkeypatch.setattr(pipeline, "analyze_path", interrupted)
+    path = TRACES / "hta" / "trace_diff" / "control" / "control.json.gz"
+    with pytest.raises(KeyboardInterrupt):
+        analyze_cli.main(["--format", "json", str(path)])
+    assert len(pids) == 1 and pids[0] is not None  # the child was forked
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pids[0], os.WNOHANG)  # and collected

@@ -49,8 +49,10 @@ class _Progress:
         self.shown = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        # It only waits and writes to stderr: the parser may still fork a second process (``forked``).
-        self._thread.stepdoctor_fork_safe = True  # type: ignore[attr-defined]
+        from ..parsing.forked import FORK_SAFE  # the parser is imported before any progress line
+
+        # It only waits and writes to stderr: the parser may still fork a second process.
+        setattr(self._thread, FORK_SAFE, True)
         self.tty = bool(getattr(stream, "isatty", lambda: False)())
 
     def __call__(self, stage: str) -> None:
@@ -142,8 +144,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="processes for a directory of many traces, or 2 to parse one large file "
-        "(default: every core; 1: in this process)",
+        help="processes for a directory of many traces; from 2, one file of 1 MiB or more is parsed by "
+        "two (default: every core; 1: all in this process)",
     )
     p.add_argument(
         "--progress",
@@ -318,33 +320,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.path is None:
         parser.error("the following arguments are required: path")
-    with _one_blas_thread():
-        started = _start_parsing(args)
-        try:
-            from ..pipeline import analyze_path  # imported while the forked child parses
-        except BaseException:
-            if started is not None:
-                started.cancel()
-            raise
+    if args.jobs is None:
+        args.jobs = _cores()
+    started: Started | None = None
     try:
+        with _one_blas_thread():
+            started = _start_parsing(args)
+            from ..pipeline import analyze_path  # imported while the forked child parses
         return _analyze(args, analyze_path, started)
     finally:
         if started is not None:
-            started.cancel()  # collected already when the report was made; not when it failed early
+            started.cancel()  # collected already when the trace loaded; not when it failed early
 
 
 def _start_parsing(args: argparse.Namespace) -> Started | None:
     """One trace file, more than one worker: fork its second parser before importing the analysis,
     which then overlaps the child's parse (``parsing.start_trace``)."""
-    jobs = args.jobs if args.jobs is not None else _cores()
-    if jobs < 2 or not Path(args.path).is_file():
+    if args.jobs < 2 or not Path(args.path).is_file():
         return None
     from ..parsing import start_trace
 
-    try:
-        return start_trace(args.path, max_bytes=args.max_bytes)
-    except OSError:
-        return None  # the analysis names what is wrong with the file
+    return start_trace(args.path, max_bytes=args.max_bytes)
 
 
 def _analyze(args: argparse.Namespace, analyze_path: Callable[..., Report], started: Started | None) -> int:
@@ -368,7 +364,7 @@ def _analyze(args: argparse.Namespace, analyze_path: Callable[..., Report], star
                 rank=args.rank,
                 max_bytes=args.max_bytes,
                 progress=progress,
-                workers=args.jobs if args.jobs is not None else _cores(),
+                workers=args.jobs,
                 done=(lambda n, total: progress(f"analysed {n}/{total} ranks")) if counts else None,
                 started=started,
             )
