@@ -137,3 +137,19 @@ def test_a_reader_that_closes_the_pipe_early_gets_no_traceback() -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141
     assert err == ""
+
+
+def test_a_broken_pipe_that_is_not_stdout_stays_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A command's socket or child pipe breaking (an upload cut off) is a failure to report, not
+    the quiet exit of a reader that left: only a closed stdout gets that."""
+    from stepdoctor import cli as dispatcher
+
+    def upload_cut_off(_argv: list[str]) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(dispatcher, "upload_cut_off", upload_cut_off, raising=False)
+    monkeypatch.setitem(
+        dispatcher.COMMANDS, "sync", dispatcher.Command("stepdoctor.cli:upload_cut_off", None, "")
+    )
+    with pytest.raises(BrokenPipeError):
+        dispatcher.main(["sync"])

@@ -149,7 +149,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(install_hint(command, needed, exc.name or str(exc)), file=sys.stderr)
         return 2
     except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # a socket or a subprocess's pipe: a real error, not a reader that left
         return _reader_gone()
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll reports an error on its write end)."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or stdout is no file
+        return False
 
 
 def _reader_gone() -> int:
