@@ -5,9 +5,10 @@ For every GPU fixture and one large trace (≥ 800 MB decompressed, built in a t
 its wall time (imports excluded), the whole process's wall time, its peak RSS (``VmHWM``,
 imports included) and how far that peak rose above what the imports alone reached:
 - ours: ``load_trace`` + steps + breakdown + GPU metrics + HTA-style temporal/idle/launch metrics;
-- pipeline: the full ``pipeline.analyze_path`` report, when that module exists;
-- cli: ``stepdoctor analyze --format json PATH`` as a user runs it, in one process whose every
-  import counts (its ``proc s`` against HTA's whole process is the "whole process" figure);
+- pipeline: the full ``pipeline.analyze_path`` report, when that module exists, parsed in one process;
+- cli: ``stepdoctor analyze --format json PATH`` as a user runs it, every import counted (its
+  ``proc s`` against HTA's whole process is the "whole process" figure); on Linux with two cores it
+  forks a second parser (``parsing.forked``), whose CPU time is counted with the process's;
 - hta: ``TraceAnalysis`` load + temporal breakdown + idle-time breakdown (the rank passed);
 - floor: gzip decompression + one typed msgspec decode of the whole file (the naive lower bound);
 - stream: our own streaming decompress + chunked typed decode with the column building switched off
@@ -170,6 +171,8 @@ def sampled_peak_mb(mode: str, path: Path, timeout: float = 900) -> float | None
     forked, read every 10 ms. Its own run, so the sampling never touches a timed one: with
     ``parsing.forked`` the analysis is two processes, and their two peak RSS counted apart would
     count the pages they share twice, and their peaks, which come at different times, as one."""
+    if not os.path.exists(f"/proc/self/task/{os.getpid()}/children"):
+        return None  # no way to find the processes it forks: a figure would leave them out
     proc = subprocess.Popen(
         [sys.executable, "-c", CHILD, mode, str(path), "0"],
         stdout=subprocess.DEVNULL,
