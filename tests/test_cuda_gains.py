@@ -52,6 +52,12 @@ def _first(name: str) -> dict[str, Any]:
         ("compute_fp32", "compute", "compute.mixed_precision", ("compute.no_cheap_win",)),
         ("input", "input", "input.dataloader_workers", ()),
         ("launch", "launch", "launch.cuda_graphs", ()),
+        # a Python loop of float(conf[i].cpu()): 1024 four-byte reads a step, no pinned-memory card
+        ("sync_per_element", "sync", "sync.element_reads", ("transfer.pinned_memory", "sync.host_sync")),
+        # 8 DataLoader workers, pageable .to("cuda"): the blocking copy is transfer, not a user sync
+        ("transfer_workers", "transfer", "transfer.pinned_memory", ("sync.host_sync", "sync.element_reads")),
+        # one bare-profiled forward at batch 1: many alike launch gaps within the pass
+        ("inference_batch1_forward", "launch", "inference.cuda_graphs", ()),
     ],
 )
 def test_verdict_first_card_and_forbidden_cards(
@@ -63,7 +69,16 @@ def test_verdict_first_card_and_forbidden_cards(
     assert not {r["id"] for r in d["recommendations"]} & set(forbidden)
 
 
-@pytest.mark.parametrize("name", sorted(n for n in MEASURED if MEASURED[n] >= 1.3 and n != "launch"))
+# Launch-bound loops: the profiler records every launch, so their profiled waits are longer than the
+# real loop's and the stated gain only bounds the measured one from above.
+LAUNCH_BOUND = ("launch", "inference_batch1_forward")
+# One recorded op chain per tensor element: the profiler slows both the loop and what stays after it.
+PER_ELEMENT = ("sync_per_element",)
+
+
+@pytest.mark.parametrize(
+    "name", sorted(n for n in MEASURED if MEASURED[n] >= 1.3 and n not in LAUNCH_BOUND + PER_ELEMENT)
+)
 def test_first_card_gain_is_near_the_measured_gain(name: str) -> None:
     """The fix that was measured is the first card; its stated gain (or range) holds the measured one,
     give or take the profiler's slowdown."""
@@ -71,11 +86,59 @@ def test_first_card_gain_is_near_the_measured_gain(name: str) -> None:
     assert lo / BELOW <= MEASURED[name] <= hi * ABOVE, (name, lo, hi, MEASURED[name])
 
 
-def test_launch_gain_is_an_upper_bound_of_the_measured_one() -> None:
-    """CUDA graphs measured 9.7×; the profiled step's launch waits are longer than the real loop's
-    (the profiler records every launch), so the stated gain only bounds it from above."""
-    _lo, hi = _span(_first("launch"))
-    assert MEASURED["launch"] <= hi * ABOVE
+@pytest.mark.parametrize("name", LAUNCH_BOUND)
+def test_launch_gain_is_an_upper_bound_of_the_measured_one(name: str) -> None:
+    """CUDA graphs measured 9.7× on the training loop and 1.67× on the batch-1 forward; both cards
+    state more, and say why (the profiler's own cost per recorded op)."""
+    first = _first(name)
+    assert MEASURED[name] <= _span(first)[1] * ABOVE
+    assert any("profiler adds its own cost" in c for c in first["caveats"])
+
+
+@pytest.mark.parametrize("name", PER_ELEMENT)
+def test_per_element_reads_gain_is_of_the_measured_order(name: str) -> None:
+    """1024 reads a step measured 10.9× gone; the profiler inflates the loop and the rest of the step
+    alike, so the stated gain is taken within 25% either way."""
+    lo, hi = _span(_first(name))
+    assert lo / 1.25 <= MEASURED[name] <= hi * 1.25, (lo, hi, MEASURED[name])
+
+
+def test_one_pass_launch_gaps_get_a_per_pass_gain() -> None:
+    """inference_batch1_forward: a bare profile() around one warm forward holds no repeated
+    iteration, but its launch gaps are many and alike: the card claims them per pass (not the
+    one-pass "no gain" basis), counts only the recurring part, and speaks of the pass."""
+    d = _report("inference_batch1_forward.json.gz")
+    assert d["iterations"]["count"] == 1
+    first = d["recommendations"][0]
+    assert first["basis"] == "measured" and first["expected_speedup"] > 1.3
+    one_pass = first["evidence"]["one_pass"]
+    assert one_pass["recurring_waits"] >= 100
+    assert "per forward" in first["why"] and " step" not in first["why"]
+
+
+def test_kv_cache_caveat_needs_a_decode_phase() -> None:
+    """The batch-1 forward shows no decode (one call, no cache): the graph card does not speak of a
+    KV cache, while a decode trace's does (tests/test_verdicts_*: decode loops)."""
+    first = _first("inference_batch1_forward")
+    assert first["id"] == "inference.cuda_graphs"
+    assert not any("KV cache" in c for c in first["caveats"])
+    assert all(c.strip() for c in first["caveats"])
+
+
+def test_loader_fed_pageable_copies_warn_of_the_pin_thread() -> None:
+    """transfer_workers: pinning moved the copy into the loader's pin-memory thread; measured, the
+    fix gained 1.05-1.25× where the estimate says 1.66×, and the after trace waits in
+    DataLoader.__next__. The card says so; the workerless transfer loop's card does not."""
+    card = _first("transfer_workers")
+    assert card["evidence"]["from_loader_workers"] is True
+    assert any("36.8 MB per step) into page-locked memory, made by one thread" in c for c in card["caveats"])
+    plain = _first("transfer")
+    assert plain["evidence"]["from_loader_workers"] is False
+    assert not any("worker processes" in c for c in plain["caveats"])
+    after = _report("transfer_workers.after.json.gz")
+    assert after["primary"]["kind"] == "input"
+    wait = after["recommendations"][0]
+    assert "pin-memory thread" in wait["why"] and "pin_memory=True and False" in wait["change"]
 
 
 @pytest.mark.parametrize("name", sorted(n for n in MEASURED if MEASURED[n] < 1.1))
@@ -142,3 +205,20 @@ def test_empty_cache_in_the_loop_is_named_not_expandable_segments() -> None:
     r = _first("memory")
     assert "empty_cache()" in r["change"] and "expandable_segments" not in r["change"]
     assert r["evidence"]["frees_outside_ops_per_step"] > 0.5 * r["evidence"]["frees_per_step"]
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "first", "forbidden_kinds"),
+    [
+        ("inference_batch1_forward.after", "compute", None, ("launch",)),
+        ("sync_per_element.after", "launch", "launch.cuda_graphs", ("sync",)),
+    ],
+)
+def test_after_the_fix_the_fixed_kind_is_gone(
+    name: str, kind: str, first: str | None, forbidden_kinds: tuple[str, ...]
+) -> None:
+    """The fixed loops' traces: the kind the fix removed gives no card or finding any more."""
+    d = _report(f"{name}.json.gz")
+    assert d["primary"]["kind"] == kind
+    assert (d["recommendations"][0]["id"] if d["recommendations"] else None) == first
+    assert not {r["kind"] for r in d["findings"]} & set(forbidden_kinds)

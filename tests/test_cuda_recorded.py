@@ -21,6 +21,11 @@ CUDA = TRACES / "cuda"
 CASES: dict[str, dict[str, Any]] = json.loads((CUDA / "cases.json").read_text())["cases"]
 RECORDED = sorted(p.name for p in CUDA.glob("*.json.gz") if not p.name.startswith("inference_"))
 PAIRS = sorted(n for n in CASES if (CUDA / f"{n}.after.json.gz").is_file())
+# transfer_workers' after window is 3 steps of a loop the loader's pin thread limits: the first is
+# set apart as warm-up and the other two ran on batches prefetched meanwhile, so the pair shows
+# ~1.6x where 40 unprofiled steps measured 1.05x (1.13x and 1.25x in earlier runs). A window that
+# short cannot show a prefetch queue's steady state; the pinned card's caveat says to time the loop.
+UNSTEADY_AFTER = {"transfer_workers"}
 
 
 @functools.cache
@@ -34,7 +39,7 @@ def _run(name: str, trace_id: int) -> dict[str, Any]:
 
 
 def test_every_case_has_its_trace_and_timings() -> None:
-    assert len(CASES) >= 9 and len(PAIRS) >= 7
+    assert len(CASES) >= 12 and len(PAIRS) >= 10
     for name, case in CASES.items():
         assert (CUDA / f"{name}.json.gz").is_file(), name
         assert all(v > 0 for k, v in case.items() if k.endswith("_ms")), name
@@ -65,7 +70,7 @@ def test_unscheduled_inference_finds_its_iterations_and_sets_autotuning_apart() 
     assert d["workload"]["kind"] == "inference"
 
 
-@pytest.mark.parametrize("name", PAIRS)
+@pytest.mark.parametrize("name", [n for n in PAIRS if n not in UNSTEADY_AFTER])
 def test_before_after_pair_compares_like_the_measured_fix(name: str) -> None:
     """The compare page on the recorded pair: where the fix really sped the loop up (measured
     without the profiler), the traces show it, the base run's first card no longer fires and the

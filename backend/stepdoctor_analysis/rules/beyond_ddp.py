@@ -134,7 +134,15 @@ def inference_graphs(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
             'model = torch.compile(model, mode="reduce-overhead")  # CUDA graphs; and batch more inputs '
             f"per forward ({batching})"
         )
-    params = {"kernels": w.kernels_per_step, "median_us": w.median_kernel_us, "change": change}
+    decode = w.phase in ("decode", "prefill+decode")
+    params = {
+        "kernels": w.kernels_per_step,
+        "median_us": w.median_kernel_us,
+        "change": change,
+        "kv_cache": "A static KV cache preallocates memory for the maximum sequence length."
+        if decode
+        else "",
+    }
     return Hit(ctx.share("launch"), ctx.ns("launch"), evidence, params)
 
 

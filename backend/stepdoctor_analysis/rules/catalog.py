@@ -48,6 +48,12 @@ TRAINING = ("training",)  # advice that needs a backward pass and an optimizer: 
 # inference, nor to a trace whose workload is unknown (``workload.fits``)
 INFERENCE = ("inference",)
 
+# A launch-bound step's waits grow under the profiler, which records every op: its bound overstates.
+PROFILER_OVERHEAD = (
+    "The profiler adds its own cost to every op it records (more with record_shapes and "
+    "profile_memory), so a launch-bound step runs slower profiled and this bound overstates the "
+    "gain: time the loop without the profiler before and after."
+)
 RULES: list[Rule] = [
     Rule(
         id="input.dataloader_workers",
@@ -76,7 +82,10 @@ RULES: list[Rule] = [
         why="Copies from pageable host memory are staged through a bounce buffer, block the host and run at "
         "{gbps:.1f} GB/s; exposed copies take {kind_pct:.0f}% of the step.{blocks} Estimate: pinned at "
         "{pinned_gbps:.0f} GB/s ({source}), from no overlap to full overlap with the rest of the step.",
-        caveats=("Pinned memory is page-locked host RAM; pinning very large buffers can starve the OS.",),
+        caveats=(
+            "Pinned memory is page-locked host RAM; pinning very large buffers can starve the OS.",
+            "{pin_thread}",  # batches from worker processes: the loader's pin thread copies them again
+        ),
         basis="estimate",
     ),
     Rule(
@@ -136,9 +145,7 @@ RULES: list[Rule] = [
         caveats=(
             "CUDA graphs need static shapes and no host syncs inside the captured region.",
             "Compilation takes time on the first steps.",
-            "The profiler adds its own cost to every op it records (more with record_shapes and "
-            "profile_memory), so a launch-bound step runs slower profiled and this bound overstates the "
-            "gain: time the loop without the profiler before and after.",
+            PROFILER_OVERHEAD,
         ),
     ),
     Rule(
@@ -526,7 +533,8 @@ RULES: list[Rule] = [
         "median {median_us:.1f} µs): at small batch every kernel is too short to hide its launch.",
         caveats=(
             "CUDA graphs need static shapes (pad to bucketed batch sizes and sequence lengths).",
-            "A static KV cache preallocates memory for the maximum sequence length.",
+            "{kv_cache}",  # decode only: a trace that shows no decode has no KV cache to speak of
+            PROFILER_OVERHEAD,
         ),
         workloads=INFERENCE,
     ),

@@ -517,7 +517,8 @@ def _confidence(share: float, best_other: float, ctx: Context) -> float:
 def _render(rule: Rule, hit: Hit, ctx: Context) -> Recommendation:
     params = {"kind_pct": 100 * ctx.share(rule.kind)} | hit.params
     waits = None if ctx.iterations_found else ctx.pass_waits.get(rule.kind)
-    caveats = [caveat.format(**params) for caveat in rule.caveats]
+    # A caveat that formats to nothing does not apply to this trace (its query said so).
+    caveats = [text for caveat in rule.caveats if (text := caveat.format(**params))]
     if waits is not None and waits.recurs and rule.kind in WAIT_KINDS:
         # One pass whose waits of this kind recur: the recurring part is claimed, per pass.
         hit = _recurring_part(hit, waits.recurring_fraction)
