@@ -6,7 +6,7 @@ its wall time (imports excluded), the whole process's wall time, its peak RSS (`
 imports included) and how far that peak rose above what the imports alone reached:
 - ours: ``load_trace`` + steps + breakdown + GPU metrics + HTA-style temporal/idle/launch metrics;
 - pipeline: the full ``pipeline.analyze_path`` report, when that module exists, parsed in one process;
-- cli: ``stepdoctor analyze --format json PATH`` as a user runs it, every import counted (its
+- cli: ``stepdoctor analyze --format json PATH`` as a user runs it, every import and its exit counted (its
   ``proc s`` against HTA's whole process is the "whole process" figure); on Linux with two cores it
   forks a second parser (``parsing.forked``), whose CPU time is counted with the process's;
 - hta: ``TraceAnalysis`` load + temporal breakdown + idle-time breakdown (the rank passed);
@@ -130,6 +130,9 @@ cpu = time.process_time() + sum(os.times()[2:4])
 child_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
 print(json.dumps({"seconds": seconds, "cpu_s": cpu, "rss_mb": status_mb("VmHWM"), "import_mb": imported_mb,
                   "child_mb": child_mb}))
+if mode == "cli":  # and the console script's own exit (``stepdoctor.cli.finish``), timed with the process
+    from stepdoctor.cli import finish
+    finish(0, "analyze")
 """
 
 

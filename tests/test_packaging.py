@@ -190,7 +190,7 @@ def test_the_clis_extra_modules_come_from_those_extras() -> None:
         for module in modules:
             dists = {d.lower().replace("_", "-") for d in providers.get(module, [module])}
             assert dists & installed, f"{module} is not installed by stepdoctor[{extra}]"
-    assert {extra for _, extra, _ in COMMANDS.values() if extra} <= set(EXTRA_MODULES)
+    assert {command.extra for command in COMMANDS.values() if command.extra} <= set(EXTRA_MODULES)
 
 
 def _compose_command() -> list[str] | None:

@@ -267,3 +267,36 @@ def test_the_cli_collects_its_started_parser_when_the_analysis_fails(monkeypatch
     assert len(pids) == 1 and pids[0] is not None  # the child was forked
     with pytest.raises(ChildProcessError):
         os.waitpid(pids[0], os.WNOHANG)  # and collected
+
+
+def test_the_childs_arrays_cross_through_the_shared_file_and_a_short_file_is_refused() -> None:
+    """The child writes its arrays into the shared columns file (streamed chunk by chunk, the rest at
+    the end) and pickles only their places; the parent maps them back, record dtypes and 2-D shapes
+    included. A file shorter than the state says (the child died while writing) is no state."""
+    columns, short = os.memfd_create("test-columns"), os.memfd_create("test-short")
+    read_end, write_end = os.pipe()
+    try:
+        out = forked._ColumnsFile(columns)
+        record = np.zeros(3, np.dtype([("ts", np.float64), ("pid", np.int64)]))
+        record["ts"] = [1.5, 2.5, 3.5]
+        streamed = out.store(np.arange(5, dtype=np.int32))  # stored as its chunk finished
+        state = {"host": [{"ts": streamed}], "grid": np.arange(6.0).reshape(2, 3), "rec": record, "n": 7}
+        forked._send(write_end, out, state)
+        write_end = -1  # _send closed it
+        got = forked._receive(read_end, columns)
+        assert got is not None and got["n"] == 7
+        assert got["host"][0]["ts"].tolist() == [0, 1, 2, 3, 4] and got["host"][0]["ts"].dtype == np.int32
+        assert got["grid"].shape == (2, 3) and got["grid"][1, 2] == 5.0
+        assert got["rec"].dtype == record.dtype and got["rec"]["ts"].tolist() == [1.5, 2.5, 3.5]
+        got["grid"][0, 0] = -1.0  # writable, as the assembly needs: a private copy of the page
+        # The same state again, its file cut short: refused rather than read past the end.
+        os.close(read_end)
+        read_end, write_end = os.pipe()
+        forked._send(write_end, forked._ColumnsFile(short), {"big": np.arange(1 << 12)})
+        write_end = -1
+        os.ftruncate(short, 1024)
+        assert forked._receive(read_end, short) is None
+    finally:
+        for fd in (read_end, write_end, columns, short):
+            if fd >= 0:
+                os.close(fd)

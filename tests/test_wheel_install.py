@@ -309,7 +309,7 @@ def test_the_wheel_holds_every_file_of_the_package_folders(built_wheel: Path) ->
     for name in top_level_folders():
         assert f"{name}/py.typed" in shipped
     (entry_points,) = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
-    assert "stepdoctor = stepdoctor.cli:main" in zipfile.ZipFile(built_wheel).read(entry_points).decode()
+    assert "stepdoctor = stepdoctor.cli:entry" in zipfile.ZipFile(built_wheel).read(entry_points).decode()
 
 
 @pytest.mark.slow

@@ -1,3 +1,3 @@
-from stepdoctor.cli import main
+from stepdoctor.cli import entry
 
-raise SystemExit(main())
+entry()

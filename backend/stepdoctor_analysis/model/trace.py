@@ -19,6 +19,13 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+# The codes, re-exported: every analyzer reads them from here.
+from .kinds import NONE as NONE
+from .kinds import CopyKind as CopyKind
+from .kinds import GpuKind as GpuKind
+from .kinds import HostKind as HostKind
+from .kinds import HostMem as HostMem
+
 I64 = npt.NDArray[np.int64]
 I32 = npt.NDArray[np.int32]
 I8 = npt.NDArray[np.int8]
@@ -27,52 +34,8 @@ Mask = npt.NDArray[np.bool_]
 
 _MISSING = object()  # not cached yet (``None`` is a value worth caching)
 INT64_MIN = int(np.iinfo(np.int64).min)  # "before everything" (a missing launch time, say)
-NONE = -1  # missing integer field (correlation, external id, bytes, stream, ...)
 
 T = TypeVar("T")
-
-
-class HostKind(IntEnum):
-    """Category of a host-side duration event (Chrome ``ph: X`` on a CPU thread)."""
-
-    CPU_OP = 0  # cpu_op / Operator
-    USER_ANNOTATION = 1  # user_annotation (ProfilerStep#N, record_function ranges)
-    PYTHON_FUNCTION = 2
-    RUNTIME = 3  # cuda_runtime / Runtime / hip runtime
-    DRIVER = 4  # cuda_driver (cuLaunchKernel, ...)
-    OVERHEAD = 5  # profiler overhead
-    OTHER = 6
-
-
-class GpuKind(IntEnum):
-    """Category of a device-side duration event."""
-
-    KERNEL = 0
-    MEMCPY = 1
-    MEMSET = 2
-    SYNC = 3  # cuda_sync events drawn on the GPU timeline
-    ANNOTATION = 4  # gpu_user_annotation
-
-
-class CopyKind(IntEnum):
-    """Direction of a memcpy, from its name (``Memcpy HtoD (Pageable -> Device)``)."""
-
-    NONE = -1  # not a memcpy
-    HTOD = 0
-    DTOH = 1
-    DTOD = 2
-    HTOH = 3
-    PTOP = 4
-    UNKNOWN = 5
-
-
-class HostMem(IntEnum):
-    """Host side of a memcpy: pageable copies are staged and synchronous for the host."""
-
-    NONE = -1
-    PAGEABLE = 0
-    PINNED = 1
-    UNKNOWN = 2
 
 
 @dataclass(frozen=True)

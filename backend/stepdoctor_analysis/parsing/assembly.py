@@ -20,6 +20,7 @@ from ..model.trace import (
     MemoryEvents,
     RankTrace,
 )
+from .columns import TEXT_COLUMNS, renumbered
 from .memory_timeline import KEY as MEMORY_TIMELINE_KEY
 from .memory_timeline import read as read_memory_timeline
 from .schema import GPU, HOST, LEGACY_CATEGORIES, MEMORY, Table, to_int
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 _MEMCPY = int(GpuKind.MEMCPY)
 # Op-arg columns (``Arg.sparse``) are not in the chunks' columns: ``_Sparse`` builds them.
 _SPARSE_COLUMNS = {t.name: tuple(dict.fromkeys(t.column(a) for a in t.sparse)) for t in (HOST, GPU)}
-TEXT_COLUMNS = {t.name: frozenset(t.column(a) for a in t.sparse if a.text) for t in (HOST, GPU)}
 _DENSE = {
     t.name: {k: dt for k, dt in t.dtypes.items() if k not in _SPARSE_COLUMNS[t.name]} for t in (HOST, GPU)
 }
@@ -113,11 +113,6 @@ def _intern_values(b: Builder, strings: list[str]) -> np.ndarray:
             strings.append(v)
         renumber[i] = got
     return renumber
-
-
-def renumbered(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """Ids through ``table`` (old id -> new), NONE (missing) kept; in ``ids``' dtype."""
-    return np.where(ids != NONE, table[np.maximum(ids, 0)], NONE).astype(ids.dtype, copy=False)
 
 
 class _Sparse:

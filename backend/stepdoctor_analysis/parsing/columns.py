@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 
 from ..errors import TraceError
-from ..model.trace import NONE, GpuKind, HostKind
+from ..model.kinds import NONE, GpuKind, HostKind
 from .schema import (
     ABSENT,
     ARGS,
@@ -90,6 +90,15 @@ def arg_columns(record: Any, table: Table, pid: np.ndarray, tid: np.ndarray) -> 
 # Bounded memory (#12): names are kept once each, so their total is what a trace could inflate.
 # A longer name is cut (real kernel names stay under ~3,000 characters) and is not kept under its
 # full spelling; past the total budget the trace is refused rather than held.
+# The op-arg columns holding interned strings: renumbered wherever two sets of ids are joined.
+TEXT_COLUMNS = {t.name: frozenset(t.column(a) for a in t.sparse if a.text) for t in (HOST, GPU)}
+
+
+def renumbered(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Ids through ``table`` (old id -> new), NONE (missing) kept; in ``ids``' dtype."""
+    return np.where(ids != NONE, table[np.maximum(ids, 0)], NONE).astype(ids.dtype, copy=False)
+
+
 MAX_NAME_CHARS = 8192
 MAX_NAMES_CHARS = 256 << 20
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import mmap
 import os
 import pickle
@@ -34,9 +35,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..errors import TraceError
-from .assembly import TEXT_COLUMNS, renumbered
-from .columns import MAX_OOM_ROWS, Builder
-from .reading import decompressed_blocks
+from .columns import MAX_OOM_ROWS, TEXT_COLUMNS, Builder, renumbered
+from .reading import DEFAULT_MAX_BYTES, decompressed_blocks
 from .splitting import Diverged, StreamParser
 
 if sys.platform == "linux":  # ``usable`` forks only there
@@ -45,8 +45,10 @@ if sys.platform == "linux":  # ``usable`` forks only there
 # Below this many bytes on disk the fork, the pipe and the merge cost more than the second core saves.
 MIN_FILE_BYTES = 1 << 20
 _LISTS = ("host", "gpu", "mem", "flows", "oom_mem")
-_HEADER = struct.Struct("<QQ")  # pickle bytes, number of out-of-band buffers
-_SPAN = struct.Struct("<QQ")  # an out-of-band buffer's offset and length in the columns file
+# The lists whose earlier chunks the builder never reads again (``oom_mem`` it counts): the child
+# writes their arrays into the shared file as each chunk is done, while the parent still parses.
+_STREAMED = ("host", "gpu", "mem", "flows")
+_HEADER = struct.Struct("<Q")  # pickle bytes
 
 
 # A thread whose holder sets this attribute on it holds no lock the child may need (it only waits
@@ -237,15 +239,35 @@ def start(path: Path, cap: int, label: str, source: str) -> Started | None:
         return None
 
 
+def start_trace(path: str | Path, *, max_bytes: int | None = None) -> Started | None:
+    """Fork the second parser of a trace file now, where that pays (``forked.start``), so that
+    what the caller does before ``load_trace(path, started=...)`` overlaps the child's parse
+    (``cli.analyze`` imports the analysis meanwhile). The caller cancels it if it never loads."""
+    p = Path(path)
+    if not p.is_file():
+        return None
+    cap = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+    return start(p, cap, p.name, str(p))
+
+
 _Of = tuple[Path, int, str, str]  # path, byte cap, label in messages, source name (``Started.of``)
 
 
-def _share(of: _Of, skip: Callable[[int], bool], *, tail: bool) -> tuple[Builder, _Marks]:
-    """This process's chunks of the file (all but those ``skip`` names), and the tail's if ``tail``."""
+def _share(
+    of: _Of, skip: Callable[[int], bool], *, tail: bool, done: Callable[[Builder], None] | None = None
+) -> tuple[Builder, _Marks]:
+    """This process's chunks of the file (all but those ``skip`` names), and the tail's if ``tail``;
+    ``done(builder)`` after each chunk it absorbs."""
     path, cap, label, source = of
     b = Builder(source)
     marks = _Marks(b)
-    parser = StreamParser(b, label, skip=skip, on_chunk=marks)
+
+    def on_chunk(k: int) -> None:
+        marks(k)
+        if done is not None:
+            done(b)
+
+    parser = StreamParser(b, label, skip=skip, on_chunk=on_chunk)
     blocks = decompressed_blocks(path, cap, label)
     try:
         for block in blocks:
@@ -257,16 +279,83 @@ def _share(of: _Of, skip: Callable[[int], bool], *, tail: bool) -> tuple[Builder
     return b, marks
 
 
+class _Stored(NamedTuple):
+    """An array the child wrote into the shared columns file: where it starts, and what it is."""
+
+    at: int
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+
+
+class _ColumnsFile:
+    """The child's end of the shared columns file: arrays appended, 64-byte aligned."""
+
+    def __init__(self, fd: int) -> None:
+        self.out = io.FileIO(fd, "wb", closefd=False)
+        self.at = 0
+
+    def store(self, v: np.ndarray) -> _Stored:
+        v = np.ascontiguousarray(v)
+        self.at += _write_all(self.out, memoryview(bytes(-self.at % 64)))
+        at = self.at
+        self.at += _write_all(self.out, v.reshape(-1).view(np.uint8).data)
+        return _Stored(at, v.dtype, v.shape)
+
+    def stream(self, b: Builder, streamed: dict[str, int]) -> None:
+        """The chunks absorbed since the last call: their arrays go to the file now, placeholders
+        stay (the parent's arrays meanwhile wait on no one: this runs while it parses)."""
+        for name in _STREAMED:
+            chunks = getattr(b, name)
+            for cols in chunks[streamed[name] :]:
+                for key, v in cols.items():
+                    cols[key] = self.store(v)
+            streamed[name] = len(chunks)
+
+
+class _Sender(pickle.Pickler):
+    """Pickles the child's state with every array (stored already or now) as a ``_Stored`` id."""
+
+    def __init__(self, out: io.BytesIO, columns: _ColumnsFile) -> None:
+        super().__init__(out, protocol=pickle.HIGHEST_PROTOCOL)
+        self.columns = columns
+
+    def persistent_id(self, obj: Any) -> Any:
+        if obj.__class__ is _Stored:
+            return obj
+        if isinstance(obj, np.ndarray) and not obj.dtype.hasobject:
+            return self.columns.store(obj)
+        return None
+
+
+class _Receiver(pickle.Unpickler):
+    """The parent's side: each ``_Stored`` id becomes a view of the mapped columns file."""
+
+    def __init__(self, data: bytes | bytearray, mapped: memoryview) -> None:
+        super().__init__(io.BytesIO(data))
+        self.mapped = mapped
+
+    def persistent_load(self, pid: Any) -> Any:
+        at, dtype, shape = pid
+        count = math.prod(shape)
+        if at + count * dtype.itemsize > self.mapped.nbytes:
+            raise _Truncated
+        array = np.frombuffer(self.mapped, dtype, count, at)
+        return array if len(shape) == 1 else array.reshape(shape)
+
+
+class _Truncated(Exception):
+    """The columns file ends before an array the state names: the child died while writing it."""
+
+
 def _child(of: _Of, out: int, columns: int, skip: Callable[[int], bool]) -> None:
-    """Decode the child's chunks and send back its builder's state."""
-    b, marks = _share(of, skip, tail=False)
+    """Decode the child's chunks, their arrays written to ``columns`` as it goes, and send back its
+    builder's state."""
+    shared = _ColumnsFile(columns)
+    streamed = dict.fromkeys(_STREAMED, 0)
+    b, marks = _share(of, skip, tail=False, done=lambda b: shared.stream(b, streamed))
+    shared.stream(b, streamed)
     state = {
-        # Contiguous, so pickle passes every array out of band (a strided record field would be
-        # copied into the pickle, then out of it again in the parent).
-        **{
-            name: [{k: np.ascontiguousarray(v) for k, v in cols.items()} for cols in getattr(b, name)]
-            for name in _LISTS
-        },
+        **{name: getattr(b, name) for name in _LISTS},
         "sparse": b.sparse,
         "ids": list(b.ids),
         "values": list(b.values),
@@ -275,24 +364,18 @@ def _child(of: _Of, out: int, columns: int, skip: Callable[[int], bool]) -> None
         "oom": b.oom,
         "marks": marks.rows,
     }
-    _send(out, columns, state)
+    _send(out, shared, state)
 
 
-def _send(pipe: int, columns: int, obj: Any) -> None:
-    """``obj`` pickled down the pipe, its arrays' bytes written apart into the shared ``columns``
-    file (64-byte aligned), which the parent maps instead of reading them through the pipe."""
-    buffers: list[pickle.PickleBuffer] = []
-    data = pickle.dumps(obj, protocol=5, buffer_callback=buffers.append)
-    spans, at = [], 0
-    with io.FileIO(columns, "wb", closefd=False) as out:
-        for buffer in buffers:
-            at += _write_all(out, memoryview(bytes(-at % 64)))
-            raw = buffer.raw()
-            spans.append(_SPAN.pack(at, raw.nbytes))
-            at += _write_all(out, raw)
+def _send(pipe: int, columns: _ColumnsFile, obj: Any) -> None:
+    """``obj`` pickled down the pipe, its arrays (written to the shared columns file, which the
+    parent maps instead of reading them through the pipe) named by place."""
+    buf = io.BytesIO()
+    _Sender(buf, columns).dump(obj)
+    data = buf.getbuffer()
     with io.FileIO(pipe, "wb", closefd=True) as out:
-        for part in (_HEADER.pack(len(data), len(spans)), *spans, data):
-            _write_all(out, memoryview(part))
+        for part in (memoryview(_HEADER.pack(len(data))), data):
+            _write_all(out, part)
 
 
 def _write_all(out: io.FileIO, view: memoryview) -> int:
@@ -320,22 +403,20 @@ def _receive(pipe: int, columns: int) -> Any:
     head = exactly(_HEADER.size)
     if head is None:
         return None
-    size, count = _HEADER.unpack(head)
-    spans = exactly(_SPAN.size * count)
+    (size,) = _HEADER.unpack(head)
     data = exactly(size)
-    if spans is None or data is None:
+    if data is None:
         return None
-    buffers: list[memoryview] = []
-    if count:
-        total = os.fstat(columns).st_size
-        mapped = memoryview(
-            mmap.mmap(columns, total, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        )
-        for at, n in _SPAN.iter_unpack(spans):
-            if at + n > total:
-                return None
-            buffers.append(mapped[at : at + n])
-    return pickle.loads(data, buffers=buffers)
+    total = os.fstat(columns).st_size
+    mapped = memoryview(
+        mmap.mmap(columns, total, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if total
+        else bytearray()
+    )
+    try:
+        return _Receiver(data, mapped).load()
+    except _Truncated:
+        return None
 
 
 class _Renumber:

@@ -16,6 +16,7 @@ from .assembly import assemble
 from .columns import Builder
 from .forked import Started
 from .forked import start as start_forked
+from .forked import start_trace as start_trace
 from .reading import DEFAULT_MAX_BYTES, decompressed_blocks
 from .splitting import StreamParser
 
@@ -67,17 +68,6 @@ def load_trace(
     finally:
         blocks.close()  # closes the file at once, also when parsing failed
     return assemble(builder)
-
-
-def start_trace(path: str | Path, *, max_bytes: int | None = None) -> Started | None:
-    """Fork the second parser of a trace file now, where that pays (``forked.start``), so that
-    what the caller does before ``load_trace(path, started=...)`` overlaps the child's parse
-    (``cli.analyze`` imports the analysis meanwhile). The caller cancels it if it never loads."""
-    p = Path(path)
-    if not p.is_file():
-        return None
-    cap = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
-    return start_forked(p, cap, p.name, str(p))
 
 
 def load_job(

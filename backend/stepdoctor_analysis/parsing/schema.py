@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Union
 import msgspec
 import numpy as np
 
-from ..model.trace import NONE, GpuKind, HostKind
+from ..model.kinds import NONE, GpuKind, HostKind
 
 NAN = float("nan")
 ABSENT = -(2**62)  # stream/device arg missing (distinct from a real -1, e.g. "Event Sync" on stream -1)
