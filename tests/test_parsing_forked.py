@@ -18,7 +18,7 @@ import pytest
 
 from stepdoctor_analysis.errors import TraceError
 from stepdoctor_analysis.model.trace import RankTrace
-from stepdoctor_analysis.parsing import forked, load_trace, reading, splitting, start_trace
+from stepdoctor_analysis.parsing import forked, forking, load_trace, reading, splitting, start_trace
 from stepdoctor_analysis.parsing.assembly import assemble
 from stepdoctor_analysis.parsing.reading import DEFAULT_MAX_BYTES
 from support.fixtures import TRACES, write_trace
@@ -29,8 +29,8 @@ FIXTURES = sorted(p for p in TRACES.rglob("*.json.gz") if p.stat().st_size > 40_
 @pytest.fixture
 def many_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small chunks and blocks, so even a small trace is cut into many chunks shared by both; two
-    cores as far as ``forked.usable`` can tell, whatever this machine has."""
-    monkeypatch.setattr(forked, "MIN_FILE_BYTES", 0)
+    cores as far as ``forking.usable`` can tell, whatever this machine has."""
+    monkeypatch.setattr(forking, "MIN_FILE_BYTES", 0)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
     monkeypatch.setattr(splitting, "_CHUNK", 16 << 10)
     monkeypatch.setattr(reading, "_OUT_BLOCK", 16 << 10)
@@ -38,7 +38,7 @@ def many_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _shared(path: Path) -> RankTrace | None:
-    b = forked.Started(path, DEFAULT_MAX_BYTES, path.name, str(path)).finish()
+    b = forking.Started(path, DEFAULT_MAX_BYTES, path.name, str(path)).finish()
     return None if b is None else assemble(b)
 
 
@@ -175,19 +175,19 @@ def test_a_refused_fork_leaves_the_file_to_one_process_and_no_descriptor_open(
 @pytest.mark.usefixtures("many_chunks")
 def test_only_fork_safe_threads_allow_a_fork(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_trace(tmp_path / "t.json", _ops(10))
-    assert forked.usable(path)
+    assert forking.usable(path)
     stop = threading.Event()
     other = threading.Thread(target=stop.wait)
     other.start()
     try:
-        assert not forked.usable(path)
-        setattr(other, forked.FORK_SAFE, True)
-        assert forked.usable(path)
+        assert not forking.usable(path)
+        setattr(other, forking.FORK_SAFE, True)
+        assert forking.usable(path)
     finally:
         stop.set()
         other.join()
-    monkeypatch.setattr(forked, "MIN_FILE_BYTES", path.stat().st_size + 1)
-    assert not forked.usable(path)
+    monkeypatch.setattr(forking, "MIN_FILE_BYTES", path.stat().st_size + 1)
+    assert not forking.usable(path)
 
 
 @pytest.mark.usefixtures("many_chunks")
@@ -227,7 +227,7 @@ def test_the_cli_report_is_the_same_with_one_process_or_two() -> None:
     """``stepdoctor analyze`` forks the second parser before importing the analysis; ``--jobs 1``
     parses in one process. The report is the same, byte for byte."""
     trace = TRACES / "hta" / "df_index_resolver" / "df_index_resolver.json.gz"
-    if not forked.usable(trace):
+    if not forking.usable(trace):
         pytest.skip("one process parses here either way (not Linux, or one core)")
 
     def report(*extra: str) -> bytes:
@@ -242,6 +242,32 @@ def test_the_cli_report_is_the_same_with_one_process_or_two() -> None:
     assert report() == report("--jobs", "1")
 
 
+def test_the_cli_forks_before_numpy_and_the_parser_are_imported() -> None:
+    """The fork comes first (``parsing.forking`` is standard library only): each process then
+    imports numpy and the parser on its own core, the child's imports beside the parent's."""
+    trace = TRACES / "hta" / "df_index_resolver" / "df_index_resolver.json.gz"
+    if not forking.usable(trace):
+        pytest.skip("one process parses here either way (not Linux, or one core)")
+    script = (
+        "import contextlib, io, sys\n"
+        "from stepdoctor_analysis.parsing import forking\n"
+        "seen = []\n"
+        "start = forking.Started.__init__\n"
+        "def noted(self, *a, **k):\n"
+        "    seen.append(sorted(m for m in ('numpy', 'msgspec', 'stepdoctor_analysis.parsing.columns')"
+        " if m in sys.modules))\n"
+        "    start(self, *a, **k)\n"
+        "forking.Started.__init__ = noted\n"
+        "from stepdoctor.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    assert main(['analyze', {str(trace)!r}]) == 0\n"
+        "print(seen)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[[]]"  # forked once, with none of them imported yet
+
+
 @pytest.mark.usefixtures("many_chunks")
 def test_the_cli_collects_its_started_parser_when_the_analysis_fails(monkeypatch: pytest.MonkeyPatch) -> None:
     """``stepdoctor analyze`` forks before the analysis runs; a failure before the trace loads (here
@@ -251,7 +277,7 @@ def test_the_cli_collects_its_started_parser_when_the_analysis_fails(monkeypatch
 
     pids: list[int | None] = []
 
-    def start_and_note(*args: Any, **kwargs: Any) -> forked.Started | None:
+    def start_and_note(*args: Any, **kwargs: Any) -> forking.Started | None:
         got = start_trace(*args, **kwargs)
         pids.append(got.pid if got else None)
         return got

@@ -40,7 +40,7 @@ from .rules.memory_advice import report_section as memory_section
 from .rules.record import Context
 
 if TYPE_CHECKING:
-    from .parsing.forked import Started
+    from .parsing.forking import Started
     from .run.verdict import RunVerdict
 
 Progress = Callable[[str], None]

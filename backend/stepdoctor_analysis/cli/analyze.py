@@ -12,8 +12,8 @@ arbitrary files. A progress line appears on stderr only once the analysis has ta
 A directory of more than two traces is analysed by a process pool over every core (``--jobs``),
 each rank's summary streamed back (``rank_pool``); ``analysed 412/1000 ranks`` is shown while it
 runs when stderr is a terminal or with ``--progress``. A single file of 1 MiB or more is parsed by
-two processes where there are two cores (``parsing.forked``), the child forked before the analysis
-is imported: the same trace, sooner.
+two processes where there are two cores (``parsing.forked``), the child forked first thing, before
+numpy, the parser and the analysis are imported (``parsing.forking``): the same trace, sooner.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from ..errors import TraceError
 from ..parsing import logdir
 
 if TYPE_CHECKING:
-    from ..parsing.forked import Started
+    from ..parsing.forking import Started
     from ..report.document import Report
 
 PROGRESS_AFTER_S = 1.0
@@ -49,7 +49,7 @@ class _Progress:
         self.shown = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
-        from ..parsing.forked import FORK_SAFE  # the parser is imported before any progress line
+        from ..parsing.forking import FORK_SAFE  # imported before any progress line
 
         # It only waits and writes to stderr: the parser may still fork a second process.
         setattr(self._thread, FORK_SAFE, True)
@@ -334,8 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _start_parsing(args: argparse.Namespace) -> Started | None:
-    """One trace file, more than one worker: fork its second parser before importing the analysis,
-    which then overlaps the child's parse (``parsing.start_trace``)."""
+    """One trace file, more than one worker: fork its second parser before importing numpy, the
+    parser and the analysis, which each process then imports on its own core (``parsing.start_trace``)."""
     if args.jobs < 2 or not Path(args.path).is_file():
         return None
     from ..parsing import start_trace

@@ -34,10 +34,10 @@ def __getattr__(name: str) -> Any:
     """The entry points, imported on first use (``loading``): a sibling such as ``logdir`` is then
     imported without numpy and the parser (``stepdoctor analyze --help`` imported both after
     ``logdir`` moved into this package)."""
-    if name == "start_trace":  # the parser alone: what it forks needs no assembly, no trace model
-        from . import forked
+    if name == "start_trace":  # forks before numpy and the parser are imported (``forking``)
+        from .forking import start_trace
 
-        return forked.start_trace
+        return start_trace
     if name in __all__:
         from . import loading
 

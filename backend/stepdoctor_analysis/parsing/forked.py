@@ -1,4 +1,4 @@
-"""One trace parsed by two processes: a forked child and the parent share its chunks.
+"""One trace parsed by two processes: a forked child (``forking.Started``) and the parent share its chunks.
 
 Decoding events and folding them into columns is most of a load and runs under the GIL, so a second
 core helps only from another process. Both processes read the whole file and cut it into the same
@@ -12,22 +12,16 @@ trace is the one ``loading.load_trace`` builds alone, column for column.
 Anything out of the ordinary (a chunk one process cannot cut where the other did, more
 ``[OutOfMemory]`` rows than one process keeps, a refused trace, a child that dies) returns None,
 and the caller parses the file alone: its errors, with their event numbers, are the serial parser's.
-Only forked on Linux, from a process without other threads (a fork copies no thread, and a lock
-another thread held would stay held in the child) but those marked ``FORK_SAFE``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import math
 import mmap
 import os
 import pickle
-import signal
 import struct
-import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -36,38 +30,16 @@ import numpy as np
 
 from ..errors import TraceError
 from .columns import MAX_OOM_ROWS, TEXT_COLUMNS, Builder, renumbered
-from .reading import DEFAULT_MAX_BYTES, decompressed_blocks
+from .reading import decompressed_blocks
 from .splitting import Diverged, StreamParser
 
-if sys.platform == "linux":  # ``usable`` forks only there
-    import fcntl
-
-# Below this many bytes on disk the fork, the pipe and the merge cost more than the second core saves.
-MIN_FILE_BYTES = 1 << 20
 _LISTS = ("host", "gpu", "mem", "flows", "oom_mem")
 # The lists whose earlier chunks the builder never reads again (``oom_mem`` it counts): the child
 # writes their arrays into the shared file as each chunk is done, while the parent still parses.
 _STREAMED = ("host", "gpu", "mem", "flows")
 _HEADER = struct.Struct("<Q")  # pickle bytes
-
-
-# A thread whose holder sets this attribute on it holds no lock the child may need (it only waits
-# and writes to a terminal): ``cli.analyze``'s progress line. Any other thread rules a fork out.
-FORK_SAFE = "stepdoctor_fork_safe"
-
-
-def usable(path: Path) -> bool:
-    """Forking pays here: Linux, two cores for this process, no thread but fork-safe ones, a
-    large enough file."""
-    if sys.platform != "linux" or not hasattr(os, "memfd_create"):
-        return False
-    main = threading.current_thread()
-    if any(t is not main and not getattr(t, FORK_SAFE, False) for t in threading.enumerate()):
-        return False
-    try:
-        return len(os.sched_getaffinity(0)) >= 2 and path.stat().st_size >= MIN_FILE_BYTES
-    except OSError:
-        return False
+# What is parsed (``forking.Started.of``): path, byte cap, label in messages, source name.
+_Of = tuple[Path, int, str, str]
 
 
 class _Mark(NamedTuple):
@@ -118,139 +90,6 @@ class _Marks:
                 labels=len(b.labels),
             )
         )
-
-
-class _Claims:
-    """Which process decodes chunk ``k``: the first to reach it. Both cut the same chunks in the
-    same order, so one shared number, the next chunk nobody has claimed, decides; the process that
-    is busy (importing the analysis, decoding a chunk) leaves the chunks it has not reached to the
-    other, so the two stay balanced however their speeds differ. The number lives in shared memory,
-    under a POSIX record lock (held per process: unlike ``flock``, it excludes across ``fork``)."""
-
-    def __init__(self) -> None:
-        self.fd = os.memfd_create("stepdoctor-chunk-claims")
-        os.ftruncate(self.fd, 8)
-        self.next = mmap.mmap(self.fd, 8)
-        self.mine = -1  # the last chunk this process claimed (asked again after a failed cut)
-
-    def claim(self, k: int) -> bool:
-        if k == self.mine:
-            return True
-        fcntl.lockf(self.fd, fcntl.LOCK_EX)
-        try:
-            free = int.from_bytes(self.next[:8], "little")
-            if k < free:
-                return False
-            self.next[:8] = (k + 1).to_bytes(8, "little")
-        finally:
-            fcntl.lockf(self.fd, fcntl.LOCK_UN)
-        self.mine = k
-        return True
-
-    def close(self) -> None:
-        self.next.close()
-        os.close(self.fd)
-
-
-class Started:
-    """A forked child already parsing the file; ``finish`` parses with it, chunk by chunk, each
-    chunk decoded by whichever of the two reaches it first (``_Claims``).
-
-    Forked ahead of other work (``cli.analyze`` imports the analysis meanwhile), the child decodes
-    the chunks the parent has not reached yet. ``shares``: the chunks each decoded (parent, child),
-    the tail included in the parent's.
-    """
-
-    def __init__(self, path: Path, cap: int, label: str, source: str) -> None:
-        self.of = (path, cap, label, source)  # what ``loading.load_trace`` checks it was started for
-        self.shares = (0, 0)
-        self.pid: int | None = None
-        self.claims = _Claims()
-        self.columns = os.memfd_create("stepdoctor-child-columns")  # the child's arrays, shared
-        self.read_end, write_end = os.pipe()
-        try:
-            # A 1 MiB pipe (Linux's default cap): the child's state crosses in fewer writes.
-            with contextlib.suppress(OSError):
-                fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 1 << 20)
-            pid = os.fork()
-            if pid == 0:  # the child: never returns; an error is an empty pipe, and the parent
-                code = 1  # then parses the file alone
-                try:
-                    os.close(self.read_end)
-                    signal.signal(signal.SIGINT, signal.SIG_DFL)
-                    _child(self.of, write_end, self.columns, self._theirs)
-                    code = 0
-                finally:
-                    os._exit(code)
-        except BaseException:
-            self._close()
-            raise
-        finally:
-            os.close(write_end)
-        self.pid = pid
-
-    def _theirs(self, k: int) -> bool:
-        """Chunk ``k`` is the other process's to decode (this one skips it)."""
-        return not self.claims.claim(k)
-
-    def finish(self) -> Builder | None:
-        """The trace's builder with every chunk absorbed, or None: parse the file alone instead."""
-        if self.pid is None:
-            return None  # cancelled, or finished already
-        try:
-            b, marks = _share(self.of, self._theirs, tail=True)
-            theirs = _receive(self.read_end, self.columns)
-        except (TraceError, Diverged):
-            return None
-        finally:
-            self.cancel()
-        if theirs is None:
-            return None
-        self.shares = (len(marks.rows), len(theirs["marks"]))
-        try:
-            return merge(b, marks.rows, theirs)
-        except _Unshared:
-            return None
-
-    def cancel(self) -> None:
-        """End the child (done or no longer wanted) and collect it; nothing once it is collected."""
-        if self.pid is None:
-            return
-        self._close()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        os.waitpid(self.pid, 0)
-        self.pid = None
-
-    def _close(self) -> None:
-        os.close(self.read_end)
-        os.close(self.columns)  # a mapping of it lives on while arrays use it
-        self.claims.close()
-
-
-def start(path: Path, cap: int, label: str, source: str) -> Started | None:
-    """A child parsing ``path`` from now on, where forking pays (``usable``) and works: a fork
-    refused (no memory, too many processes) leaves the file to one process, not an error."""
-    if not usable(path):
-        return None
-    try:
-        return Started(path, cap, label, source)
-    except OSError:
-        return None
-
-
-def start_trace(path: str | Path, *, max_bytes: int | None = None) -> Started | None:
-    """Fork the second parser of a trace file now, where that pays (``forked.start``), so that
-    what the caller does before ``load_trace(path, started=...)`` overlaps the child's parse
-    (``cli.analyze`` imports the analysis meanwhile). The caller cancels it if it never loads."""
-    p = Path(path)
-    if not p.is_file():
-        return None
-    cap = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
-    return start(p, cap, p.name, str(p))
-
-
-_Of = tuple[Path, int, str, str]  # path, byte cap, label in messages, source name (``Started.of``)
 
 
 def _share(
@@ -347,7 +186,7 @@ class _Truncated(Exception):
     """The columns file ends before an array the state names: the child died while writing it."""
 
 
-def _child(of: _Of, out: int, columns: int, skip: Callable[[int], bool]) -> None:
+def run_child(of: _Of, out: int, columns: int, skip: Callable[[int], bool]) -> None:
     """Decode the child's chunks, their arrays written to ``columns`` as it goes, and send back its
     builder's state."""
     shared = _ColumnsFile(columns)
@@ -365,6 +204,27 @@ def _child(of: _Of, out: int, columns: int, skip: Callable[[int], bool]) -> None
         "marks": marks.rows,
     }
     _send(out, shared, state)
+
+
+def collect(
+    of: _Of, skip: Callable[[int], bool], pipe: int, columns: int
+) -> tuple[Builder, list[_Mark], dict[str, Any]] | None:
+    """The parent's share of the chunks (the tail too), and then the child's state; None where
+    the two cannot be joined (a cut one process could not decode, a refused trace, no state)."""
+    try:
+        b, marks = _share(of, skip, tail=True)
+        theirs = _receive(pipe, columns)
+    except (TraceError, Diverged):
+        return None
+    return None if theirs is None else (b, marks.rows, theirs)
+
+
+def joined(parent: Builder, parent_marks: list[_Mark], child: dict[str, Any]) -> Builder | None:
+    """``merge``, or None where the file is one process's to parse."""
+    try:
+        return merge(parent, parent_marks, child)
+    except _Unshared:
+        return None
 
 
 def _send(pipe: int, columns: _ColumnsFile, obj: Any) -> None:

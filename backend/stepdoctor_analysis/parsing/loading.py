@@ -14,9 +14,9 @@ from ..errors import TraceError
 from ..model.trace import RankTrace
 from .assembly import assemble
 from .columns import Builder
-from .forked import Started
-from .forked import start as start_forked
-from .forked import start_trace as start_trace
+from .forking import Started
+from .forking import start as start_forked
+from .forking import start_trace as start_trace
 from .reading import DEFAULT_MAX_BYTES, decompressed_blocks
 from .splitting import StreamParser
 
