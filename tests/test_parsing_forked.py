@@ -22,6 +22,7 @@ from stepdoctor_analysis.parsing import forked, forking, load_trace, reading, sp
 from stepdoctor_analysis.parsing.assembly import assemble
 from stepdoctor_analysis.parsing.reading import DEFAULT_MAX_BYTES
 from support.fixtures import TRACES, write_trace
+from support.fresh_process import analyze_fresh
 
 FIXTURES = sorted(p for p in TRACES.rglob("*.json.gz") if p.stat().st_size > 40_000)
 
@@ -248,8 +249,7 @@ def test_the_cli_forks_before_numpy_and_the_parser_are_imported() -> None:
     trace = TRACES / "hta" / "df_index_resolver" / "df_index_resolver.json.gz"
     if not forking.usable(trace):
         pytest.skip("one process parses here either way (not Linux, or one core)")
-    script = (
-        "import contextlib, io, sys\n"
+    before = (
         "from stepdoctor_analysis.parsing import forking\n"
         "seen = []\n"
         "start = forking.Started.__init__\n"
@@ -257,15 +257,9 @@ def test_the_cli_forks_before_numpy_and_the_parser_are_imported() -> None:
         "    seen.append(sorted(m for m in ('numpy', 'msgspec', 'stepdoctor_analysis.parsing.columns')"
         " if m in sys.modules))\n"
         "    start(self, *a, **k)\n"
-        "forking.Started.__init__ = noted\n"
-        "from stepdoctor.cli import main\n"
-        "with contextlib.redirect_stdout(io.StringIO()):\n"
-        f"    assert main(['analyze', {str(trace)!r}]) == 0\n"
-        "print(seen)\n"
+        "forking.Started.__init__ = noted"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[[]]"  # forked once, with none of them imported yet
+    assert analyze_fresh(trace, before=before, after="print(seen)") == "[[]]"  # forked once, before them
 
 
 @pytest.mark.usefixtures("many_chunks")

@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-import numpy as np
-import numpy.ma  # np.unique imports it lazily (~8 ms): paid here, after the parser's fork (cli.analyze)
 
 from . import parsing as parse
 from .analyzers import breakdown as bd
@@ -32,6 +30,7 @@ from .analyzers.transfers import analyze_transfers
 from .analyzers.workload import detect_workload
 from .errors import TraceError
 from .model import steps
+from .model.arrays import median_of
 from .model.trace import RankTrace
 from .parsing import job_files
 from .report.document import Report, StepRow, field_dict, plain
@@ -212,7 +211,7 @@ def _metrics(trace: RankTrace, ctx: Context, step_list: list[Any]) -> dict[str, 
     out: dict[str, Any] = {
         "step_time_us": {
             "mean": tl.mean_or_zero(durs),
-            "p50": float(np.median(durs)),
+            "p50": median_of(durs),
             "max": float(durs.max()),
             "min": float(durs.min()),
         },

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..model import intervals as iv
+from ..model.arrays import distinct
 from ..model.collectives import COLLECTIVE_TYPES, collective_type, dtype_bytes, library, recorded_type
 from ..model.steps import launching_call
 from ..model.trace import I8, I64, NONE, Mask, RankTrace, Step
@@ -134,12 +135,12 @@ def kernel_collective_types(trace: RankTrace, cmask: Mask, calls: Mask) -> np.nd
     names = g.name[idx]
     # Types per distinct name, then gathered for every kernel at once (names are dense ids).
     by_name = np.empty(len(trace.strings), dtype=object)
-    for n in np.unique(names).tolist():
+    for n in distinct(names).tolist():
         by_name[n] = collective_type(trace.strings[n]) or "other"
     out = by_name[names]
     typed = calls.nonzero()[0] if len(calls) else np.empty(0, np.int64)
     op_type = np.full(len(trace.strings), "", dtype=object)
-    for n in np.unique(h.name[typed]).tolist():
+    for n in distinct(h.name[typed]).tolist():
         op_type[n] = collective_type(trace.strings[n]) or ""
     typed_types = op_type[h.name[typed]]
     typed = typed[typed_types != ""]
@@ -164,7 +165,7 @@ def _type_by_enclosing_op(
     h = trace.host
     at = np.where(launcher >= 0, h.ts[np.maximum(launcher, 0)], np.iinfo(np.int64).min)
     tid = np.where(launcher >= 0, h.tid[np.maximum(launcher, 0)], -1)
-    for thread in np.unique(h.tid[ops]).tolist():  # a launch is inside ops of its own thread only
+    for thread in distinct(h.tid[ops]).tolist():  # a launch is inside ops of its own thread only
         on = h.tid[ops] == thread
         mine = ops[on]
         order = h.ts[mine].argsort(kind="stable")
@@ -233,7 +234,7 @@ def _recorded_bytes(trace: RankTrace, starts: I64, ends: I64) -> dict[str, tuple
     ops = ops[tl.in_windows(trace.host.ts[ops], starts, ends)]
     size = message_bytes(trace)[ops]
     out = {}
-    for c in np.unique(codes[ops]).tolist():
+    for c in distinct(codes[ops]).tolist():
         mine = codes[ops] == c
         known = mine & (size >= 0)
         out[COLLECTIVE_TYPES[c]] = (int(mine.sum()), int(known.sum()), int(size[known].sum()))
@@ -339,7 +340,7 @@ def _outermost(trace: RankTrace, ops: I64) -> Mask:
     one call is recorded as nested ops (``c10d::allreduce_`` > ``record_param_comms`` > ``gloo:all_reduce``)."""
     h = trace.host
     out = np.ones(ops.size, np.bool_)
-    for thread in np.unique(h.tid[ops]).tolist():
+    for thread in distinct(h.tid[ops]).tolist():
         sel = np.flatnonzero(h.tid[ops] == thread)
         reach = np.maximum.accumulate(h.end[ops[sel]])  # the host table is sorted by start time
         out[sel[1:]] = h.ts[ops[sel[1:]]] >= reach[:-1]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model import intervals as iv
+from ..model.arrays import distinct
 from ..model.trace import F32, I64, GpuKind, RankTrace, Step
 
 
@@ -81,7 +82,7 @@ def compute_gpu_metrics(trace: RankTrace, steps: list[Step], *, per_step: bool =
     gpu = trace.gpu
     is_kernel = trace.gpu_kind(GpuKind.KERNEL)
     devices = []
-    for dev in np.unique(gpu.device[is_kernel]).tolist():
+    for dev in distinct(gpu.device[is_kernel]).tolist():
         if dev < 0:
             continue
         sel = (is_kernel & (gpu.device == dev)).nonzero()[0]

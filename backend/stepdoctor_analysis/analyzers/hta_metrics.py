@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..model import intervals as iv
+from ..model.arrays import distinct, percentiles
 from ..model.steps import launched_ops, launching_call
 from ..model.trace import I64, INT64_MIN, GpuKind, Mask, RankTrace
 from .timeline import mean_or_zero
@@ -116,7 +117,7 @@ def _hta_gpu_mask(trace: RankTrace) -> Mask:
     host = trace.host
     marks = trace.host_named(lambda s: "ProfilerStep" in s, "hta.steps")
     # HTA counts distinct ProfilerStep symbols, and with two or more drops the last step's work.
-    if np.unique(host.name[marks]).size < 2:
+    if distinct(host.name[marks]).size < 2:
         return is_op
     device_sync = trace.gpu_named(lambda s: s in _DEVICE_SYNCS, "hta.devsync")
     last_start = host.ts[marks].max()
@@ -223,14 +224,14 @@ def kernel_launch_stats(trace: RankTrace) -> LaunchStats:
 def _summary(x: I64) -> dict[str, float]:
     if x.size == 0:
         return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "max": 0.0, "mean": 0.0}
-    p50, p90, p99 = np.percentile(x, (50, 90, 99)).tolist()
+    p50, p90, p99 = percentiles(x, (50, 90, 99)).tolist()
     return {"p50": p50, "p90": p90, "p99": p99, "max": float(x.max()), "mean": mean_or_zero(x)}
 
 
 def _queues(launch_ts: I64, start_ts: I64, streams: I64) -> list[QueueStats]:
     """Queue length per stream: +1 when the launch call is made, -1 when the op starts."""
     out = []
-    for stream in np.unique(streams).tolist():
+    for stream in distinct(streams).tolist():
         on = streams == stream
         t = np.concatenate((launch_ts[on], start_ts[on]))
         d = _LAUNCH_START.repeat(int(np.count_nonzero(on)))  # +1 per launch, then -1 per start

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from ..model.arrays import distinct
 from ..model.trace import RankTrace, Step
 from . import timeline as tl
 from .breakdown import dataloader_mask
@@ -56,7 +57,7 @@ def analyze_inputs(trace: RankTrace, steps: list[Step]) -> InputStats:
     ivs = tl.host_union(trace, mask)
     per = tl.per_step(ivs, starts, ends)
     in_steps = mask & tl.host_in_steps(trace, steps)
-    names = sorted({trace.strings[int(i)] for i in np.unique(h.name[mask])})
+    names = sorted({trace.strings[int(i)] for i in distinct(h.name[mask])})
     return InputStats(
         loader_ns_per_step=tl.mean_or_zero(per),
         loader_per_step=[int(x) for x in per],

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..model.arrays import distinct
 from ..model.trace import NONE, HostKind, MemoryEvents, RankTrace, Step
 from . import timeline as tl
 from .memory_use import MemoryUse, analyze_memory_use, device_name
@@ -155,7 +156,7 @@ def _inside_ops(trace: RankTrace, calls: np.ndarray) -> np.ndarray:
     if not calls.any():
         return out
     ops = trace.host_kind(HostKind.CPU_OP)
-    for tid in np.unique(h.tid[calls]).tolist():
+    for tid in distinct(h.tid[calls]).tolist():
         mine = np.flatnonzero(ops & (h.tid == tid))
         at = np.flatnonzero(calls & (h.tid == tid))
         if mine.size == 0:
@@ -208,7 +209,7 @@ def _distinct_devices(m: MemoryEvents) -> list[tuple[int, int]]:
     The id is offset into [0, 2**32) so packing keeps the (type, id) lexicographic order for signed values.
     """
     packed = (m.device_type.astype(np.int64) << 32) | (m.device_id.astype(np.int64) + 2**31)
-    return [(k >> 32, (k & 0xFFFFFFFF) - 2**31) for k in np.unique(packed).tolist()]
+    return [(k >> 32, (k & 0xFFFFFFFF) - 2**31) for k in distinct(packed).tolist()]
 
 
 def _peak(totals: np.ndarray) -> int:

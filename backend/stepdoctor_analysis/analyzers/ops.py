@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from ..model.arrays import median_of
 from ..model.steps import launching_call
 from ..model.trace import GpuKind, HostKind, RankTrace, Step
 from . import timeline as tl
@@ -117,9 +118,9 @@ def analyze_ops(trace: RankTrace, steps: list[Step], minimums: Mapping[str, floa
         "top_kernels": ranked(trace, steps, "kernels", 10),
         "top_ops": ranked(trace, steps, "ops", 10),
         "ops_per_step": int(np.count_nonzero(ops)) / n,
-        "median_op_ns": float(np.median(h.dur[ops])) if ops.any() else 0.0,
+        "median_op_ns": median_of(h.dur[ops]) if ops.any() else 0.0,
         "kernels_per_step": int(np.count_nonzero(kernels)) / n,
-        "median_kernel_ns": float(np.median(g.dur[kernels])) if kernels.any() else 0.0,
+        "median_kernel_ns": median_of(g.dur[kernels]) if kernels.any() else 0.0,
         "matmul_ns_by_precision": {k: v / n for k, v in precision.ns_by_precision.items()},
         "matmul_short_ns_by_precision": {k: v / n for k, v in precision.short_ns_by_precision.items()},
         "kernel_ns_per_step": float(g.dur[kernels].sum()) / n if len(g) else 0.0,

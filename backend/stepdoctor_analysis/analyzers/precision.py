@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..model import intervals as iv
+from ..model.arrays import distinct
 from ..model.steps import launching_call
 from ..model.trace import I8, NONE, DeviceInfo, GpuKind, HostKind, RankTrace
 from ..parsing.schema import MATMUL_OPS
@@ -154,7 +155,7 @@ def kernel_op_precision(trace: RankTrace) -> I8:
             return out
         # Precision code per dtype string id, looked up for every op at once.
         by_dtype = np.full(len(trace.strings), -1, np.int8)
-        for d in np.unique(h.input_dtype[ops]).tolist():
+        for d in distinct(h.input_dtype[ops]).tolist():
             by_dtype[d] = _CODE.get(op_dtype_precision(trace.strings[d]) or "", -1)
         codes = by_dtype[h.input_dtype[ops]]
         order = h.external_id[ops].argsort(kind="stable")
@@ -182,7 +183,7 @@ def _code_of_op_around(trace: RankTrace, ops: np.ndarray, by_dtype: I8, calls: n
     """Precision code of the innermost of ``ops`` around each launch call on its thread (-1: none)."""
     h = trace.host
     out = np.full(calls.size, -1, np.int8)
-    for thread in np.unique(h.tid[ops]).tolist():
+    for thread in distinct(h.tid[ops]).tolist():
         mine = ops[h.tid[ops] == thread]
         mine = mine[h.ts[mine].argsort(kind="stable")]
         sel = np.flatnonzero(h.tid[calls] == thread)
@@ -274,7 +275,7 @@ def _evidence(
             "kernel_name_says": PRECISIONS[int(name_code[differ & (names == i)][0])],
             "op_dtype_says": PRECISIONS[int(op_code[differ & (names == i)][0])],
         }
-        for i in np.unique(names[differ])[:5].tolist()
+        for i in distinct(names[differ])[:5].tolist()
     ]
     return {
         "by_kernel_name_us_per_step": us(_ns_by_code(name_code, durs)),
@@ -409,7 +410,7 @@ def _kernel_arch_floor(trace: RankTrace) -> tuple[int, int] | None:
     kernels = trace.gpu_kind(GpuKind.KERNEL)
     if not kernels.any():
         return None
-    names = [trace.strings[i] for i in np.unique(trace.gpu.name[kernels]).tolist()]
+    names = [trace.strings[i] for i in distinct(trace.gpu.name[kernels]).tolist()]
     if len(_ARCH_SAID) > _MAX_ARCH_SAID:
         _ARCH_SAID.clear()
     new = [s for s in names if s not in _ARCH_SAID]

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..model import intervals as iv
+from ..model.arrays import median_of
 from ..model.trace import Step
 from .timeline import Accounting
 
@@ -90,7 +91,7 @@ def pass_waits(acc: Accounting, steps: list[Step], found: bool) -> dict[str, Pas
 
 def _spread(kind: str, lengths: np.ndarray) -> PassWaits:
     total = int(lengths.sum())
-    median = float(np.median(lengths))
+    median = median_of(lengths)
     top = np.sort(lengths)[-TOP_FEW:]
     alike = lengths <= LONG_WAIT_RATIO * median
     return PassWaits(

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..model import intervals as iv
+from ..model.arrays import median_of
 from ..model.steps import step_marker_mask
 from ..model.trace import GpuKind, HostKind, RankTrace, Step
 from .timeline import Accounting
@@ -45,7 +46,7 @@ def representative_steps(steps: list[Step]) -> list[tuple[Step, str]]:
     order = durs.argsort(kind="stable")
     chosen: dict[int, str] = {int(order[(len(order) - 1) // 2]): "median step"}
     chosen.setdefault(int(order[-1]), "slowest step")
-    median = float(np.median(durs))
+    median = median_of(durs)
     if len(steps) > 2 and durs[0] > WARMUP_RATIO * median:
         chosen.setdefault(0, "first step (warm-up)")
     return [(steps[i], chosen[i]) for i in sorted(chosen)[:MAX_STEPS]]

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..model.arrays import distinct, median_of
 from ..model.steps import launched_ops, launching_call, marker_ranges
 from ..model.trace import CopyKind, GpuKind, HostKind, Mask, RankTrace, Step
 from . import timeline as tl
@@ -121,8 +122,8 @@ def last_queued(trace: RankTrace) -> np.ndarray:
             return out
         op_of = np.full(len(h), -1, np.int64)
         op_of[calls] = ops
-        launches = np.unique(calls)
-        for tid in np.unique(h.tid[launches]).tolist():
+        launches = distinct(calls)
+        for tid in distinct(h.tid[launches]).tolist():
             mine = launches[h.tid[launches] == tid]
             mine = mine[h.ts[mine].argsort(kind="stable")]
             on_thread = (h.tid == tid).nonzero()[0]
@@ -200,7 +201,7 @@ def _blocking_calls(trace: RankTrace, calls: np.ndarray, n: int) -> BlockingCall
     call_end = h.end[calls]
     order = call_end.argsort()
     # Each device-to-host read once, whichever of its calls (the staged copy, the synchronize) blocked.
-    reads = np.unique(last_queued(trace)[calls[_queued_copy_kind(trace, calls) == int(CopyKind.DTOH)]])
+    reads = distinct(last_queued(trace)[calls[_queued_copy_kind(trace, calls) == int(CopyKind.DTOH)]])
     return BlockingCalls(
         calls_per_step=calls.size / n,
         blocked_ns_per_step=int(h.dur[calls].sum()) / n,
@@ -210,7 +211,7 @@ def _blocking_calls(trace: RankTrace, calls: np.ndarray, n: int) -> BlockingCall
         call_starts=h.ts[calls][order],
         drains=~staging_call_mask(trace)[calls][order],
         dtoh_reads_per_step=reads.size / n,
-        dtoh_read_median_bytes=float(np.median(np.maximum(trace.gpu.bytes[reads], 0))) if reads.size else 0.0,
+        dtoh_read_median_bytes=median_of(np.maximum(trace.gpu.bytes[reads], 0)) if reads.size else 0.0,
     )
 
 
@@ -223,7 +224,7 @@ def _triggers(trace: RankTrace, calls: np.ndarray) -> list[Trigger]:
     is_trigger = trace.host_named(lambda n: n in _TRIGGERS, "sync_triggers", HostKind.CPU_OP)
     picked = np.full(calls.size, -1, dtype=np.int64)
     call_tid = h.tid[calls]
-    for tid in np.unique(call_tid).tolist():
+    for tid in distinct(call_tid).tolist():
         sel = ops[h.tid[ops] == tid]
         if sel.size == 0:
             continue

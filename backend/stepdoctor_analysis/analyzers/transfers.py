@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..model import intervals as iv
+from ..model.arrays import median_of
 from ..model.trace import CopyKind, GpuKind, HostKind, HostMem, RankTrace, Step
 from . import timeline as tl
 from .breakdown import computation_kernel_union
@@ -120,7 +121,7 @@ def analyze_transfers(trace: RankTrace, steps: list[Step]) -> TransferStats:
                 bandwidth_gbps=float(b.sum()) / dur if dur > 0 else 0.0,  # bytes/ns == GB/s
                 pageable_count_per_step=int(np.count_nonzero(m & pageable)) / n,
                 pinned_count_per_step=int(np.count_nonzero(m & (g.host_mem == int(HostMem.PINNED)))) / n,
-                median_bytes=float(np.median(b)) if b.size else 0.0,
+                median_bytes=median_of(b) if b.size else 0.0,
             )
         )
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ..model.arrays import median_of
 from ..model.trace import NONE, GpuKind, HostKind, RankTrace, Step
 from ..parsing.schema import MATMUL_OPS
 
@@ -338,7 +339,7 @@ def _kernel_shape(trace: RankTrace, kernels: np.ndarray, steps: list[Step]) -> t
     if not kernels.size or not kernels.any() or not steps:
         return 0.0, 0.0
     durs = trace.gpu.dur[kernels]
-    return round(int(kernels.sum()) / len(steps), 1), round(float(np.median(durs)) / 1e3, 3)
+    return round(int(kernels.sum()) / len(steps), 1), round(median_of(durs) / 1e3, 3)
 
 
 def _named_phase(host: _Names, kernels: _Names) -> str | None:

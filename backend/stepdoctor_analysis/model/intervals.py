@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from .arrays import distinct
+
 I64 = npt.NDArray[np.int64]
 Mask = npt.NDArray[np.bool_]
 Intervals = tuple[I64, I64]
@@ -234,7 +236,7 @@ def _per_window_by_owner(
     and reads the accumulation at each window's two edges.
     """
     at = t.searchsorted(np.concatenate((win_starts, win_ends)), side="left")
-    cuts = np.unique(at)
+    cuts = distinct(at)
     block = np.zeros(t.size, dtype=np.int64)
     block[cuts] = 1
     block = block.cumsum()[:-1]

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from .arrays import median_of
 from .trace import I64, GpuKind, HostKind, Mask, RankTrace, Step
 
 STEP_PREFIX = "ProfilerStep#"
@@ -242,7 +243,7 @@ def split_warmup(steps: list[Step]) -> tuple[list[Step], list[Step]]:
     rest = list(steps)
     while len(rest) >= 3:
         durs = np.array([s.end - s.start for s in rest[1:]], dtype=np.float64)
-        if rest[0].end - rest[0].start <= WARMUP_RATIO * float(np.median(durs)):
+        if rest[0].end - rest[0].start <= WARMUP_RATIO * median_of(durs):
             break
         warm.append(rest.pop(0))
     return rest, warm
