@@ -54,3 +54,25 @@ def test_other_exits_are_ordinary(tmp_path: Path, argv: list[str]) -> None:
     """--version is no command; --help exits through argparse's SystemExit before ``main`` returns."""
     rc, out, teardown = _entry(tmp_path, argv)
     assert rc == 0 and out and teardown
+
+
+def test_a_stream_that_cannot_flush_keeps_the_ordinary_exit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast exit needs the report flushed first; a flush that fails (a closed or broken stream)
+    leaves the exit to Python, which reports it, rather than losing it in ``os._exit``."""
+    import io
+    import os
+
+    from stepdoctor import cli
+
+    class Broken(io.StringIO):
+        def flush(self) -> None:
+            raise OSError(32, "Broken pipe")
+
+    def no_fast_exit(code: int) -> None:
+        raise AssertionError(f"os._exit({code}) after a failed flush")
+
+    monkeypatch.setattr(os, "_exit", no_fast_exit)
+    monkeypatch.setattr("sys.stdout", Broken())
+    with pytest.raises(SystemExit) as ended:
+        cli.finish(3, "analyze")
+    assert ended.value.code == 3

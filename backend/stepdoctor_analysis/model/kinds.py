@@ -1,7 +1,7 @@
 """The codes the columnar trace stores: event categories, copy directions, and the missing value.
 
-Apart from ``trace`` so that the parser, which writes them, imports neither numpy's typing nor the
-trace's dataclasses before it forks its second process (``parsing.forked``).
+Apart from ``trace`` so that the parser, which writes them, needs neither numpy's typing nor the
+trace's dataclasses: the forked second parser (``parsing.forked``) imports only what it parses with.
 """
 
 from __future__ import annotations

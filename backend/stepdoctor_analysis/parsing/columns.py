@@ -87,9 +87,6 @@ def arg_columns(record: Any, table: Table, pid: np.ndarray, tid: np.ndarray) -> 
     return {k: v.astype(table.dtypes[k], copy=False) for k, v in out.items()}
 
 
-# Bounded memory (#12): names are kept once each, so their total is what a trace could inflate.
-# A longer name is cut (real kernel names stay under ~3,000 characters) and is not kept under its
-# full spelling; past the total budget the trace is refused rather than held.
 # The op-arg columns holding interned strings: renumbered wherever two sets of ids are joined.
 TEXT_COLUMNS = {t.name: frozenset(t.column(a) for a in t.sparse if a.text) for t in (HOST, GPU)}
 
@@ -99,6 +96,9 @@ def renumbered(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
     return np.where(ids != NONE, table[np.maximum(ids, 0)], NONE).astype(ids.dtype, copy=False)
 
 
+# Bounded memory (#12): names are kept once each, so their total is what a trace could inflate.
+# A longer name is cut (real kernel names stay under ~3,000 characters) and is not kept under its
+# full spelling; past the total budget the trace is refused rather than held.
 MAX_NAME_CHARS = 8192
 MAX_NAMES_CHARS = 256 << 20
 

@@ -3,11 +3,12 @@
 Decoding events and folding them into columns is most of a load and runs under the GIL, so a second
 core helps only from another process. Both processes read the whole file and cut it into the same
 chunks (the cuts depend only on the text); each chunk is decoded by the process that reaches it
-first (``_Claims``), and the other drops it undecoded.
-The child sends its columns back pickled through a pipe, their arrays out of band in a shared
-memory file that the parent maps (no copy through the pipe), and ``merge`` joins the two builders in chunk order, renumbering names
-and string values as one builder reading the file front to back would have numbered them, so the
-trace is the one ``loading.load_trace`` builds alone, column for column.
+first (``forking._Claims``), and the other drops it undecoded.
+The child writes each chunk's arrays into a shared memory file as soon as the chunk is done, and at
+the end pickles its builder's state down a pipe with each array named by its place in that file;
+the parent maps the file (no copy through the pipe). ``merge`` joins the two builders in chunk
+order, renumbering names and string values as one builder reading the file front to back would
+have numbered them, so the trace is the one ``loading.load_trace`` builds alone, column for column.
 
 Anything out of the ordinary (a chunk one process cannot cut where the other did, more
 ``[OutOfMemory]`` rows than one process keeps, a refused trace, a child that dies) returns None,
@@ -132,6 +133,7 @@ class _ColumnsFile:
     def __init__(self, fd: int) -> None:
         self.out = io.FileIO(fd, "wb", closefd=False)
         self.at = 0
+        self.streamed = dict.fromkeys(_STREAMED, 0)  # chunks of each list already in the file
 
     def store(self, v: np.ndarray) -> _Stored:
         v = np.ascontiguousarray(v)
@@ -140,15 +142,15 @@ class _ColumnsFile:
         self.at += _write_all(self.out, v.reshape(-1).view(np.uint8).data)
         return _Stored(at, v.dtype, v.shape)
 
-    def stream(self, b: Builder, streamed: dict[str, int]) -> None:
-        """The chunks absorbed since the last call: their arrays go to the file now, placeholders
-        stay (the parent's arrays meanwhile wait on no one: this runs while it parses)."""
+    def stream(self, b: Builder) -> None:
+        """The chunks absorbed since the last call: their arrays go to the file now (while the
+        parent still parses), and placeholders stay in their place."""
         for name in _STREAMED:
             chunks = getattr(b, name)
-            for cols in chunks[streamed[name] :]:
+            for cols in chunks[self.streamed[name] :]:
                 for key, v in cols.items():
                     cols[key] = self.store(v)
-            streamed[name] = len(chunks)
+            self.streamed[name] = len(chunks)
 
 
 class _Sender(pickle.Pickler):
@@ -188,11 +190,9 @@ class _Truncated(Exception):
 
 def run_child(of: _Of, out: int, columns: int, skip: Callable[[int], bool]) -> None:
     """Decode the child's chunks, their arrays written to ``columns`` as it goes, and send back its
-    builder's state."""
+    builder's state (what was not streamed, ``_Sender`` writes then)."""
     shared = _ColumnsFile(columns)
-    streamed = dict.fromkeys(_STREAMED, 0)
-    b, marks = _share(of, skip, tail=False, done=lambda b: shared.stream(b, streamed))
-    shared.stream(b, streamed)
+    b, marks = _share(of, skip, tail=False, done=shared.stream)
     state = {
         **{name: getattr(b, name) for name in _LISTS},
         "sparse": b.sparse,

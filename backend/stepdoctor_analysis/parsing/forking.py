@@ -166,7 +166,7 @@ def start(path: Path, cap: int, label: str, source: str) -> Started | None:
 
 
 def start_trace(path: str | Path, *, max_bytes: int | None = None) -> Started | None:
-    """Fork the second parser of a trace file now, where that pays (``forked.start``), so that
+    """Fork the second parser of a trace file now, where that pays (``start``), so that
     what the caller does before ``load_trace(path, started=...)`` overlaps the child's parse
     (``cli.analyze`` imports the analysis meanwhile). The caller cancels it if it never loads."""
     p = Path(path)

@@ -59,20 +59,20 @@ def loader_wait(ctx: Context, lim: Mapping[str, float]) -> Hit | None:
         else "the worker processes cannot prefetch batches as fast as the step consumes them"
     )
     htod = ctx.transfers.direction("HtoD")
-    pinned_in = htod.bytes_per_step if htod is not None and htod.pinned_count_per_step > 0 else 0.0
-    if _loader_workers(ctx) and pinned_in > 0 and (ld.pin_memory or pinned_in >= BANDWIDTH_MIN_BYTES):
+    htod_bytes = htod.bytes_per_step if htod is not None and htod.pinned_count_per_step > 0 else 0.0
+    if _loader_workers(ctx) and htod_bytes > 0 and (ld.pin_memory or htod_bytes >= BANDWIDTH_MIN_BYTES):
         # pin_memory=True with workers: one thread copies every batch into page-locked memory,
         # and it can be the limit instead of the workers; the trace does not record that thread.
-        mb = pinned_in / 2**20
+        mb = htod_bytes / 2**20
         cause += (
             f", or the loader's pin-memory thread cannot copy them into page-locked memory as fast "
-            f"({mb:.1f} MB per step, one thread sharing the GIL with the loop)"
+            f"({mb:.1f} MB copied host-to-device per step; one thread, sharing the GIL with the loop)"
         )
         change += (
             "; more workers only help if the workers are the limit: time `for batch in loader: pass` "
             "with pin_memory=True and False to tell the workers from the pin-memory thread"
         )
-        evidence["pinned_htod_mb_per_step"] = round(mb, 2)
+        evidence["htod_mb_per_step"] = round(mb, 2)
     return Hit(ctx.share("input"), ctx.ns("input"), evidence, {"change": change, "cause": cause})
 
 
